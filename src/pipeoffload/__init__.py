@@ -1,0 +1,50 @@
+"""pipeoffload: pipeline-parallel schedules with activation offload (PipeOffload, ICML 2025).
+
+Build a schedule, check it, simulate and draw it, plan activation offload into it, and run it
+on PyTorch. Everything but ``Pipeline`` is pure Python and imports without torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pipeoffload.api import build_schedule, plan_schedule, schedule_names
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.core.text import read_csv, write_csv
+from pipeoffload.core.validate import validate
+from pipeoffload.errors import PipeoffloadError
+from pipeoffload.offload.plan import OffloadPolicy, add_offload
+from pipeoffload.sim.costs import CostModel, HostLink
+from pipeoffload.sim.simulator import simulate
+
+if TYPE_CHECKING:
+    from pipeoffload.runtime.pipeline import Pipeline
+
+__all__ = [
+    "Action",
+    "CostModel",
+    "HostLink",
+    "Kind",
+    "OffloadPolicy",
+    "Pipeline",
+    "PipeoffloadError",
+    "Schedule",
+    "add_offload",
+    "build_schedule",
+    "plan_schedule",
+    "read_csv",
+    "schedule_names",
+    "simulate",
+    "validate",
+    "write_csv",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Pipeline needs torch; import it only when asked for, so the pure core stays torch-free.
+    if name == "Pipeline":
+        from pipeoffload.runtime.pipeline import Pipeline
+
+        return Pipeline
+    raise AttributeError(f"module 'pipeoffload' has no attribute {name!r}")

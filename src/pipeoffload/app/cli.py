@@ -1,0 +1,183 @@
+"""The `pipeoffload` command: one short function per subcommand, each building the library's
+config dataclasses and calling the public API (the library never imports this module)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pipeoffload.errors import PipeoffloadError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _add_schedule_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--schedule", default="po-f", help="schedule name (see `pipeoffload "
+                     "schedules`; default po-f)")
+    src.add_argument("--from-csv", metavar="FILE", help="load a schedule from CSV instead "
+                     "(one row per rank, torch.distributed.pipelining's format)")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step (default 4 * pp)")
+    p.add_argument("--chunks", type=int, default=None, help="stages per rank (schedules with "
+                   "several chunks)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="grouped-interleaved group size g, ceil(p/2) <= g <= p")
+    p.add_argument("--offload", default=None, metavar="SPEC",
+                   help="none | all | chunks:K | fraction:X | limit:X[GiB] (po-h / po-f "
+                   "have their own default)")
+    p.add_argument("--offload-ratio", type=float, default=None, metavar="R",
+                   help="one-way copy time of a chunk's activations / its F+I+W time")
+    p.add_argument("--allow-stall", action="store_true",
+                   help="keep transfers that cannot hide behind compute (reports the stall)")
+    p.add_argument("--cost-f", type=float, default=1.0, help="forward time of one chunk")
+    p.add_argument("--cost-i", type=float, default=1.0, help="input-gradient backward time")
+    p.add_argument("--cost-w", type=float, default=1.0, help="weight-gradient backward time")
+    p.add_argument("--p2p", type=float, default=0.0, help="latency of a cross-rank hand-off")
+    p.add_argument("--activation-bytes", type=float, default=None,
+                   help="bytes one microbatch keeps on one stage (adds byte peaks)")
+    p.add_argument("--half-duplex", action="store_true", help="host link copies one way at a time")
+    p.add_argument("--ranks-per-link", type=int, default=1,
+                   help="ranks sharing one host link (2: two GPUs behind one PCIe switch)")
+
+
+def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult without offload)
+    from pipeoffload.api import plan_schedule, resolve_costs
+    from pipeoffload.core.text import read_csv
+    from pipeoffload.core.validate import validate
+    from pipeoffload.offload.plan import add_offload
+    from pipeoffload.offload.targets import parse_target
+    from pipeoffload.sim.costs import CostModel, Duplex, HostLink
+
+    costs = resolve_costs(CostModel(
+        f_time=args.cost_f, i_time=args.cost_i, w_time=args.cost_w, p2p_time=args.p2p,
+        activation_bytes=args.activation_bytes,
+        host_link=HostLink(Duplex.HALF if args.half_duplex else Duplex.FULL,
+                           args.ranks_per_link),
+    ), args.offload_ratio)
+    target = parse_target(args.offload, allow_stall=args.allow_stall) if args.offload else None
+    if args.from_csv:
+        for flag in ("chunks", "group_size"):
+            if getattr(args, flag) is not None:
+                raise PipeoffloadError(f"--{flag.replace('_', '-')} has no effect with "
+                                       "--from-csv (the file fixes the schedule); drop it")
+        schedule = validate(read_csv(args.from_csv))
+        return add_offload(schedule, costs, target or "none")
+    options = {k: v for k, v in (("chunks", args.chunks), ("group_size", args.group_size))
+               if v is not None}
+    microbatches = args.microbatches or 4 * args.pp
+    if args.allow_stall and target is None:
+        raise PipeoffloadError("--allow-stall needs --offload SPEC")
+    return plan_schedule(args.schedule, args.pp, microbatches, target, costs=costs, **options)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pipeoffload.core.text import write_csv
+    from pipeoffload.sim.render_text import render_grid, render_summary_table
+
+    plan = _schedule_and_plan(args)
+    result, report, schedule = plan.result, plan.report, plan.schedule
+    if args.csv:
+        write_csv(schedule, args.csv)
+    if args.png:
+        from pipeoffload.sim.render_png import render_png
+        from pipeoffload.sim.simulator import simulate
+
+        baseline = simulate(schedule.without(*_transfer_kinds()), result.costs) \
+            if report.offloaded else None
+        render_png(result, args.png, compare=baseline)
+    if args.trace:
+        from pipeoffload.sim.render_trace import write_trace
+
+        write_trace(result, args.trace)
+    if args.json:
+        print(json.dumps(_simulate_json(plan), sort_keys=True))
+        return 0
+    print(render_summary_table(result))
+    if report.offloaded or report.skipped or report.notes:
+        print(report.summary())
+    if not args.no_grid:
+        print(render_grid(result, color=sys.stdout.isatty()))
+    for label, path in (("csv", args.csv), ("png", args.png), ("trace", args.trace)):
+        if path:
+            print(f"wrote {label}: {path}")
+    return 0
+
+
+def _transfer_kinds():
+    from pipeoffload.core.actions import Kind
+
+    return (Kind.OFFLOAD, Kind.RELOAD)
+
+
+def _simulate_json(plan) -> dict:
+    result, report, schedule = plan.result, plan.report, plan.schedule
+    return {
+        "schedule": schedule.name,
+        "pp": schedule.num_ranks,
+        "chunks": schedule.chunks,
+        "stages": schedule.num_stages,
+        "microbatches": schedule.microbatches,
+        "makespan": result.makespan,
+        "bubble_rate": result.bubble_rate,
+        "peak_activation": list(result.peak_activation),
+        "peak_activation_without_offload": list(report.peak_before),
+        "peak_bytes": list(result.peak_bytes) if result.peak_bytes is not None else None,
+        "offload": str(report.target),
+        "offloaded_fraction": report.offloaded_fraction,
+        "stall_time": result.total_stall_time,
+        "stall_time_per_rank": list(result.stall_time),
+        "notes": list(report.notes),
+    }
+
+
+def cmd_schedules(args: argparse.Namespace) -> int:
+    from pipeoffload.api import schedule_names
+
+    names = schedule_names()
+    width = max(len(n) for n, _ in names)
+    for name, description in names:
+        print(f"{name.ljust(width)}  {description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipeoffload",
+        description="Pipeline-parallel schedules with activation offload (PipeOffload).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("simulate", help="simulate a schedule: time, bubbles, transfers, memory")
+    _add_schedule_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--csv", metavar="FILE", help="write the (planned) schedule as CSV")
+    p.add_argument("--png", metavar="FILE", help="draw lanes and memory curves to a PNG")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome / Perfetto trace JSON")
+    p.add_argument("--no-grid", action="store_true", help="skip the terminal picture")
+    p.set_defaults(handler=cmd_simulate)
+    p = sub.add_parser("schedules", help="list schedule names, one per line")
+    p.set_defaults(handler=cmd_schedules)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except PipeoffloadError as exc:
+        print(f"pipeoffload {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+def _path(value: str) -> Path:
+    return Path(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

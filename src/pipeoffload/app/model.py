@@ -1,0 +1,308 @@
+"""Reference decoder-only transformer (Llama-style) for `pipeoffload train` and runtime tests.
+
+RMSNorm, rotary position embeddings, grouped-query causal attention through
+``scaled_dot_product_attention``, and a SwiGLU MLP. One module class, ``Transformer``, serves
+as both the whole model and a pipeline stage: it holds an optional embedding, a contiguous run
+of layers and an optional final norm + head, and its parameter names are the whole model's
+names (``layers`` is keyed by the global layer index), so a stage's state dict is a slice of
+the full model's. Weights are initialised per component from a seed derived from
+(seed, component), never from the global RNG, so how the model is split cannot change them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import skip_init
+
+from pipeoffload.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the reference transformer.
+
+    ``n_kv_heads`` < ``n_heads`` gives grouped-query attention: query head j reads key/value
+    head ``j // (n_heads // n_kv_heads)``. ``ffn_hidden`` is the SwiGLU inner width.
+    ``init_std`` is the std of every weight matrix at init; the two projections that write
+    into the residual stream (attention ``wo``, MLP ``w2``) are further scaled by
+    1/sqrt(2 * n_layers) so the residual's variance does not grow with depth.
+    """
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 8
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 352
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+                     "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"ModelConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                "choose dim = n_heads * head_dim"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"head_dim = dim / n_heads = {self.head_dim} is odd; rotary embeddings rotate "
+                "pairs of features, so choose an even head_dim"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"ModelConfig.n_heads={self.n_heads} is not a multiple of "
+                f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number "
+                "of query heads"
+            )
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            raise ConfigError("ModelConfig.rope_theta, norm_eps and init_std must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def layer_params(self) -> int:
+        """Parameter count of one transformer layer."""
+        kv = self.n_kv_heads * self.head_dim
+        attention = 2 * self.dim * self.dim + 2 * self.dim * kv
+        return attention + 3 * self.dim * self.ffn_hidden + 2 * self.dim
+
+    def num_params(self) -> int:
+        """Parameter count of the whole model (untied embedding and head)."""
+        return self.n_layers * self.layer_params() + 2 * self.vocab_size * self.dim + self.dim
+
+
+# Parameter counts (ModelConfig.num_params): tiny 53,536; small 1,542,272 (about 0.6 s per
+# 16 x 128-token training step on 2 CPU cores); medium (for GPU runs) 75,909,888.
+MODEL_PRESETS: Mapping[str, ModelConfig] = MappingProxyType({
+    "tiny": ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                        max_seq_len=32),
+    "small": ModelConfig(dim=128, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=352,
+                         max_seq_len=128),
+    "medium": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=2048,
+                          max_seq_len=1024),
+})
+
+
+def model_preset(name: str) -> ModelConfig:
+    """The named ModelConfig ("tiny" for tests, "small" for the CPU demo, "medium" for GPUs)."""
+    try:
+        return MODEL_PRESETS[name.lower()]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model preset {name!r}; choose one of {', '.join(MODEL_PRESETS)}"
+        ) from None
+
+
+def derive_seed(seed: int, label: str) -> int:
+    """A 63-bit seed from (seed, label), the same in every process and Python version."""
+    digest = hashlib.blake2b(f"{seed}:{label}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def rope_angles(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles, each [len(positions), head_dim // 2], in float64.
+
+    Feature pair i of position p turns by p * theta^(-2i / head_dim).
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    angles = torch.outer(positions.to(torch.float64), theta ** -(exponents / head_dim))
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate feature pairs (2i, 2i+1) of x [..., seq, head_dim] by the angles of rope_angles.
+
+    A query at position m and a key at position n then have a dot product that depends on
+    m - n only, which is what makes the encoding relative. Half precision rotates in float32.
+    """
+    work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    cos, sin = cos.to(work), sin.to(work)
+    pairs = x.to(work).unflatten(-1, (-1, 2))  # [..., seq, head_dim/2, 2]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in at least float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.to(x.dtype) * self.weight
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    # skip_init: no default init, so building a model never draws from the global RNG.
+    return skip_init(nn.Linear, in_features, out_features, bias=False)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
+        self.head_dim = config.head_dim
+        kv_dim = config.n_kv_heads * config.head_dim
+        self.wq = _linear(config.dim, config.dim)
+        self.wk = _linear(config.dim, kv_dim)
+        self.wv = _linear(config.dim, kv_dim)
+        self.wo = _linear(config.dim, config.dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group = self.n_heads // self.n_kv_heads
+        if group > 1:  # [batch, n_kv_heads, seq, hd] -> [batch, n_heads, seq, hd]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = _linear(config.dim, config.ffn_hidden)
+        self.w3 = _linear(config.dim, config.ffn_hidden)
+        self.w2 = _linear(config.ffn_hidden, config.dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The whole model, or one pipeline stage of it: one tensor in, one tensor out.
+
+    With the embedding, ``forward`` takes token ids [batch, seq] (int64); otherwise hidden
+    states [batch, seq, dim]. With the head it returns logits [batch, seq, vocab]; otherwise
+    hidden states. Parameter names match the full model's (``layers.<global index>.…``).
+    Build it through ``build_full_model`` / ``build_stage_modules`` (pipeoffload.app.split),
+    which also initialise the weights; the constructor leaves them uninitialised.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer_ids: Iterable[int], *, embedding: bool, head: bool
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_ids = tuple(layer_ids)
+        bad = [i for i in self.layer_ids if not 0 <= i < config.n_layers]
+        if bad:
+            raise ConfigError(f"layer {bad[0]} does not exist; the model has {config.n_layers}")
+        self.tok_embeddings = (
+            skip_init(nn.Embedding, config.vocab_size, config.dim) if embedding else None
+        )
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in self.layer_ids})
+        self.norm = RMSNorm(config.dim, config.norm_eps) if head else None
+        self.output = _linear(config.dim, config.vocab_size) if head else None
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.tok_embeddings is not None
+
+    @property
+    def has_head(self) -> bool:
+        return self.output is not None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.tok_embeddings is not None:
+            if x.dim() != 2 or x.dtype.is_floating_point:
+                raise ConfigError(
+                    f"the embedding stage takes token ids [batch, seq] (int64), got "
+                    f"{x.dtype} {list(x.shape)}"
+                )
+            x = self.tok_embeddings(x)  # [batch, seq, dim]
+        elif x.dim() != 3 or x.shape[-1] != self.config.dim:
+            raise ConfigError(
+                f"stage with layers {list(self.layer_ids)} takes hidden states "
+                f"[batch, seq, {self.config.dim}], got {list(x.shape)}"
+            )
+        if x.shape[1] > self.config.max_seq_len:
+            raise ConfigError(
+                f"sequence length {x.shape[1]} exceeds max_seq_len={self.config.max_seq_len}; "
+                "use shorter sequences or a config with a larger max_seq_len"
+            )
+        if self.layers:
+            positions = torch.arange(x.shape[1], device=x.device)
+            cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
+            for layer in self.layers.values():
+                x = layer(x, cos, sin)
+        if self.output is not None:
+            x = self.output(self.norm(x))  # [batch, seq, vocab]
+        return x
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter from generators seeded by (seed, component name).
+
+        Components are the embedding, each layer (by global index), the final norm and the
+        head; values are drawn in float32 on the CPU and then copied, so they do not depend on
+        the stage split, the device or the dtype (float64 holds the same values exactly).
+        """
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        components: list[tuple[str, nn.Module]] = [(f"layers.{i}", self.layers[str(i)])
+                                                    for i in self.layer_ids]
+        for name in ("tok_embeddings", "norm", "output"):
+            if getattr(self, name) is not None:
+                components.append((name, getattr(self, name)))
+        for component, module in components:
+            generator = torch.Generator().manual_seed(derive_seed(seed, component))
+            for name, param in sorted(module.named_parameters()):
+                if param.dim() == 1:  # norm gains
+                    param.fill_(1.0)
+                    continue
+                scale = residual_std if name.endswith(("wo.weight", "w2.weight")) else std
+                values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                param.copy_(values * scale)
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy of logits [batch, seq, vocab] against targets [batch, seq].
+
+    Half-precision logits are upcast to float32 first; other dtypes are kept.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,108 @@
+"""Actions: the atoms of a schedule, and their text form.
+
+The text form follows torch.distributed.pipelining (``{stage}{KIND}{microbatch}``, e.g. ``2F0``,
+``1SEND_F3``) so CSV files move both ways, plus our own ``OFFLOAD`` / ``RELOAD`` /
+``OFFLOAD_WAIT`` / ``RECOMPUTE`` kinds (``0OFFLOAD3``), which torch's prefix parser cannot
+mistake for one of its kinds.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import NamedTuple
+
+from pipeoffload.core.errors import ParseError
+
+
+class Kind(str, Enum):
+    """What an action does. Values are the text tokens."""
+
+    F = "F"  # forward
+    I = "I"  # noqa: E741  backward for inputs only (zero bubble's "B")
+    W = "W"  # backward for weights only
+    B = "B"  # full backward (I then W in one action)
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    OFFLOAD = "OFFLOAD"  # copy this (stage, microbatch)'s saved activations to host memory
+    RELOAD = "RELOAD"  # copy them back before the backward that needs them
+    OFFLOAD_WAIT = "OFFLOAD_WAIT"  # compute waits here until OFFLOAD of (stage, mb) completed
+    RECOMPUTE = "RECOMPUTE"  # re-run the forward from its kept input, just before the backward
+
+    @property
+    def is_compute(self) -> bool:
+        return self in _COMPUTE
+
+    @property
+    def is_backward(self) -> bool:
+        """Kinds that consume the stage's saved activations for the input gradient."""
+        return self in (Kind.I, Kind.B)
+
+    @property
+    def is_transfer(self) -> bool:
+        return self in (Kind.OFFLOAD, Kind.RELOAD)
+
+    @property
+    def blocks(self) -> bool:
+        """Kinds that hold the rank's program until they complete (compute and waits)."""
+        return self in _COMPUTE or self is Kind.OFFLOAD_WAIT
+
+    @property
+    def is_comm(self) -> bool:
+        return self in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
+
+
+_COMPUTE = frozenset({Kind.F, Kind.I, Kind.W, Kind.B, Kind.RECOMPUTE})
+
+
+class Action(NamedTuple):
+    """One step of one rank: ``kind`` applied to ``microbatch`` on ``stage``."""
+
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+
+# Longest kinds first so that "SEND_F" is never read as "S..." and "RECV_B" never as "RECV".
+_KIND_ALTERNATIVES = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
+_ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATIVES})(\d+)")
+# Kinds torch may write that we deliberately do not execute.
+_UNSUPPORTED_TORCH_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "OVERLAP_F_B")
+
+
+def parse_action(token: str, where: str = "") -> Action:
+    """Parse one whole token such as ``3I12``; anything else raises ParseError naming it."""
+    text = token.strip()
+    match = _ACTION_RE.fullmatch(text)
+    if match is None:
+        hint = "expected {stage}{KIND}{microbatch}, e.g. 0F3, 1I0, 2OFFLOAD5"
+        if any(kind in text for kind in _UNSUPPORTED_TORCH_KINDS):
+            kinds = ", ".join(_UNSUPPORTED_TORCH_KINDS)
+            hint = f"FSDP / overlap actions ({kinds}) are not supported"
+        raise ParseError(f"{where}invalid action {token!r}: {hint}")
+    stage, kind, microbatch = match.groups()
+    return Action(int(stage), Kind(kind), int(microbatch))
+
+
+def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - mirrors the text form
+    return Action(stage, Kind.F, microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E743
+    return Action(stage, Kind.I, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.W, microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.B, microbatch)

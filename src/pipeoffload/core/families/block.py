@@ -1,0 +1,176 @@
+"""The shared mechanism behind the schedule families: building blocks, slot order, tightening.
+
+Note: [building blocks] (paper-notes.md sections 3 and 6, after "Pipeline Parallelism with
+Controllable Memory", NeurIPS 2024). With T_F = T_I = T_W = 1 slot (a full backward B = 2), a
+family assigns every pass of microbatch 0 an ideal slot on its rank; microbatch j's passes sit
+``j * period`` slots later. Each rank's order is its actions sorted by ideal slot. Running that
+order as soon as dependencies allow ("squeezing") is what the simulator and the runtime do, so
+only the order is stored. Peak activation then depends only on each rank's order.
+
+Note: [tightening] ``tighten`` replays an order on a unit clock and, where a rank would sit
+idle, lets it run something else that is ready. Its moves never raise a rank's peak:
+- an I (or B) may run before W's listed ahead of it, but never before an F, so the resident
+  count at every F is unchanged (this is how zero-bubble cool-downs put the critical I first);
+- a ready W fills a gap (running a W earlier only frees memory sooner);
+- optionally a ready F fills a gap while the rank stays within a given cap (the paper's
+  "reordering the warm-up" that pulls forwards into the fill bubble).
+With unit costs every event falls on an integer time, so a one-slot filler delays nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.deps import Dependencies
+from pipeoffload.core.errors import ScheduleError
+from pipeoffload.core.schedule import Schedule
+
+SlotFn = Callable[[int, Kind, int], float]
+"""(stage, kind, microbatch) -> ideal slot; ties are broken by the order kinds are listed in."""
+
+_UNIT_TIME = {Kind.F: 1, Kind.I: 1, Kind.W: 1, Kind.B: 2}
+
+
+def order_by_slot(
+    stage_to_rank: Sequence[int],
+    microbatches: int,
+    kinds: Sequence[Kind],
+    slot: SlotFn,
+) -> list[list[Action]]:
+    """Each rank's actions of ``kinds`` (for every stage and microbatch) sorted by ideal slot.
+
+    Ties go to the kind listed first in ``kinds``, then to the lower stage, then microbatch.
+    """
+    rank_count = max(stage_to_rank) + 1
+    keyed: list[list[tuple[float, int, int, int, Action]]] = [[] for _ in range(rank_count)]
+    for stage, rank in enumerate(stage_to_rank):
+        for tie, kind in enumerate(kinds):
+            for mb in range(microbatches):
+                keyed[rank].append((slot(stage, kind, mb), tie, stage, mb, Action(stage, kind, mb)))
+    return [[item[-1] for item in sorted(rank)] for rank in keyed]
+
+
+def first_free_slot(taken: set[int], start: int, period: int) -> int:
+    """The first slot at or after ``start`` whose residue mod ``period`` is not yet taken."""
+    for slot in range(start, start + period):
+        if slot % period not in taken:
+            return slot
+    raise ValueError(f"no free slot left in a period of {period}")
+
+
+def order_peaks(ranks: Iterable[Sequence[Action]]) -> tuple[int, ...]:
+    """Per rank, the most (stage, microbatch) activations resident at once, in chunk units.
+
+    Counts each F at its start and each W / B at its end, on the order alone (a rank runs one
+    compute action at a time, so the order fixes this count).
+    """
+    peaks = []
+    for actions in ranks:
+        level = peak = 0
+        for action in actions:
+            if action.kind is Kind.F:
+                level += 1
+                peak = max(peak, level)
+            elif action.kind in (Kind.W, Kind.B):
+                level -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def tighten(
+    schedule: Schedule,
+    *,
+    i_first: bool = True,
+    fill_w: bool = True,
+    f_cap: Sequence[int] | None = None,
+) -> Schedule:
+    """Replay ``schedule`` (compute actions only, valid) on a unit clock (F = I = W = 1, B = 2)
+    and return the order actually run when idle slots are filled as Note [tightening] says.
+
+    ``f_cap[r]``: let rank r pull a ready forward into a gap if the rest of its order, run as
+    listed after it, then never holds more than ``f_cap[r]`` activations (chunk units); pass
+    the order's own ``order_peaks`` to keep every peak. None disables forward pulling.
+    """
+    deps = Dependencies(schedule)
+    ranks = schedule.num_ranks
+    remaining = [list(actions) for actions in schedule.ranks]
+    done_at: dict[Action, int] = {}
+    free_at = [0] * ranks
+    level = [0] * ranks
+    ready_w: list[deque[Action]] = [deque() for _ in range(ranks)]
+    out: list[list[Action]] = [[] for _ in range(ranks)]
+    left = sum(len(r) for r in remaining)
+    now = 0
+
+    def ready(action: Action) -> bool:
+        return all(done_at.get(d, now + 1) <= now for d in deps.of(action))
+
+    def choose(rank: int) -> Action | None:
+        todo = remaining[rank]
+        head = todo[0]
+        head_ready = ready(head)
+        if head_ready and head.kind is not Kind.W:
+            return head
+        if i_first:
+            for action in todo:
+                if action.kind is Kind.F:
+                    break
+                if action.kind.is_backward and ready(action):
+                    return action
+        if head_ready:
+            return head
+        if fill_w:
+            for action in ready_w[rank]:
+                if done_at.get(Action(action.stage, Kind.I, action.microbatch), now + 1) <= now:
+                    return action
+        if f_cap is not None:
+            seen_stages: set[int] = set()
+            for index, action in enumerate(todo):
+                if action.kind is Kind.F and action.stage not in seen_stages:
+                    seen_stages.add(action.stage)
+                    if ready(action) and _pull_fits(todo, index, level[rank], f_cap[rank]):
+                        return action
+        return None
+
+    while left:
+        for rank in range(ranks):
+            if free_at[rank] > now or not remaining[rank]:
+                continue
+            action = choose(rank)
+            if action is None:
+                continue
+            remaining[rank].remove(action)
+            if action.kind is Kind.W:
+                ready_w[rank].remove(action)
+            elif action.kind is Kind.I:
+                ready_w[rank].append(Action(action.stage, Kind.W, action.microbatch))
+            if action.kind is Kind.F:
+                level[rank] += 1
+            elif action.kind in (Kind.W, Kind.B):
+                level[rank] -= 1
+            free_at[rank] = now + _UNIT_TIME[action.kind]
+            done_at[action] = free_at[rank]
+            out[rank].append(action)
+            left -= 1
+        busy = [t for t in free_at if t > now]
+        if not busy:
+            raise ScheduleError(f"{schedule.name}: the order deadlocks at slot {now}; "
+                                "validate(schedule) shows where")
+        now = min(busy)
+    return schedule.with_ranks(out)
+
+
+def _pull_fits(todo: Sequence[Action], index: int, level: int, cap: int) -> bool:
+    """Whether running ``todo[index]`` (an F) now keeps every later F of ``todo[:index]``,
+    which it then precedes, within ``cap``; so the rest of the order never exceeds the cap."""
+    level += 1
+    worst = level
+    for action in todo[:index]:
+        if action.kind is Kind.F:
+            level += 1
+            worst = max(worst, level)
+        elif action.kind in (Kind.W, Kind.B):
+            level -= 1
+    return worst <= cap

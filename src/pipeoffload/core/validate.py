@@ -1,0 +1,130 @@
+"""The validator: can this schedule run, and does it do all the work exactly once?
+
+Checks, in order: indices in range; each action on the rank that holds its stage; each
+(stage, microbatch) has one F and one backward (B, or I then W), at most one OFFLOAD and a
+RELOAD for it, at most one RECOMPUTE and never with an offload; finally that no rank waits
+forever (found by running the schedule without a clock).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.deps import Dependencies
+from pipeoffload.core.errors import ScheduleError
+from pipeoffload.core.schedule import Schedule
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Raise ScheduleError with rank, position and action if ``schedule`` cannot run; else
+    return it unchanged (so it chains: ``validate(build(...))``)."""
+    _check_indices_and_placement(schedule)
+    _check_counts(schedule)
+    _check_progress(schedule)
+    return schedule
+
+
+def _fail(schedule: Schedule, message: str, rank: int, position: int, action: Action) -> None:
+    grid = schedule.format_grid(mark=(rank, position))
+    raise ScheduleError(
+        f"rank {rank}, position {position}, action {action}: {message}\n{grid}",
+        rank=rank,
+        position=position,
+        action=action,
+    )
+
+
+def _check_indices_and_placement(schedule: Schedule) -> None:
+    for rank, position, action in schedule.actions:
+        if not 0 <= action.stage < schedule.num_stages:
+            _fail(schedule, f"stage {action.stage} does not exist "
+                  f"(the schedule has stages 0..{schedule.num_stages - 1})", rank, position, action)
+        if not 0 <= action.microbatch < schedule.microbatches:
+            _fail(schedule, f"microbatch {action.microbatch} does not exist "
+                  f"(the schedule has microbatches 0..{schedule.microbatches - 1})",
+                  rank, position, action)
+        owner = schedule.rank_of(action.stage)
+        if owner != rank:
+            _fail(schedule, f"stage {action.stage} lives on rank {owner}, not on rank {rank}",
+                  rank, position, action)
+
+
+def _check_counts(schedule: Schedule) -> None:
+    seen: Counter[Action] = Counter()
+    where: dict[Action, tuple[int, int]] = {}
+    for rank, position, action in schedule.actions:
+        seen[action] += 1
+        if seen[action] == 2:
+            _fail(schedule, "appears twice (each action runs exactly once)", rank, position, action)
+        where.setdefault(action, (rank, position))
+
+    def first_position(stage: int) -> tuple[int, int]:
+        rank = schedule.rank_of(stage)
+        return rank, 0
+
+    for stage in range(schedule.num_stages):
+        for mb in range(schedule.microbatches):
+            has = {kind: Action(stage, kind, mb) in seen for kind in Kind}
+            anchor = Action(stage, Kind.F, mb)
+            rank, position = where.get(anchor, first_position(stage))
+            if not has[Kind.F]:
+                _fail(schedule, f"missing forward {anchor} on rank {rank}", rank, position, anchor)
+            if has[Kind.B] and (has[Kind.I] or has[Kind.W]):
+                _fail(schedule, f"stage {stage} microbatch {mb} has both B and I/W; "
+                      "use B alone or I then W", rank, position, anchor)
+            if not has[Kind.B] and not (has[Kind.I] and has[Kind.W]):
+                missing = "W" if has[Kind.I] else "I" if has[Kind.W] else "B (or I and W)"
+                _fail(schedule, f"missing backward {missing} for stage {stage} microbatch {mb}",
+                      rank, position, anchor)
+            if has[Kind.OFFLOAD] != has[Kind.RELOAD]:
+                present = Kind.OFFLOAD if has[Kind.OFFLOAD] else Kind.RELOAD
+                missing_kind = Kind.RELOAD if has[Kind.OFFLOAD] else Kind.OFFLOAD
+                act = Action(stage, present, mb)
+                r, p = where[act]
+                _fail(schedule, f"{act} has no matching {missing_kind.value}", r, p, act)
+            if has[Kind.OFFLOAD_WAIT] and not has[Kind.OFFLOAD]:
+                act = Action(stage, Kind.OFFLOAD_WAIT, mb)
+                r, p = where[act]
+                _fail(schedule, f"{act} waits for an OFFLOAD that no rank runs", r, p, act)
+            if has[Kind.RECOMPUTE] and has[Kind.OFFLOAD]:
+                act = Action(stage, Kind.RECOMPUTE, mb)
+                r, p = where[act]
+                _fail(schedule, "a (stage, microbatch) is either offloaded or recomputed, not both",
+                      r, p, act)
+
+
+def _check_progress(schedule: Schedule) -> None:
+    """Run every rank's list without a clock; report the first rank that can never continue."""
+    deps = Dependencies(schedule)
+    done: set[Action] = set()
+    pointer = [0] * schedule.num_ranks
+    waiting: dict[Action, list[int]] = defaultdict(list)
+    ready = list(range(schedule.num_ranks))
+    while ready:
+        rank = ready.pop()
+        actions = schedule.ranks[rank]
+        while pointer[rank] < len(actions):
+            action = actions[pointer[rank]]
+            blocker = next((d for d in deps.of(action) if d not in done), None)
+            if blocker is not None:
+                waiting[blocker].append(rank)
+                break
+            done.add(action)
+            pointer[rank] += 1
+            ready.extend(waiting.pop(action, ()))
+    stuck = [r for r in range(schedule.num_ranks) if pointer[r] < len(schedule.ranks[r])]
+    if not stuck:
+        return
+    present = {a for acts in schedule.ranks for a in acts}
+    lines = []
+    for rank in stuck:
+        action = schedule.ranks[rank][pointer[rank]]
+        blocker = next(d for d in deps.of(action) if d not in done)
+        why = (f"waits for {blocker}, which no rank runs" if blocker not in present
+               else f"waits for {blocker} on rank {schedule.rank_of(blocker.stage)}")
+        lines.append(f"rank {rank} position {pointer[rank]} {action} {why}")
+    rank = stuck[0]
+    action = schedule.ranks[rank][pointer[rank]]
+    _fail(schedule, "deadlock: no rank can continue:\n  " + "\n  ".join(lines),
+          rank, pointer[rank], action)

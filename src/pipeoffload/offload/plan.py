@@ -1,0 +1,423 @@
+"""The offload planning pass: schedule + costs + target -> the same schedule with OFFLOAD /
+RELOAD actions, and a report of what it bought and what it could not do.
+
+Assumes a valid schedule (existing OFFLOAD / RELOAD actions are replaced). Guarantees a valid
+schedule whose per-rank peak is never above the input's (a plan that would raise a peak is
+dropped), and never raises for an unreachable target: it returns the best plan it found and
+says why in ``OffloadReport.notes``.
+
+How (PipeOffload's selective offload, generalised to any schedule):
+1. Simulate the schedule; every (stage, microbatch) gets its lifespan, F start to W/B end.
+2. The target picks candidates, longest-lived first (they free the most memory per byte moved).
+3. OFFLOAD goes right after the F. RELOAD goes before the latest compute action at which the
+   copy back still finishes ``reload_margin`` before the backward that needs it.
+4. Simulate; a RELOAD that made its backward wait is moved earlier, and one that cannot hide
+   (the copy out ends too late, or nothing is gained) is dropped, unless the target demands it
+   (see OffloadTarget.demands). Repeat until nothing stalls or ``max_rounds``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
+from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.simulator import SimResult, activation_units, simulate
+
+Item = tuple[int, int]  # (stage, microbatch)
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Constants that shape a plan (each one is reported when it bound the result)."""
+
+    reload_margin: float = 0.0
+    """Time (cost-model units) by which a RELOAD should finish before its backward starts.
+    0 trusts the simulator's clock; on real hardware use a fraction of one I time."""
+    stall_tolerance: float = 1e-9
+    """Waiting shorter than this (cost-model units) does not count as a stall."""
+    max_rounds: int = 24
+    """Simulate-and-fix rounds before the planner stops moving RELOADs and adding waits."""
+    max_pending_offloads: int | None = 1
+    """A forward waits (OFFLOAD_WAIT) until at most this many copies out of its rank are
+    unfinished, so back-to-back forwards (warm-up) do not pile activations up behind a slow
+    link. None: never postpone."""
+    postpone_slack: float = 0.0
+    """Postponing may grow the makespan by at most this fraction; beyond it, no waits."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    stage: int
+    microbatch: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class OffloadReport:
+    """What a plan does. Peaks in M_a units (bytes where the cost model has sizes)."""
+
+    target: OffloadTarget
+    offloaded: tuple[Item, ...]
+    peak_before: tuple[float, ...]
+    peak_after: tuple[float, ...]
+    peak_bytes_before: tuple[float, ...] | None
+    peak_bytes_after: tuple[float, ...] | None
+    offloaded_fraction: float
+    """Share of all activation (by M_a units, i.e. by bytes when sizes are given) offloaded."""
+    bytes_moved: float | None
+    """Bytes copied device-to-host (the same again host-to-device), or None without sizes."""
+    makespan_before: float
+    makespan_after: float
+    stall_time: tuple[float, ...]
+    skipped: tuple[Skipped, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        lines = [
+            f"offload {self.target}: {len(self.offloaded)} activations offloaded "
+            f"({self.offloaded_fraction:.0%} of activation memory)",
+            "peak M_a per rank: " + ", ".join(
+                f"{b:.3g}->{a:.3g}" for b, a in zip(self.peak_before, self.peak_after)),
+            f"makespan {self.makespan_before:.4g} -> {self.makespan_after:.4g}, "
+            f"stall {sum(self.stall_time):.4g}",
+        ]
+        if self.skipped:
+            lines.append(f"{len(self.skipped)} candidates skipped, e.g. "
+                         f"stage {self.skipped[0].stage} mb {self.skipped[0].microbatch}: "
+                         f"{self.skipped[0].reason}")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    schedule: Schedule
+    report: OffloadReport
+    result: SimResult = field(repr=False)
+
+
+def add_offload(
+    schedule: Schedule,
+    costs: CostModel | None = None,
+    target: str | OffloadTarget | None = "all",
+    policy: OffloadPolicy | None = None,
+) -> OffloadPlan:
+    """Plan activation offload into ``schedule`` (see the module docstring for the contract)."""
+    costs = costs or CostModel()
+    policy = policy or OffloadPolicy()
+    target = parse_target(target)
+    bare = schedule.without(Kind.OFFLOAD, Kind.RELOAD)
+    base = simulate(bare, costs)
+    planner = _Planner(bare, costs, policy, base, keep_stalling=target.demands)
+    if target.kind is TargetKind.NONE:
+        return planner.finish(target, (), base, {}, ())
+    if target.kind is TargetKind.LIMIT:
+        return _plan_limit(planner, target)
+    chosen, notes = _choose(planner, target)
+    planned, result, skipped = planner.plan(chosen)
+    return planner.finish(target, planned, result, skipped, notes)
+
+
+def _choose(planner: _Planner, target: OffloadTarget) -> tuple[list[Item], tuple[str, ...]]:
+    notes: list[str] = []
+    chosen: list[Item] = []
+    for rank in range(planner.schedule.num_ranks):
+        items = planner.by_lifespan[rank]
+        if target.kind is TargetKind.ALL:
+            chosen.extend(items)
+        elif target.kind is TargetKind.CHUNKS:
+            stages = planner.stages_by_lifespan(rank)
+            k = int(target.value)
+            if k > len(stages):
+                notes.append(f"rank {rank} holds {len(stages)} chunks; chunks:{k} offloads all")
+            keep = set(stages[:k])
+            chosen.extend(item for item in items if item[0] in keep)
+        else:  # FRACTION of this rank's activation, longest-lived first
+            total = sum(planner.units[s] for s, _ in items)
+            moved = 0.0
+            for item in items:
+                if moved >= target.value * total - 1e-12:
+                    break
+                chosen.append(item)
+                moved += planner.units[item[0]]
+    return chosen, tuple(notes)
+
+
+def _plan_limit(planner: _Planner, target: OffloadTarget) -> OffloadPlan:
+    """The shortest longest-lived-first prefix per rank that meets the limit (binary search in
+    lockstep over ranks: a rank's peak depends on its own offloads, not on other ranks')."""
+    ranks = range(planner.schedule.num_ranks)
+    sizes = planner.base.peak_bytes if target.in_bytes else planner.base.peak_activation
+    if target.in_bytes and sizes is None:
+        planner_note = ("limit in bytes needs activation sizes in the cost model "
+                        "(activation_bytes); nothing offloaded")
+        return planner.finish(target, (), planner.base, {}, (planner_note,))
+    lo = [0] * len(ranks)
+    hi = [len(planner.by_lifespan[r]) for r in ranks]
+
+    def attempt(prefix: list[int]) -> tuple[tuple[Schedule, SimResult, dict], tuple[float, ...]]:
+        chosen = [item for r in ranks for item in planner.by_lifespan[r][: prefix[r]]]
+        outcome = planner.plan(chosen)
+        peaks = outcome[1].peak_bytes if target.in_bytes else outcome[1].peak_activation
+        return outcome, peaks  # type: ignore[return-value]
+
+    best, peaks = attempt(hi)
+    reachable = [peaks[r] <= target.value + 1e-9 for r in ranks]
+    while any(lo[r] < hi[r] for r in ranks if reachable[r]):
+        mid = [(lo[r] + hi[r]) // 2 if reachable[r] else hi[r] for r in ranks]
+        outcome, mid_peaks = attempt(mid)
+        for r in ranks:
+            if not reachable[r] or lo[r] >= hi[r]:
+                continue
+            if mid_peaks[r] <= target.value + 1e-9:
+                hi[r] = mid[r]
+            else:
+                lo[r] = mid[r] + 1
+    final, peaks = attempt(hi)
+    notes = []
+    unit = "bytes" if target.in_bytes else "M_a"
+    for r in ranks:
+        if peaks[r] > target.value + 1e-9:
+            notes.append(
+                f"rank {r}: limit {target.value:g} {unit} not reachable; lowest found "
+                f"{peaks[r]:.4g} {unit}: {planner.floor_reason(r)}"
+            )
+    return planner.finish(target, *final, tuple(notes))
+
+
+class _Planner:
+    """Shared state of one planning call: the bare schedule, its base simulation, and helpers."""
+
+    def __init__(self, schedule: Schedule, costs: CostModel, policy: OffloadPolicy,
+                 base: SimResult, keep_stalling: bool) -> None:
+        self.schedule, self.costs, self.policy, self.base = schedule, costs, policy, base
+        self.keep_stalling = keep_stalling
+        self.units = activation_units(schedule, costs)
+        self.compute = [[a for a in acts if a.kind.is_compute] for acts in schedule.ranks]
+        self.position = [{a: i for i, a in enumerate(c)} for c in self.compute]
+        start = {t.action: t.start for rank in base.timeline for t in rank}
+        end = {t.action: t.end for rank in base.timeline for t in rank}
+        self._backward = {(a.stage, a.microbatch): a for c in self.compute for a in c
+                          if a.kind.is_backward}
+        self.lifespan: dict[Item, float] = {}
+        self.by_lifespan: list[list[Item]] = []
+        for rank in range(schedule.num_ranks):
+            items = [(a.stage, a.microbatch) for a in self.compute[rank] if a.kind is Kind.F]
+            for s, m in items:
+                last = Action(s, Kind.W, m) if Action(s, Kind.W, m) in end else Action(s, Kind.B, m)
+                self.lifespan[(s, m)] = end[last] - start[Action(s, Kind.F, m)]
+            # Equal lifespans (a steady state) are taken in bit-reversed microbatch order, so
+            # any prefix spreads evenly over time and lowers the whole plateau, not one end.
+            items.sort(key=lambda it: (-round(self.lifespan[it], 9),
+                                       _bit_reversed(it[1], schedule.microbatches), it[0]))
+            self.by_lifespan.append(items)
+
+    def stages_by_lifespan(self, rank: int) -> list[int]:
+        stages = self.schedule.stages_on_rank(rank)
+        mean = {s: sum(v for (st, _), v in self.lifespan.items() if st == s) for s in stages}
+        return sorted(stages, key=lambda s: (-mean[s], s))
+
+    def backward(self, item: Item) -> Action:
+        """The action that consumes the item's activation first (I, or B without a split)."""
+        return self._backward[item]
+
+    def place_reloads(self, items: Iterable[Item], timing: dict[Action, tuple],
+                      skipped: dict[Item, str]) -> dict[Item, int]:
+        """For each item, how many compute actions ahead of its backward its RELOAD goes.
+
+        Per rank, a backward pass over the H2D queue in deadline order: each copy back must end
+        ``reload_margin`` before its backward starts (as it would without stalls) and before
+        the next copy back on the queue starts; it is then issued at the latest program point
+        that lets it start in time. Items whose copy back would have to start before their copy
+        out ends gain nothing and are skipped (or kept, stalling, if the target demands it).
+        """
+        by_rank: list[list[Item]] = [[] for _ in self.schedule.ranks]
+        for item in items:
+            by_rank[self.schedule.rank_of(item[0])].append(item)
+        leads: dict[Item, int] = {}
+        for rank, rank_items in enumerate(by_rank):
+            comp, pos = self.compute[rank], self.position[rank]
+            next_start = float("inf")
+            for item in sorted(rank_items, key=lambda it: -pos[self.backward(it)]):
+                b_start, stall, _ = timing[self.backward(item)]
+                finish = min(b_start - stall - self.policy.reload_margin, next_start)
+                latest = finish - self.costs.transfer_time(item[0], Kind.RELOAD)
+                f_index = pos[Action(item[0], Kind.F, item[1])]
+                b_index = pos[self.backward(item)]
+                # The program reaches the point before comp[j] when comp[j-1] ends.
+                j = b_index
+                tolerance = self.policy.stall_tolerance
+                while j > f_index + 1 and timing[comp[j - 1]][2] > latest + tolerance:
+                    j -= 1
+                issue = timing[comp[j - 1]][2]
+                copied_out = timing.get(Action(item[0], Kind.OFFLOAD, item[1]))
+                f_start, _, f_end = timing[comp[f_index]]
+                out_end = copied_out[2] if copied_out else max(
+                    f_end, f_start + self.costs.transfer_time(item[0], Kind.OFFLOAD))
+                if issue <= out_end + self.policy.stall_tolerance or \
+                        issue > latest + self.policy.stall_tolerance:
+                    if not self.keep_stalling or issue <= out_end + self.policy.stall_tolerance:
+                        skipped[item] = ("too short-lived: the copy back would have to start "
+                                         "before the copy out ends" if issue <= out_end +
+                                         self.policy.stall_tolerance else
+                                         "its copies cannot hide behind compute (stall)")
+                        continue
+                leads[item] = b_index - j
+                next_start = min(next_start, max(issue, out_end))
+        return leads
+
+    def insert(self, leads: dict[Item, int], waits: dict[Action, Item]) -> Schedule:
+        """The schedule with OFFLOAD after each chosen F, its RELOAD ``lead`` compute actions
+        ahead of its backward, and OFFLOAD_WAITs (``waits``: forward -> item) before forwards."""
+        by_rank: list[list[tuple[int, int, Item]]] = [[] for _ in self.schedule.ranks]
+        for item, lead in leads.items():
+            rank = self.schedule.rank_of(item[0])
+            b_index = self.position[rank][self.backward(item)]
+            by_rank[rank].append((b_index - lead, b_index, item))
+        ranks = []
+        for rank, actions in enumerate(self.schedule.ranks):
+            before: dict[Action, list[Action]] = {}
+            for anchor_index, _, item in sorted(by_rank[rank]):
+                anchor = self.compute[rank][anchor_index]
+                before.setdefault(anchor, []).append(Action(item[0], Kind.RELOAD, item[1]))
+            out: list[Action] = []
+            for action in actions:
+                out.extend(before.get(action, ()))
+                if action in waits:
+                    out.append(Action(waits[action][0], Kind.OFFLOAD_WAIT, waits[action][1]))
+                out.append(action)
+                if action.kind is Kind.F and (action.stage, action.microbatch) in leads:
+                    out.append(Action(action.stage, Kind.OFFLOAD, action.microbatch))
+            ranks.append(out)
+        return self.schedule.with_ranks(ranks)
+
+    def plan(self, chosen: Iterable[Item]) -> tuple[Schedule, SimResult, dict[Item, str]]:
+        """Place transfers for ``chosen`` from a simulation, re-simulate, and repeat until
+        nothing stalls; then postpone forwards that would start while too many copies out are
+        pending (only while that does not grow the makespan beyond ``postpone_slack``)."""
+        skipped: dict[Item, str] = {}
+        items = [item for item in chosen if self.backward(item) != self._after_f(item)]
+        for item in chosen:
+            if self.backward(item) == self._after_f(item):
+                skipped[item] = "its backward directly follows its forward"
+        timing = _timing(self.base)
+        waits: dict[Action, Item] = {}
+        postponing = self.policy.max_pending_offloads is not None
+        leads = self.place_reloads(items, timing, skipped)
+        planned, result = self.insert(leads, waits), self.base
+        for _ in range(self.policy.max_rounds):
+            planned = self.insert(leads, waits)
+            result = simulate(planned, self.costs)
+            if waits and result.makespan > self.base.makespan * (1 + self.policy.postpone_slack) \
+                    + self.policy.stall_tolerance:
+                waits, postponing = {}, False  # postponing cost time: plan without it
+                leads = self.place_reloads(leads, timing, skipped)
+                continue
+            timing = _timing(result)
+            if result.total_stall_time > self.policy.stall_tolerance:
+                new_leads = self.place_reloads(leads, timing, skipped)
+                if new_leads != leads:
+                    leads = new_leads
+                    waits = {f: it for f, it in waits.items() if it in leads}
+                    continue
+            if postponing and self._postpone(waits, result):
+                continue
+            break
+        if not self.keep_stalling and result.total_stall_time > self.policy.stall_tolerance:
+            stalled = [i for i in leads
+                       if timing[self.backward(i)][1] > self.policy.stall_tolerance]
+            for item in stalled:
+                skipped[item] = "its copies cannot hide behind compute (stall)"
+                del leads[item]
+            waits = {f: item for f, item in waits.items() if item in leads}
+            planned = self.insert(leads, waits)
+            result = simulate(planned, self.costs)
+        return planned, result, skipped
+
+    def _after_f(self, item: Item) -> Action:
+        rank = self.schedule.rank_of(item[0])
+        return self.compute[rank][self.position[rank][Action(item[0], Kind.F, item[1])] + 1]
+
+    def _postpone(self, waits: dict[Action, Item], result: SimResult) -> bool:
+        """Before each forward that would start while more than ``max_pending_offloads`` copies
+        out of its rank are unfinished, wait for enough of them (their memory is freed first)."""
+        limit = self.policy.max_pending_offloads
+        assert limit is not None
+        tolerance = self.policy.stall_tolerance
+        changed = False
+        for rank_timeline in result.timeline:
+            f_end = {t.action: t.end for t in rank_timeline if t.action.kind is Kind.F}
+            # Copies out in issue order (their F's end); the D2H queue serves them in that order.
+            offloads = sorted((f_end[Action(t.action.stage, Kind.F, t.action.microbatch)], t.end,
+                               (t.action.stage, t.action.microbatch))
+                              for t in rank_timeline if t.action.kind is Kind.OFFLOAD)
+            issued = 0
+            forwards = sorted((t.start, t.action) for t in rank_timeline if t.action.kind is Kind.F)
+            for start, forward in forwards:
+                while issued < len(offloads) and offloads[issued][0] <= start:
+                    issued += 1
+                if forward in waits:
+                    continue
+                recent = offloads[:issued][-4 * (limit + 1):]
+                pending = sorted((end, item) for _, end, item in recent if end > start + tolerance)
+                if len(pending) > limit:
+                    waits[forward] = pending[len(pending) - limit - 1][1]
+                    changed = True
+        return changed
+
+    def floor_reason(self, rank: int) -> str:
+        largest = max(self.units[s] for s in self.schedule.stages_on_rank(rank))
+        return (f"a forward holds its activation while it runs ({largest:.3g} M_a for the "
+                f"largest chunk), and transfers that cannot hide are kept only if the target "
+                f"demands them; lower the offload ratio or raise reload_margin tolerance")
+
+    def finish(self, target: OffloadTarget, planned: Schedule | tuple, result: SimResult,
+               skipped: dict[Item, str], notes: tuple[str, ...]) -> OffloadPlan:
+        if not isinstance(planned, Schedule):
+            planned = self.schedule
+        offloaded = tuple(sorted((a.stage, a.microbatch) for acts in planned.ranks for a in acts
+                                 if a.kind is Kind.OFFLOAD))
+        if any(after > before + 1e-9 for before, after in
+               zip(self.base.peak_activation, result.peak_activation)):
+            notes = notes + ("the plan would raise a peak; nothing offloaded",)
+            planned, result, offloaded = self.schedule, self.base, ()
+        if target.kind is not TargetKind.NONE and not offloaded and skipped:
+            reasons = sorted({why for why in skipped.values()})
+            notes = notes + ("nothing could be offloaded: " + "; ".join(reasons),)
+        total = sum(self.units[s] for acts in self.compute for s, k, _ in acts if k is Kind.F)
+        moved_units = sum(self.units[s] for s, _ in offloaded)
+        sizes = [self.costs.bytes_of(s) for s, _ in offloaded]
+        bytes_moved = None if any(b is None for b in sizes) else float(sum(sizes))  # type: ignore[arg-type]
+        if self.costs.bytes_of(0) is None:
+            bytes_moved = None
+        report = OffloadReport(
+            target=target,
+            offloaded=offloaded,
+            peak_before=self.base.peak_activation,
+            peak_after=result.peak_activation,
+            peak_bytes_before=self.base.peak_bytes,
+            peak_bytes_after=result.peak_bytes,
+            offloaded_fraction=moved_units / total if total else 0.0,
+            bytes_moved=bytes_moved,
+            makespan_before=self.base.makespan,
+            makespan_after=result.makespan,
+            stall_time=result.stall_time,
+            skipped=tuple(Skipped(s, m, why) for (s, m), why in sorted(skipped.items())
+                          if (s, m) not in set(offloaded)),
+            notes=notes,
+        )
+        return OffloadPlan(schedule=planned.with_ranks(planned.ranks), report=report, result=result)
+
+
+def _timing(result: SimResult) -> dict[Action, tuple[float, float, float]]:
+    """action -> (start, stall, end)."""
+    return {t.action: (t.start, t.stall, t.end) for rank in result.timeline for t in rank}
+
+
+def _bit_reversed(index: int, count: int) -> int:
+    bits = max(1, (count - 1).bit_length())
+    return int(format(index, f"0{bits}b")[::-1], 2)

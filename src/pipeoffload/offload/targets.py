@@ -1,0 +1,86 @@
+"""What to offload: the target a user asks for, parsed from ``none``, ``all``, ``chunks:K``,
+``fraction:X``, ``limit:X`` (M_a units) or ``limit:XGiB`` / ``limit:XMB`` (bytes)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from pipeoffload.errors import ConfigError
+
+
+class TargetKind(str, Enum):
+    NONE = "none"
+    ALL = "all"  # every activation whose transfers hide behind compute
+    CHUNKS = "chunks"  # the K longest-lived stages (chunks) of every rank
+    FRACTION = "fraction"  # this fraction of each rank's activation bytes, longest-lived first
+    LIMIT = "limit"  # the least offload that brings every rank's peak to this value
+
+
+_BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_SPEC_HELP = "use none, all, chunks:K, fraction:X (0..1), limit:X (M_a units) or limit:XGiB"
+
+
+@dataclass(frozen=True)
+class OffloadTarget:
+    """A parsed offload target. For LIMIT, ``value`` is in M_a units unless ``in_bytes``.
+
+    ``allow_stall``: keep transfers that cannot hide behind compute (their stall is reported).
+    Without it, ALL and CHUNKS skip them; FRACTION and LIMIT use them only when the hiding ones
+    cannot meet the target.
+    """
+
+    kind: TargetKind
+    value: float = 0.0
+    in_bytes: bool = False
+    allow_stall: bool = False
+
+    def __str__(self) -> str:
+        if self.kind in (TargetKind.NONE, TargetKind.ALL):
+            return self.kind.value
+        if self.kind is TargetKind.CHUNKS:
+            return f"chunks:{int(self.value)}"
+        if self.in_bytes:
+            return f"{self.kind.value}:{self.value:.0f}B"
+        return f"{self.kind.value}:{self.value:g}"
+
+    @property
+    def demands(self) -> bool:
+        """Whether the target must be met even at the cost of stalls."""
+        return self.allow_stall or self.kind in (TargetKind.FRACTION, TargetKind.LIMIT)
+
+
+def parse_target(spec: str | OffloadTarget | None, *, allow_stall: bool = False) -> OffloadTarget:
+    """Parse an offload spec; a bad spec raises ConfigError naming it and the accepted forms."""
+    if isinstance(spec, OffloadTarget):
+        return spec
+    if spec is None:
+        return OffloadTarget(TargetKind.NONE)
+    text = spec.strip().lower()
+    if text in ("none", "all"):
+        return OffloadTarget(TargetKind(text), allow_stall=allow_stall)
+    name, _, arg = text.partition(":")
+    try:
+        kind = TargetKind(name)
+    except ValueError:
+        raise ConfigError(f"unknown offload target {spec!r}: {_SPEC_HELP}") from None
+    if not arg:
+        raise ConfigError(f"offload target {spec!r} needs a value: {_SPEC_HELP}")
+    if kind is TargetKind.CHUNKS:
+        if not arg.isdigit() or int(arg) < 1:
+            raise ConfigError(f"offload target {spec!r}: K must be a whole number >= 1")
+        return OffloadTarget(kind, float(arg), allow_stall=allow_stall)
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*([a-z]*)", arg)
+    if match is None:
+        raise ConfigError(f"offload target {spec!r}: {arg!r} is not a number; {_SPEC_HELP}")
+    value, unit = float(match.group(1)), match.group(2)
+    if kind is TargetKind.FRACTION:
+        if unit or not 0.0 <= value <= 1.0:
+            raise ConfigError(f"offload target {spec!r}: the fraction must be in 0..1")
+        return OffloadTarget(kind, value, allow_stall=allow_stall)
+    if unit and unit not in _BYTE_UNITS:
+        raise ConfigError(f"offload target {spec!r}: unknown unit {unit!r}; "
+                          f"use one of {', '.join(_BYTE_UNITS)} or none for M_a units")
+    scale = _BYTE_UNITS[unit] if unit else 1.0
+    return OffloadTarget(kind, value * scale, in_bytes=bool(unit), allow_stall=allow_stall)

@@ -1,0 +1,387 @@
+"""Seconds from the analytic model and a hardware preset, per-GPU model state, and the ratio k.
+
+k = (D2H + H2D time of a layer's saved activations) / (F + I + W time of that layer)
+(PipeOffload, Wan et al. 2025, section 2; paper-notes.md s2): at k <= 1 every activation can be
+offloaded with (almost) no slowdown. ``offload_ratio`` computes it from the per-layer FLOPs and
+bytes of ``transformer``; ``paper_k`` is the paper's closed form for a GPT layer. Run
+``python -m pipeoffload.planner.ratio`` for the table in docs/planner-model.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeoffload.errors import ConfigError
+from pipeoffload.planner.hardware import Hardware, hardware_preset
+from pipeoffload.planner.transformer import (
+    CommBytes,
+    FlopCount,
+    MlpKind,
+    ParamCount,
+    PassFlops,
+    Recompute,
+    TransformerSpec,
+    as_flop_count,
+    as_recompute,
+    embedding_activation_bytes,
+    embedding_flops,
+    embedding_params,
+    end_tp_comm_bytes,
+    head_activation_bytes,
+    head_flops,
+    head_params,
+    layer_activation_bytes,
+    layer_flops,
+    layer_params,
+    layer_tp_comm_bytes,
+    p2p_bytes,
+    recompute_flops,
+    ring_collective_bytes,
+)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How a model runs on each GPU: microbatch size, tensor-parallel degree (with sequence
+    parallelism), what layers recompute, and which FLOPs count (transformer.FlopCount)."""
+
+    micro_batch: int = 1
+    tp: int = 1
+    recompute: Recompute = Recompute.LGD
+    flop_count: FlopCount = FlopCount.HARDWARE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", as_recompute(self.recompute))
+        object.__setattr__(self, "flop_count", as_flop_count(self.flop_count))
+        for field in ("micro_batch", "tp"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"RunConfig.{field} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PieceCost:
+    """One microbatch through a piece of the model (layers, embedding, head) on one GPU.
+
+    ``f_s`` = F compute + forward TP collectives; ``i_s`` = I compute + recomputed forward +
+    backward TP collectives; ``w_s`` = W compute. Collectives are not overlapped with compute
+    (Megatron's sequence-parallel collectives mostly are not). ``flops``, ``recompute_flops``
+    and ``tp_comm`` are the inputs those times came from.
+    """
+
+    flops: PassFlops
+    recompute_flops: float
+    tp_comm: CommBytes
+    f_s: float
+    i_s: float
+    w_s: float
+    activation_bytes: float
+    params: ParamCount
+
+    @property
+    def chunk_s(self) -> float:
+        """F + I + W seconds."""
+        return self.f_s + self.i_s + self.w_s
+
+    def __add__(self, other: PieceCost) -> PieceCost:
+        return PieceCost(
+            self.flops + other.flops,
+            self.recompute_flops + other.recompute_flops,
+            self.tp_comm + other.tp_comm,
+            self.f_s + other.f_s,
+            self.i_s + other.i_s,
+            self.w_s + other.w_s,
+            self.activation_bytes + other.activation_bytes,
+            self.params + other.params,
+        )
+
+    def times(self, n: int) -> PieceCost:
+        """``n`` copies of this piece in a row (``n`` identical layers)."""
+        return PieceCost(
+            self.flops.scaled(n),
+            self.recompute_flops * n,
+            CommBytes(self.tp_comm.forward * n, self.tp_comm.backward * n),
+            self.f_s * n,
+            self.i_s * n,
+            self.w_s * n,
+            self.activation_bytes * n,
+            ParamCount(self.params.sharded * n, self.params.replicated * n),
+        )
+
+
+def _piece(
+    hw: Hardware,
+    run: RunConfig,
+    flops: PassFlops,
+    recomputed: float,
+    comm: CommBytes,
+    activation_bytes: float,
+    params: ParamCount,
+) -> PieceCost:
+    link = hw.link_bytes_per_s(run.tp)
+    return PieceCost(
+        flops=flops,
+        recompute_flops=recomputed,
+        tp_comm=comm,
+        f_s=hw.compute_s(flops.f) + comm.forward / link,
+        i_s=hw.compute_s(flops.i + recomputed) + comm.backward / link,
+        w_s=hw.compute_s(flops.w),
+        activation_bytes=activation_bytes,
+        params=params,
+    )
+
+
+def layer_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig()) -> PieceCost:
+    """One transformer layer. Under full recompute (HARDWARE count) the backward also re-runs
+    the forward's collectives."""
+    b, tp = run.micro_batch, run.tp
+    recomputed = recompute_flops(spec, b, run.recompute, tp=tp, count=run.flop_count)
+    comm = layer_tp_comm_bytes(spec, b, tp=tp)
+    if recomputed:
+        comm = CommBytes(comm.forward, comm.backward + comm.forward)
+    return _piece(
+        hw,
+        run,
+        layer_flops(spec, b, tp=tp, count=run.flop_count),
+        recomputed,
+        comm,
+        layer_activation_bytes(spec, b, run.recompute, tp=tp),
+        layer_params(spec, tp=tp),
+    )
+
+
+def embedding_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig()) -> PieceCost:
+    """The input embedding (no matmul FLOPs: its time is its TP collectives only)."""
+    b, tp = run.micro_batch, run.tp
+    return _piece(
+        hw,
+        run,
+        embedding_flops(spec, b, tp=tp),
+        0.0,
+        end_tp_comm_bytes(spec, b, tp=tp),
+        embedding_activation_bytes(spec, b, tp=tp),
+        embedding_params(spec, tp=tp),
+    )
+
+
+def head_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig()) -> PieceCost:
+    """Final norm, output projection and loss."""
+    b, tp = run.micro_batch, run.tp
+    return _piece(
+        hw,
+        run,
+        head_flops(spec, b, tp=tp),
+        0.0,
+        end_tp_comm_bytes(spec, b, tp=tp),
+        head_activation_bytes(spec, b, run.recompute, tp=tp),
+        head_params(spec, tp=tp),
+    )
+
+
+def stage_cost(
+    spec: TransformerSpec,
+    hw: Hardware,
+    run: RunConfig = RunConfig(),
+    *,
+    layers: int,
+    embedding: bool = False,
+    head: bool = False,
+) -> PieceCost:
+    """A pipeline stage of ``layers`` transformer layers, with the embedding in front and/or the
+    head behind it. ``layers`` may be 0 for a stage that holds only the embedding or the head."""
+    if layers < 0 or (layers == 0 and not (embedding or head)):
+        raise ConfigError(
+            f"a stage needs at least one layer, the embedding or the head; got layers={layers}"
+        )
+    cost = layer_cost(spec, hw, run).times(layers)
+    if embedding:
+        cost = embedding_cost(spec, hw, run) + cost
+    if head:
+        cost = cost + head_cost(spec, hw, run)
+    return cost
+
+
+def p2p_s(
+    spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig(), *, cross_node: bool
+) -> float:
+    """Seconds to send one microbatch's boundary activation (or its gradient) to the next stage."""
+    link = hw.inter_node_bytes_per_s if cross_node else hw.intra_node_bytes_per_s
+    return p2p_bytes(spec, run.micro_batch, tp=run.tp) / link
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Bytes per parameter of mixed-precision Adam (Megatron: 2 + 4 + 4 + 4 + 4 = 18).
+
+    ``grad_bytes``: the gradient buffer (fp32 main grads). ``master_bytes``: the fp32 copy of the
+    weights. ``state_bytes``: Adam's two fp32 moments. ``sharded``: ZeRO-1 / Megatron's
+    distributed optimizer splits master weights and moments over the data-parallel group.
+    """
+
+    grad_bytes: int = 4
+    master_bytes: int = 4
+    state_bytes: int = 8
+    sharded: bool = False
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Model-state memory of one GPU: weights, gradients, optimizer (master copy + moments)."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def state_bytes(
+    spec: TransformerSpec, params: float, optimizer: OptimizerSpec, *, dp: int = 1
+) -> StateBytes:
+    """Memory for ``params`` parameters on one GPU (Rajbhandari et al. 2020, ZeRO, s3.1)."""
+    if dp < 1:
+        raise ConfigError(f"dp (data-parallel degree) must be >= 1, got {dp}")
+    per_param_optimizer = optimizer.master_bytes + optimizer.state_bytes
+    shards = dp if optimizer.sharded else 1
+    return StateBytes(
+        params * spec.param_bytes,
+        params * optimizer.grad_bytes,
+        params * per_param_optimizer / shards,
+    )
+
+
+@dataclass(frozen=True)
+class DpTraffic:
+    """Bytes one GPU sends per step for data parallelism: gradient reduction, and with a sharded
+    optimizer the all-gather of the updated 16-bit weights."""
+
+    grad_reduce: float
+    param_gather: float
+
+    @property
+    def total(self) -> float:
+        return self.grad_reduce + self.param_gather
+
+
+def dp_traffic(
+    spec: TransformerSpec, params: float, optimizer: OptimizerSpec, *, dp: int
+) -> DpTraffic:
+    """Ring all-reduce of the gradients, 2 (d-1)/d of their bytes; sharded: a reduce-scatter of
+    the gradients plus an all-gather of the weights, (d-1)/d of each (Megatron's distributed
+    optimizer)."""
+    if dp < 1:
+        raise ConfigError(f"dp (data-parallel degree) must be >= 1, got {dp}")
+    grads = ring_collective_bytes(params, dp, optimizer.grad_bytes)
+    if optimizer.sharded:
+        return DpTraffic(grads, ring_collective_bytes(params, dp, spec.param_bytes))
+    return DpTraffic(2 * grads, 0.0)
+
+
+def dp_s(traffic: DpTraffic, hw: Hardware, *, cross_node: bool) -> float:
+    """Seconds of the data-parallel exchange of one step, not overlapped with compute."""
+    link = hw.inter_node_bytes_per_s if cross_node else hw.intra_node_bytes_per_s
+    return traffic.total / link
+
+
+@dataclass(frozen=True)
+class OffloadRatio:
+    """The ratio k of one layer and the numbers that produced it (seconds, bytes per layer)."""
+
+    model: str
+    hardware: str
+    run: RunConfig
+    saved_bytes: float
+    d2h_s: float
+    h2d_s: float
+    f_s: float
+    i_s: float
+    w_s: float
+
+    @property
+    def k(self) -> float:
+        return (self.d2h_s + self.h2d_s) / (self.f_s + self.i_s + self.w_s)
+
+    def __str__(self) -> str:
+        ms = 1e3
+        return (
+            f"k = {self.k:.3f} for {self.model} on {self.hardware} "
+            f"(b={self.run.micro_batch}, tp={self.run.tp}, recompute={self.run.recompute.value}, "
+            f"{self.run.flop_count.value} FLOPs): {self.saved_bytes / 2**20:.1f} MiB saved per "
+            f"layer, D2H {self.d2h_s * ms:.3f} ms + H2D {self.h2d_s * ms:.3f} ms over "
+            f"F {self.f_s * ms:.3f} + I {self.i_s * ms:.3f} + W {self.w_s * ms:.3f} ms"
+        )
+
+
+def offload_ratio(
+    spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig()
+) -> OffloadRatio:
+    """k of one transformer layer of ``spec`` on ``hw``: the round trip of its saved activations
+    over the host link against its F + I + W time (TP collectives included). Host-link sharing
+    between GPUs is left to the simulator (``Hardware.host_link``)."""
+    cost = layer_cost(spec, hw, run)
+    return OffloadRatio(
+        model=spec.name,
+        hardware=hw.name,
+        run=run,
+        saved_bytes=cost.activation_bytes,
+        d2h_s=hw.d2h_s(cost.activation_bytes),
+        h2d_s=hw.h2d_s(cost.activation_bytes),
+        f_s=cost.f_s,
+        i_s=cost.i_s,
+        w_s=cost.w_s,
+    )
+
+
+def paper_k(hidden: int, seq_len: int, flops_per_s: float, host_bytes_per_s: float) -> float:
+    """The paper's closed form for a GPT layer: 20 b s h bytes each way over 12 b s h (6h + s)
+    FLOPs gives k = 10 / (3 (6h + s)) * FLOP/s / (bytes/s)."""
+    return 10 / (3 * (6 * hidden + seq_len)) * flops_per_s / host_bytes_per_s
+
+
+#: Head width of the GPT layers the paper's k assumes (GPT-3 and Llama use 128).
+PAPER_HEAD_DIM = 128
+
+
+def paper_layer(hidden: int, seq_len: int) -> tuple[TransformerSpec, RunConfig]:
+    """A layer under the paper's k assumptions: GPT (multi-head attention, GeLU, f = 4h),
+    flash attention, 16-bit, LGD recompute, the model FLOP count 12 b s h (6h + s)."""
+    heads = max(1, hidden // PAPER_HEAD_DIM)
+    spec = TransformerSpec(
+        num_layers=1, hidden=hidden, heads=heads, kv_heads=heads, ffn_hidden=4 * hidden,
+        vocab=1, seq_len=seq_len, mlp=MlpKind.GELU, flash_attention=True, activation_bytes=2,
+        param_bytes=2, dropout=True, name=f"gpt-h{hidden}-s{seq_len}",
+    )
+    return spec, RunConfig(micro_batch=1, tp=1, recompute=Recompute.LGD,
+                           flop_count=FlopCount.MODEL)
+
+
+def k_table(
+    hw: Hardware, hiddens: tuple[int, ...], seq_lens: tuple[int, ...]
+) -> list[tuple[int, int, float, float]]:
+    """Rows (hidden, seq_len, general k, closed-form k) under the paper's assumptions."""
+    rows = []
+    for hidden in hiddens:
+        for seq_len in seq_lens:
+            spec, run = paper_layer(hidden, seq_len)
+            general = offload_ratio(spec, hw, run).k
+            closed = paper_k(hidden, seq_len, hw.bf16_flops_per_s, hw.d2h_bytes_per_s)
+            rows.append((hidden, seq_len, general, closed))
+    return rows
+
+
+def _main() -> None:
+    hw = hardware_preset("a100-80gb")
+    print(f"k on {hw.name} ({hw.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
+          f"{hw.d2h_bytes_per_s / 1e9:.0f} GB/s), LGD recompute, flash attention, 16-bit")
+    print("| h | s | k (per-layer model) | k (closed form) |")
+    print("|---|---|---|---|")
+    for hidden, seq_len, general, closed in k_table(
+        hw, (4096, 8192, 16384), (4096, 8192, 16384, 32768)
+    ):
+        print(f"| {hidden} | {seq_len} | {general:.3f} | {closed:.3f} |")
+
+
+if __name__ == "__main__":
+    _main()

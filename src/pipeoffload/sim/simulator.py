@@ -1,0 +1,295 @@
+"""Discrete-event simulation of a schedule over a cost model.
+
+Each rank runs its action list in order, like a program:
+- compute actions (F, I, W, B, RECOMPUTE) occupy the rank's compute lane; the program waits
+  for each to finish before reading the next action;
+- transfers (OFFLOAD, RELOAD) are issued when the program reaches them and do not block it;
+  they wait in their host-link queue (see HostLink) and for their dependencies;
+- OFFLOAD_WAIT holds the program until the named OFFLOAD completes (a postponement, not a
+  stall);
+- SEND / RECV actions, if the schedule has them, take no time; a RECV completes when its peer's
+  SEND has completed plus the P2P latency;
+- every dependency that crosses ranks adds ``CostModel.p2p_time``.
+A compute action that waits on a RELOAD beyond the time it could otherwise start is stalled;
+the stall is reported per rank. Memory follows design.md's accounting (see ``memory_events``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import Enum
+
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.deps import Dependencies
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.errors import ScheduleError
+from pipeoffload.sim.costs import CostModel
+
+
+class Lane(str, Enum):
+    COMPUTE = "compute"
+    D2H = "d2h"
+    H2D = "h2d"
+    COMM = "comm"
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    rank: int
+    action: Action
+    start: float
+    end: float
+    lane: Lane
+    stall: float = 0.0  # time this compute action waited for a RELOAD beyond its other inputs
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a schedule does in time and memory under a cost model.
+
+    ``peak_activation`` is in M_a units (one microbatch through all of a rank's stages);
+    ``peak_bytes`` is set when the cost model gives activation bytes. ``memory[r]`` is rank r's
+    resident-activation curve as (time, units) points, one after each change.
+    """
+
+    schedule: Schedule
+    costs: CostModel
+    timeline: tuple[tuple[TimedAction, ...], ...]
+    makespan: float
+    compute_time: tuple[float, ...]
+    bubble_rate: float
+    peak_activation: tuple[float, ...]
+    peak_bytes: tuple[float, ...] | None
+    memory: tuple[tuple[tuple[float, float], ...], ...]
+    stall_time: tuple[float, ...]
+
+    @property
+    def total_stall_time(self) -> float:
+        return sum(self.stall_time)
+
+    def timed(self, action: Action) -> TimedAction:
+        """The timing of one action (linear search; for tests and reports, not hot loops)."""
+        rank = self.schedule.rank_of(action.stage)
+        for item in self.timeline[rank]:
+            if item.action == action:
+                return item
+        raise KeyError(f"{action} is not in the schedule")
+
+
+def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
+    """Run ``schedule`` on the cost model's clock; raise ScheduleError on a deadlock."""
+    costs = costs or CostModel()
+    timeline, stall = _run(schedule, costs)
+    return _summarise(schedule, costs, timeline, stall)
+
+
+def _lane(kind: Kind) -> Lane:
+    if kind.blocks:
+        return Lane.COMPUTE
+    if kind is Kind.OFFLOAD:
+        return Lane.D2H
+    if kind is Kind.RELOAD:
+        return Lane.H2D
+    return Lane.COMM
+
+
+def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]], list[float]]:
+    """The event loop. Compute is placed as soon as its dependencies are timed (a rank's lane
+    has no contention); transfers are placed in order of readiness, since host links can be
+    shared between ranks."""
+    deps = Dependencies(schedule)
+    rank_of = schedule.stage_to_rank
+    end: dict[Action, float] = {}
+    timed: list[list[TimedAction]] = [[] for _ in schedule.ranks]
+    pointer = [0] * schedule.num_ranks
+    issue = [0.0] * schedule.num_ranks  # when each rank's program reached its current action
+    stall = [0.0] * schedule.num_ranks
+    waiting: dict[Action, list[int]] = defaultdict(list)
+    forward_start: dict[tuple[int, int], float] = {}
+    pending: list[tuple[float, int, int, Action]] = []  # transfers: (ready, seq, rank, action)
+    channel_free: dict[tuple[int, str], float] = defaultdict(float)
+    seq = 0
+
+    def ready_time(rank: int, action: Action) -> tuple[float, float] | None:
+        """(time all dependencies allow, time all but RELOADs allow), or None if not timed."""
+        ready = other = issue[rank]
+        for dep in deps.of(action):
+            if dep not in end:
+                waiting[dep].append(rank)
+                return None
+            at = end[dep] + (costs.p2p_time if rank_of[dep.stage] != rank else 0.0)
+            ready = max(ready, at)
+            if dep.kind is not Kind.RELOAD:
+                other = max(other, at)
+        return ready, other
+
+    def advance(rank: int) -> None:
+        nonlocal seq
+        actions = schedule.ranks[rank]
+        while pointer[rank] < len(actions):
+            action = actions[pointer[rank]]
+            times = ready_time(rank, action)
+            if times is None:
+                return
+            ready, other = times
+            pointer[rank] += 1
+            if action.kind is Kind.OFFLOAD:
+                ready = forward_start[(action.stage, action.microbatch)]  # see [streaming offload]
+            if action.kind.is_transfer:
+                heapq.heappush(pending, (ready, seq, rank, action))
+                seq += 1
+                continue
+            duration = costs.compute_time(action)
+            waited = 0.0
+            if action.kind.is_compute:
+                waited = ready - other
+                stall[rank] += waited
+            if action.kind.blocks:
+                issue[rank] = ready + duration
+            if action.kind is Kind.F:
+                forward_start[(action.stage, action.microbatch)] = ready
+            finish(rank, action, ready, ready + duration, waited)
+
+    def finish(rank: int, action: Action, start: float, stop: float, waited: float = 0.0) -> None:
+        timed[rank].append(TimedAction(rank, action, start, stop, _lane(action.kind), waited))
+        end[action] = stop
+        for woken in waiting.pop(action, ()):
+            runnable.append(woken)
+
+    runnable = list(range(schedule.num_ranks))
+    while True:
+        while runnable:
+            advance(runnable.pop())
+        if not pending:
+            break
+        ready, _, rank, action = heapq.heappop(pending)
+        channel = costs.host_link.channel(rank, action.kind)
+        start = max(ready, channel_free[channel])
+        stop = start + costs.transfer_time(action.stage, action.kind)
+        if action.kind is Kind.OFFLOAD:  # the last bytes exist only when the forward ends
+            stop = max(stop, end[Action(action.stage, Kind.F, action.microbatch)])
+        channel_free[channel] = stop
+        finish(rank, action, start, stop)
+
+    stuck = [r for r in range(schedule.num_ranks) if pointer[r] < len(schedule.ranks[r])]
+    if stuck:
+        where = "; ".join(f"rank {r} at position {pointer[r]} ({schedule.ranks[r][pointer[r]]})"
+                          for r in stuck)
+        rank = stuck[0]
+        raise ScheduleError(
+            f"simulation deadlocked, no rank can continue: {where}. "
+            "pipeoffload.core.validate.validate(schedule) explains what each one waits for",
+            rank=rank, position=pointer[rank], action=schedule.ranks[rank][pointer[rank]],
+        )
+    for rank in range(schedule.num_ranks):
+        timed[rank].sort(key=lambda t: (t.start, t.end))
+    return timed, stall
+
+
+def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
+    """Per stage: one microbatch's activation in M_a units of its rank (by bytes if known)."""
+    units = []
+    for stage in range(schedule.num_stages):
+        local = schedule.stages_on_rank(schedule.rank_of(stage))
+        sizes = [costs.bytes_of(s) for s in local]
+        if all(size is not None for size in sizes) and sum(sizes) > 0:  # type: ignore[arg-type]
+            units.append(costs.bytes_of(stage) / sum(sizes))  # type: ignore[operator,arg-type]
+        else:
+            units.append(1.0 / len(local))
+    return tuple(units)
+
+
+def memory_events(schedule: Schedule, rank_timeline: tuple[TimedAction, ...] | list[TimedAction],
+                  sizes: tuple[float, ...], costs: CostModel) -> list[tuple[float, float]]:
+    """Rank's resident-activation changes as (time, delta), frees before allocations at a tie.
+
+    Note: [memory accounting] (design.md) the activation of (s, m) is resident from the start of
+    F(s, m) to the end of W(s, m) or B(s, m), except from the end of OFFLOAD(s, m) to the start
+    of RELOAD(s, m). A recomputed (s, m) keeps nothing between the end of its F and the start of
+    its RECOMPUTE (its input is held by the previous stage's output buffer).
+
+    Note: [streaming offload] an offloaded (s, m) is copied out while its F runs, tensor by
+    tensor as autograd saves it: the copy starts when the F starts (or when the D2H queue frees
+    up) and cannot end before the F does. Only the part not yet copied is on the device, so
+    such an (s, m) counts ``streamed_fraction`` of its size from the F's start to the copy's
+    end: 0 when the copy keeps up with the forward, all of it when the copy starts after the
+    forward ended.
+    """
+    timed = {t.action: t for t in rank_timeline}
+    events = []
+    for t in rank_timeline:
+        s, kind, m = t.action
+        size = sizes[s]
+        if kind is Kind.F:
+            copy = timed.get(Action(s, Kind.OFFLOAD, m))
+            if copy is not None:
+                part = size * streamed_fraction(t.start, t.end, copy.start,
+                                                costs.transfer_time(s, Kind.OFFLOAD))
+                events.extend(((t.start, part), (copy.end, -part)))
+                continue
+            events.append((t.start, size))
+            if Action(s, Kind.RECOMPUTE, m) in timed:
+                events.append((t.end, -size))
+        elif kind in (Kind.W, Kind.B):
+            events.append((t.end, -size))
+        elif kind in (Kind.RELOAD, Kind.RECOMPUTE):
+            events.append((t.start, size))
+    events.sort(key=lambda e: (e[0], e[1] > 0))
+    return events
+
+
+def streamed_fraction(f_start: float, f_end: float, copy_start: float, copy_time: float) -> float:
+    """The largest share of a forward's activation on the device while it streams out (the
+    forward produces at a constant rate, the copy drains at one; see [streaming offload])."""
+    if copy_start >= f_end:
+        return 1.0
+    f_time = f_end - f_start
+    before = (copy_start - f_start) / f_time if f_time > 0 else 1.0
+    if copy_time <= f_time or copy_time <= 0:
+        return min(1.0, max(0.0, before))
+    return min(1.0, max(0.0, 1.0 - (f_end - copy_start) / copy_time))
+
+
+def _curve(events: list[tuple[float, float]]) -> tuple[tuple[tuple[float, float], ...], float]:
+    level = peak = 0.0
+    points = [(0.0, 0.0)]
+    for time, delta in events:
+        level += delta
+        peak = max(peak, level)
+        points.append((time, level))
+    return tuple(points), peak
+
+
+def _summarise(schedule: Schedule, costs: CostModel, timed: list[list[TimedAction]],
+               stall: list[float]) -> SimResult:
+    units = activation_units(schedule, costs)
+    byte_sizes = [costs.bytes_of(s) for s in range(schedule.num_stages)]
+    have_bytes = all(b is not None for b in byte_sizes)
+    memory, peaks, peak_bytes = [], [], []
+    for rank_timeline in timed:
+        curve, peak = _curve(memory_events(schedule, rank_timeline, units, costs))
+        memory.append(curve)
+        peaks.append(peak)
+        if have_bytes:
+            _, peak_b = _curve(memory_events(schedule, rank_timeline, tuple(byte_sizes), costs))
+            peak_bytes.append(peak_b)
+    makespan = max((t.end for rank in timed for t in rank), default=0.0)
+    compute = tuple(
+        sum(t.end - t.start for t in rank if t.action.kind in (Kind.F, Kind.I, Kind.W, Kind.B))
+        for rank in timed
+    )
+    bubble = 1.0 - sum(compute) / (schedule.num_ranks * makespan) if makespan > 0 else 0.0
+    return SimResult(
+        schedule=schedule,
+        costs=costs,
+        timeline=tuple(tuple(r) for r in timed),
+        makespan=makespan,
+        compute_time=compute,
+        bubble_rate=bubble,
+        peak_activation=tuple(peaks),
+        peak_bytes=tuple(peak_bytes) if have_bytes else None,
+        memory=tuple(memory),
+        stall_time=tuple(stall),
+    )

@@ -1,0 +1,80 @@
+"""Action text form, CSV reading errors, and offload target parsing."""
+
+import pytest
+
+from pipeoffload.core.actions import Action, Kind, parse_action
+from pipeoffload.core.text import parse_rows, read_csv, schedule_from_rows, to_csv_text
+from pipeoffload.errors import ConfigError, ParseError, ScheduleError
+from pipeoffload.offload.targets import TargetKind, parse_target
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+def test_every_kind_round_trips_through_text(kind):
+    action = Action(12, kind, 345)
+    assert parse_action(str(action)) == action
+
+
+@pytest.mark.parametrize("token", ["F0", "0F", "0X1", "0F1x", "0 F 1", "-1F0", "0UNSHARD", "0F-1"])
+def test_bad_tokens_are_rejected_whole(token):
+    with pytest.raises(ParseError, match="invalid action"):
+        parse_action(token)
+
+
+def test_unsupported_torch_kinds_get_a_specific_hint():
+    with pytest.raises(ParseError, match="FSDP"):
+        parse_action("0RESHARD")
+
+
+def test_parse_error_names_file_row_and_column(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,0B0\n1F0,1Q0,1B0\n")
+    with pytest.raises(ParseError, match=r"bad.csv:2:2: invalid action '1Q0'"):
+        read_csv(path)
+
+
+def test_missing_file_is_a_parse_error(tmp_path):
+    with pytest.raises(ParseError, match="cannot read"):
+        read_csv(tmp_path / "nope.csv")
+
+
+def test_empty_cells_are_spacing_and_placement_is_inferred():
+    rows = parse_rows("0F0,,0F1,0B0,0B1\n,1F0,1B0,1F1,1B1\n")
+    sched = schedule_from_rows(rows)
+    assert sched.stage_to_rank == (0, 1)
+    assert sched.microbatches == 2
+    assert to_csv_text(sched) == "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
+
+
+def test_stage_on_two_ranks_is_rejected():
+    with pytest.raises(ScheduleError, match="stage 0 appears on rank 0 and on rank 1"):
+        schedule_from_rows(parse_rows("0F0,0B0\n0F1,0B1\n"))
+
+
+def test_compute_only_strips_our_own_kinds():
+    rows = parse_rows("0F0,0OFFLOAD0,0RELOAD0,0B0\n")
+    assert to_csv_text(schedule_from_rows(rows), compute_only=True) == "0F0,0B0\n"
+
+
+@pytest.mark.parametrize(
+    "spec,kind,value,in_bytes",
+    [
+        ("none", TargetKind.NONE, 0, False),
+        ("ALL", TargetKind.ALL, 0, False),
+        ("chunks:2", TargetKind.CHUNKS, 2, False),
+        ("fraction:0.5", TargetKind.FRACTION, 0.5, False),
+        ("limit:3.5", TargetKind.LIMIT, 3.5, False),
+        ("limit:2GiB", TargetKind.LIMIT, 2 * 2**30, True),
+        ("limit:500mb", TargetKind.LIMIT, 5e8, True),
+    ],
+)
+def test_targets_parse(spec, kind, value, in_bytes):
+    target = parse_target(spec)
+    assert (target.kind, target.value, target.in_bytes) == (kind, value, in_bytes)
+    assert parse_target(str(target)) == target
+
+
+@pytest.mark.parametrize("spec", ["some", "chunks:0", "chunks:x", "fraction:1.5", "limit:",
+                                  "limit:3parsecs", "fraction:0.5GiB"])
+def test_bad_targets_name_the_accepted_forms(spec):
+    with pytest.raises(ConfigError, match="offload target"):
+        parse_target(spec)
