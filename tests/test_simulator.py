@@ -52,42 +52,57 @@ def test_units_follow_bytes_of_the_ranks_stages():
     assert points[0.0] == 0.25  # F(0,0) allocated at its start
 
 
-def test_offload_frees_at_copy_end_and_reload_holds_from_copy_start():
+def test_offload_streams_during_its_forward_and_reload_holds_from_copy_start():
     # Two microbatches on one stage, the first offloaded while the second runs.
     sched = Schedule(((F(0, 0), off(0, 0), F(0, 1), rel(0, 0), B(0, 1), B(0, 0)),), (0,), 2)
     costs = CostModel(f_time=1, i_time=1, w_time=1, offload_ratio=0.25)  # copy = 0.75
     res = simulate(sched, costs)
-    assert res.timed(off(0, 0)).start == 1.0
-    assert res.timed(off(0, 0)).end == 1.75
+    # The copy streams out from F's start and cannot end before F does.
+    assert (res.timed(off(0, 0)).start, res.timed(off(0, 0)).end) == (0.0, 1.0)
     # RELOAD is reached when F(0,1) ends at 2, B(0,1) runs [2,4], the copy [2, 2.75]
     assert res.timed(rel(0, 0)).start == 2.0
     assert res.timed(B(0, 0)).start == 4.0
     curve = res.memory[0]
-    assert (1.75, 1.0) in curve  # offloaded: only microbatch 1 resident
+    assert (1.0, 1.0) in curve  # the copy kept up with F(0,0): only microbatch 1 resident
     assert res.peak_activation == (2.0,)
     assert res.stall_time == (0.0,)
+
+
+@pytest.mark.parametrize("ratio,expected", [(0.25, 0.0), (1.0, 2 / 3)])
+def test_streaming_offload_keeps_only_what_the_copy_has_not_drained(ratio, expected):
+    sched = Schedule(((F(0, 0), off(0, 0), F(0, 1), rel(0, 0), B(0, 1), B(0, 0)),), (0,), 2)
+    res = simulate(sched, CostModel(offload_ratio=ratio))  # F takes 1, the copy 3 * ratio
+    assert res.memory[0][1] == pytest.approx((0.0, expected))  # made at 1/F, drained at 1/copy
+
+
+def test_a_copy_queued_past_its_forward_counts_it_whole():
+    # Half duplex: mb 0's copy holds the link [0, 3]; mb 1's starts after F(0,1) ended.
+    sched = Schedule(((F(0, 0), off(0, 0), F(0, 1), off(0, 1), rel(0, 0), rel(0, 1), B(0, 1),
+                       B(0, 0)),), (0,), 2)
+    res = simulate(sched, CostModel(offload_ratio=1.0, host_link=HostLink(Duplex.HALF)))
+    assert res.timed(off(0, 1)).start == 3.0
+    assert res.memory[0][2] == pytest.approx((1.0, 2 / 3 + 1.0))
 
 
 def test_reload_too_late_stalls_and_is_reported():
     sched = Schedule(((F(0, 0), off(0, 0), rel(0, 0), B(0, 0)),), (0,), 1)
     res = simulate(sched, CostModel(offload_ratio=1.0))  # each copy takes 3
-    # OFFLOAD [1,4]; RELOAD waits for it [4,7]; B could start at 1, waits until 7
-    assert res.timed(B(0, 0)).start == 7.0
-    assert res.timed(B(0, 0)).stall == 6.0
-    assert res.stall_time == (6.0,)
+    # OFFLOAD [0,3]; RELOAD waits for it [3,6]; B could start at 1, waits until 6
+    assert res.timed(B(0, 0)).start == 6.0
+    assert res.timed(B(0, 0)).stall == 5.0
+    assert res.stall_time == (5.0,)
 
 
-@pytest.mark.parametrize("duplex,expected_reload_start", [(Duplex.FULL, 3.0), (Duplex.HALF, 5.0)])
+@pytest.mark.parametrize("duplex,expected_reload_start", [(Duplex.FULL, 2.0), (Duplex.HALF, 4.0)])
 def test_half_duplex_serialises_directions(duplex, expected_reload_start):
-    # Stage 0 offloads mb 1 while it reloads mb 0 (already offloaded in a first phase).
     sched = Schedule(
         ((F(0, 0), off(0, 0), F(0, 1), off(0, 1), rel(0, 0), B(0, 0), rel(0, 1), B(0, 1)),),
         (0,), 2)
     costs = CostModel(f_time=1, i_time=0.5, w_time=0.5, offload_ratio=1.0,  # copy = 2
                       host_link=HostLink(duplex=duplex))
     res = simulate(sched, costs)
-    assert res.timed(off(0, 1)).start == 3.0  # the D2H queue held microbatch 0 until 3
-    # RELOAD(0,0) needs OFFLOAD(0,0) done at 3; half duplex also waits for OFFLOAD(0,1) [3,5],
+    assert res.timed(off(0, 1)).start == 2.0  # the D2H queue held microbatch 0 until 2
+    # RELOAD(0,0) needs OFFLOAD(0,0) done at 2; half duplex also waits for OFFLOAD(0,1) [2,4],
     # which became ready first.
     assert res.timed(rel(0, 0)).start == expected_reload_start
 
@@ -98,12 +113,10 @@ def test_shared_link_queues_two_ranks():
         (0, 1), 1)
     alone = simulate(sched, CostModel(offload_ratio=2 / 3))  # copy = 2
     shared = simulate(sched, CostModel(offload_ratio=2 / 3, host_link=HostLink(ranks_per_link=2)))
-    assert alone.timed(off(1, 0)).start == 2.0  # after F(1,0) = [1,2]
-    assert shared.timed(off(0, 0)).end == 3.0
-    assert shared.timed(off(1, 0)).start == 3.0  # the link was busy with rank 0 until 3
-    assert alone.makespan == 10.0 and shared.makespan == 11.0
-    # rank 0's backward waits on rank 1's, which now starts later
-    assert shared.makespan > alone.makespan
+    assert alone.timed(off(1, 0)).start == 1.0  # with F(1,0) = [1,2]
+    assert shared.timed(off(0, 0)).end == 2.0
+    assert shared.timed(off(1, 0)).start == 2.0  # the link was busy with rank 0 until 2
+    assert alone.makespan == 9.0 and shared.makespan == 10.0
 
 
 def test_deadlock_raises_schedule_error_naming_the_rank():

@@ -4,10 +4,10 @@ config dataclasses and calling the public API (the library never imports this mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from pipeoffload.errors import PipeoffloadError
 
@@ -87,8 +87,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from pipeoffload.sim.render_png import render_png
         from pipeoffload.sim.simulator import simulate
 
-        baseline = simulate(schedule.without(*_transfer_kinds()), result.costs) \
-            if report.offloaded else None
+        bare = schedule.without(*_transfer_kinds())
+        baseline = simulate(dataclasses.replace(bare, name=f"{bare.name} without offload"),
+                            result.costs) if report.offloaded else None
         render_png(result, args.png, compare=baseline)
     if args.trace:
         from pipeoffload.sim.render_trace import write_trace
@@ -111,7 +112,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _transfer_kinds():
     from pipeoffload.core.actions import Kind
 
-    return (Kind.OFFLOAD, Kind.RELOAD)
+    return (Kind.OFFLOAD, Kind.RELOAD, Kind.OFFLOAD_WAIT)
 
 
 def _simulate_json(plan) -> dict:
@@ -173,10 +174,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return 0
-
-
-def _path(value: str) -> Path:
-    return Path(value)
 
 
 if __name__ == "__main__":

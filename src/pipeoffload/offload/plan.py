@@ -1,19 +1,22 @@
 """The offload planning pass: schedule + costs + target -> the same schedule with OFFLOAD /
-RELOAD actions, and a report of what it bought and what it could not do.
+RELOAD (and OFFLOAD_WAIT) actions, and a report of what it bought and what it could not do.
 
-Assumes a valid schedule (existing OFFLOAD / RELOAD actions are replaced). Guarantees a valid
-schedule whose per-rank peak is never above the input's (a plan that would raise a peak is
-dropped), and never raises for an unreachable target: it returns the best plan it found and
-says why in ``OffloadReport.notes``.
+Assumes a valid schedule (existing transfer actions are replaced). Guarantees a valid schedule
+whose per-rank peak is never above the input's (a plan that would raise a peak is dropped), and
+never raises for an unreachable target: it returns the best plan it found and says why in
+``OffloadReport.notes`` and ``OffloadReport.skipped``.
 
 How (PipeOffload's selective offload, generalised to any schedule):
 1. Simulate the schedule; every (stage, microbatch) gets its lifespan, F start to W/B end.
 2. The target picks candidates, longest-lived first (they free the most memory per byte moved).
-3. OFFLOAD goes right after the F. RELOAD goes before the latest compute action at which the
-   copy back still finishes ``reload_margin`` before the backward that needs it.
-4. Simulate; a RELOAD that made its backward wait is moved earlier, and one that cannot hide
-   (the copy out ends too late, or nothing is gained) is dropped, unless the target demands it
-   (see OffloadTarget.demands). Repeat until nothing stalls or ``max_rounds``.
+3. OFFLOAD goes right after the F (the copy streams out while the F runs; see the simulator's
+   [streaming offload] note). RELOADs are placed by a backward pass over each rank's H2D queue
+   so that each copy back ends ``reload_margin`` before its backward (``place_reloads``).
+4. Simulate; re-place what stalled; drop what cannot hide (unless the target demands it, see
+   OffloadTarget.demands) or gains nothing. Then postpone forwards that would start while
+   more than ``max_pending_offloads`` copies out are unfinished (OFFLOAD_WAIT), as long as the
+   makespan does not grow beyond ``postpone_slack``: back-to-back warm-up forwards would
+   otherwise pile activations up behind a slow link. Repeat until stable or ``max_rounds``.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def add_offload(
     costs = costs or CostModel()
     policy = policy or OffloadPolicy()
     target = parse_target(target)
-    bare = schedule.without(Kind.OFFLOAD, Kind.RELOAD)
+    bare = schedule.without(Kind.OFFLOAD, Kind.RELOAD, Kind.OFFLOAD_WAIT)
     base = simulate(bare, costs)
     planner = _Planner(bare, costs, policy, base, keep_stalling=target.demands)
     if target.kind is TargetKind.NONE:

@@ -86,14 +86,17 @@ class CostModel:
     def compute_time(self, action: Action) -> float:
         """Duration of a compute action (0 for anything else)."""
         kind = action.kind
-        base = {
-            Kind.F: self.f_time,
-            Kind.I: self.i_time,
-            Kind.W: self.w_time,
-            Kind.B: self.i_time + self.w_time,
-            Kind.RECOMPUTE: self.f_time,
-        }.get(kind, 0.0)
-        return base * self.scale(action.stage)
+        if kind is Kind.F or kind is Kind.RECOMPUTE:
+            base = self.f_time
+        elif kind is Kind.I:
+            base = self.i_time
+        elif kind is Kind.W:
+            base = self.w_time
+        elif kind is Kind.B:
+            base = self.i_time + self.w_time
+        else:
+            return 0.0
+        return base * self.scale(action.stage) if self.stage_time_scale else base
 
     def chunk_time(self, stage: int) -> float:
         """F + I + W of one stage for one microbatch."""

@@ -108,6 +108,7 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
     stall = [0.0] * schedule.num_ranks
     waiting: dict[Action, list[int]] = defaultdict(list)
     forward_start: dict[tuple[int, int], float] = {}
+    dependencies: dict[Action, tuple[Action, ...]] = {}
     pending: list[tuple[float, int, int, Action]] = []  # transfers: (ready, seq, rank, action)
     channel_free: dict[tuple[int, str], float] = defaultdict(float)
     seq = 0
@@ -115,7 +116,10 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
     def ready_time(rank: int, action: Action) -> tuple[float, float] | None:
         """(time all dependencies allow, time all but RELOADs allow), or None if not timed."""
         ready = other = issue[rank]
-        for dep in deps.of(action):
+        needs = dependencies.get(action)
+        if needs is None:
+            needs = dependencies[action] = deps.of(action)
+        for dep in needs:
             if dep not in end:
                 waiting[dep].append(rank)
                 return None
