@@ -146,6 +146,12 @@ def cmd_schedules(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from pipeoffload.app.probe import run_probe_cli
+
+    return run_probe_cli(args.output)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipeoffload",
@@ -161,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_simulate)
     p = sub.add_parser("schedules", help="list schedule names, one per line")
     p.set_defaults(handler=cmd_schedules)
+    p = sub.add_parser("probe", help="measure this GPU's matmul rate and host-link bandwidth "
+                       "and print a hardware preset")
+    p.add_argument("--output", metavar="FILE", help="save the preset as JSON")
+    p.set_defaults(handler=cmd_probe)
     return parser
 
 

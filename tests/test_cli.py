@@ -1,0 +1,94 @@
+"""The `pipeoffload` command: simulate's JSON contract, files it writes, and its errors."""
+
+import json
+
+import pytest
+
+from pipeoffload.app.cli import main
+from pipeoffload.core.text import read_csv
+from pipeoffload.core.validate import validate
+
+CONTRACT = {"schedule", "pp", "chunks", "stages", "microbatches", "makespan", "bubble_rate",
+            "peak_activation", "offloaded_fraction", "stall_time"}
+
+
+def run_json(capsys, *argv):
+    assert main(["simulate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_simulate_json_has_the_contract_keys(capsys):
+    out = run_json(capsys, "--schedule", "1F1B", "--pp", "4", "--microbatches", "8")
+    assert CONTRACT <= out.keys()
+    assert out["schedule"] == "1f1b" and out["pp"] == 4 and out["stages"] == 4
+    assert out["bubble_rate"] == pytest.approx(3 / 11)
+    assert out["peak_activation"] == [4, 3, 2, 1]
+    assert out["offloaded_fraction"] == 0 and out["stall_time"] == 0
+
+
+def test_po_f_offloads_and_lowers_the_peak(capsys):
+    out = run_json(capsys, "--schedule", "po-f", "--pp", "8", "--offload-ratio", "0.5")
+    assert out["chunks"] == 2 and out["microbatches"] == 32
+    assert out["offloaded_fraction"] > 0.8
+    assert max(out["peak_activation"]) <= 1.5 < max(out["peak_activation_without_offload"])
+
+
+def test_csv_round_trip_through_the_cli(tmp_path, capsys):
+    path = tmp_path / "zbv.csv"
+    assert main(["simulate", "--schedule", "ZBVZeroBubble", "--pp", "4", "--csv", str(path),
+                 "--no-grid"]) == 0
+    direct = capsys.readouterr().out
+    assert f"wrote csv: {path}" in direct
+    validate(read_csv(path))
+    again = run_json(capsys, "--from-csv", str(path))
+    built = run_json(capsys, "--schedule", "zbv", "--pp", "4")
+    assert again["makespan"] == built["makespan"]
+    assert again["peak_activation"] == built["peak_activation"]
+
+
+def test_png_and_trace_are_written(tmp_path, capsys):
+    png, trace = tmp_path / "s.png", tmp_path / "s.json"
+    assert main(["simulate", "--schedule", "po-h", "--pp", "4", "--offload-ratio", "0.25",
+                 "--png", str(png), "--trace", str(trace), "--no-grid"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("OFFLOAD") or "OFFLOAD" in json.dumps(e)
+               for e in events)
+
+
+def test_human_output_has_table_and_grid(capsys):
+    assert main(["simulate", "--schedule", "v-half", "--pp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble" in out and "rank 3" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--schedule", "nope"], "unknown schedule"),
+        (["--schedule", "zbv", "--chunks", "3"], "chunks"),
+        (["--schedule", "1f1b", "--offload", "half"], "offload target"),
+        (["--from-csv", "missing.csv"], "cannot read"),
+        (["--from-csv", "x.csv", "--group-size", "2"], "--group-size has no effect"),
+    ],
+)
+def test_errors_exit_2_with_a_message(capsys, argv, message):
+    assert main(["simulate", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_schedules_lists_one_name_per_line(capsys):
+    assert main(["schedules"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "v-min",
+            "grouped-interleaved", "po-h", "po-f"} <= set(names)
+
+
+def test_probe_without_gpu_says_so_and_succeeds(capsys):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; the GPU path is exercised by benchmarks/gpu_offload.py")
+    assert main(["probe"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
