@@ -151,3 +151,32 @@ def test_infeasible_targets_return_a_plan_and_a_reason(name, pp, microbatches, t
     text = plan.report.summary()
     assert "offload" in text
     assert all(a <= b + 1e-9 for a, b in zip(plan.report.peak_after, plan.report.peak_before))
+
+
+def test_recompute_trades_time_for_memory_and_mixes_with_offload():
+    from pipeoffload.offload.recompute import add_recompute
+
+    bare = build_schedule("grouped-interleaved", 8, 32, chunks=2, group_size=4)
+    costs = CostModel(offload_ratio=0.5)
+    plain = simulate(bare, costs)
+    recomputed = add_recompute(bare, costs, "chunks:1")
+    validate(recomputed.schedule)
+    assert len(recomputed.recomputed) == 8 * 32  # one chunk of every rank, every microbatch
+    result = recomputed.result
+    assert result.peak_activation[0] < plain.peak_activation[0]
+    # Each RECOMPUTE costs one forward on its rank; no rank can finish sooner than before.
+    assert result.makespan > plain.makespan
+    assert sum(t.end - t.start for t in result.timeline[0]) == pytest.approx(
+        sum(t.end - t.start for t in plain.timeline[0]) + 32 * costs.f_time)
+    mixed = add_offload(recomputed.schedule, costs, "all")
+    validate(mixed.schedule)
+    assert not set(mixed.report.offloaded) & set(recomputed.recomputed)
+    assert mixed.report.peak_after[0] < result.peak_activation[0]
+
+
+def test_recompute_rejects_limit_targets():
+    from pipeoffload.errors import ConfigError
+    from pipeoffload.offload.recompute import add_recompute
+
+    with pytest.raises(ConfigError, match="recompute target"):
+        add_recompute(build_schedule("1f1b", 2, 4), target="limit:1")

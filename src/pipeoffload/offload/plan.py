@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
+from pipeoffload.offload.select import Item, Lifespans
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, activation_units, simulate
-
-Item = tuple[int, int]  # (stage, microbatch)
 
 
 @dataclass(frozen=True)
@@ -120,34 +119,10 @@ def add_offload(
         return planner.finish(target, (), base, {}, ())
     if target.kind is TargetKind.LIMIT:
         return _plan_limit(planner, target)
-    chosen, notes = _choose(planner, target)
+    chosen, notes = planner.spans.choose(target, planner.units)
+    chosen = [item for item in chosen if item not in planner.recomputed]
     planned, result, skipped = planner.plan(chosen)
     return planner.finish(target, planned, result, skipped, notes)
-
-
-def _choose(planner: _Planner, target: OffloadTarget) -> tuple[list[Item], tuple[str, ...]]:
-    notes: list[str] = []
-    chosen: list[Item] = []
-    for rank in range(planner.schedule.num_ranks):
-        items = planner.by_lifespan[rank]
-        if target.kind is TargetKind.ALL:
-            chosen.extend(items)
-        elif target.kind is TargetKind.CHUNKS:
-            stages = planner.stages_by_lifespan(rank)
-            k = int(target.value)
-            if k > len(stages):
-                notes.append(f"rank {rank} holds {len(stages)} chunks; chunks:{k} offloads all")
-            keep = set(stages[:k])
-            chosen.extend(item for item in items if item[0] in keep)
-        else:  # FRACTION of this rank's activation, longest-lived first
-            total = sum(planner.units[s] for s, _ in items)
-            moved = 0.0
-            for item in items:
-                if moved >= target.value * total - 1e-12:
-                    break
-                chosen.append(item)
-                moved += planner.units[item[0]]
-    return chosen, tuple(notes)
 
 
 def _plan_limit(planner: _Planner, target: OffloadTarget) -> OffloadPlan:
@@ -202,27 +177,14 @@ class _Planner:
         self.units = activation_units(schedule, costs)
         self.compute = [[a for a in acts if a.kind.is_compute] for acts in schedule.ranks]
         self.position = [{a: i for i, a in enumerate(c)} for c in self.compute]
-        start = {t.action: t.start for rank in base.timeline for t in rank}
-        end = {t.action: t.end for rank in base.timeline for t in rank}
         self._backward = {(a.stage, a.microbatch): a for c in self.compute for a in c
                           if a.kind.is_backward}
-        self.lifespan: dict[Item, float] = {}
-        self.by_lifespan: list[list[Item]] = []
-        for rank in range(schedule.num_ranks):
-            items = [(a.stage, a.microbatch) for a in self.compute[rank] if a.kind is Kind.F]
-            for s, m in items:
-                last = Action(s, Kind.W, m) if Action(s, Kind.W, m) in end else Action(s, Kind.B, m)
-                self.lifespan[(s, m)] = end[last] - start[Action(s, Kind.F, m)]
-            # Equal lifespans (a steady state) are taken in bit-reversed microbatch order, so
-            # any prefix spreads evenly over time and lowers the whole plateau, not one end.
-            items.sort(key=lambda it: (-round(self.lifespan[it], 9),
-                                       _bit_reversed(it[1], schedule.microbatches), it[0]))
-            self.by_lifespan.append(items)
-
-    def stages_by_lifespan(self, rank: int) -> list[int]:
-        stages = self.schedule.stages_on_rank(rank)
-        mean = {s: sum(v for (st, _), v in self.lifespan.items() if st == s) for s in stages}
-        return sorted(stages, key=lambda s: (-mean[s], s))
+        self.spans = Lifespans(base)
+        # Recomputed items keep nothing to offload (see offload/recompute.py).
+        self.recomputed = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts
+                           if a.kind is Kind.RECOMPUTE}
+        self.by_lifespan = [[it for it in items if it not in self.recomputed]
+                            for items in self.spans.by_rank]
 
     def backward(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
@@ -419,8 +381,3 @@ class _Planner:
 def _timing(result: SimResult) -> dict[Action, tuple[float, float, float]]:
     """action -> (start, stall, end)."""
     return {t.action: (t.start, t.stall, t.end) for rank in result.timeline for t in rank}
-
-
-def _bit_reversed(index: int, count: int) -> int:
-    bits = max(1, (count - 1).bit_length())
-    return int(format(index, f"0{bits}b")[::-1], 2)
