@@ -1,9 +1,10 @@
 """The recomputation pass: mark (stage, microbatch) activations to be rebuilt instead of kept.
 
-A recomputed (stage, microbatch) keeps only its input after its F; a RECOMPUTE action right
-before its backward re-runs the forward (with autograd recording) and the backward proceeds as
-usual. The simulator charges the RECOMPUTE a forward's time and counts the activation resident
-only from the RECOMPUTE's start (Note [memory accounting]); the runtime executes it, so the
+A recomputed (stage, microbatch) runs its F without autograd recording and keeps only its
+input; a RECOMPUTE action right before its backward re-runs the forward (recording, from the
+same RNG state) and the backward proceeds as usual. The simulator charges the RECOMPUTE a
+forward's time and counts the activation resident only from the RECOMPUTE's start (Note
+[memory accounting]); the runtime executes it (Note [recompute] in runtime/executor.py), so the
 gradients equal a plain run's. Offload and recompute mix per item: run this pass first, then
 ``add_offload``, which leaves recomputed items alone.
 """

@@ -211,8 +211,9 @@ def memory_events(schedule: Schedule, rank_timeline: tuple[TimedAction, ...] | l
 
     Note: [memory accounting] (design.md) the activation of (s, m) is resident from the start of
     F(s, m) to the end of W(s, m) or B(s, m), except from the end of OFFLOAD(s, m) to the start
-    of RELOAD(s, m). A recomputed (s, m) keeps nothing between the end of its F and the start of
-    its RECOMPUTE (its input is held by the previous stage's output buffer).
+    of RELOAD(s, m). A recomputed (s, m) runs its F without autograd recording and keeps only
+    its input (not counted: it is the previous stage's output), so it is resident from the
+    start of its RECOMPUTE only.
 
     Note: [streaming offload] an offloaded (s, m) is copied out while its F runs, tensor by
     tensor as autograd saves it: the copy starts when the F starts (or when the D2H queue frees
@@ -233,9 +234,8 @@ def memory_events(schedule: Schedule, rank_timeline: tuple[TimedAction, ...] | l
                                                 costs.transfer_time(s, Kind.OFFLOAD))
                 events.extend(((t.start, part), (copy.end, -part)))
                 continue
-            events.append((t.start, size))
-            if Action(s, Kind.RECOMPUTE, m) in timed:
-                events.append((t.end, -size))
+            if Action(s, Kind.RECOMPUTE, m) not in timed:
+                events.append((t.start, size))
         elif kind in (Kind.W, Kind.B):
             events.append((t.end, -size))
         elif kind in (Kind.RELOAD, Kind.RECOMPUTE):

@@ -1,0 +1,194 @@
+"""The B/W split: an input-gradient backward (I) and a weight-gradient backward (W) that together
+do the work of one plain backward, without recomputing the input-gradient path.
+
+Note: [B/W split]
+Call N_in the autograd nodes from which a stage input is reachable: I runs exactly those (via
+``torch.autograd.grad(..., inputs=<stage inputs>)``), and the engine asks each of them only for
+the gradients on edges that lead to an input, so a Linear's node computes dX but not dW.
+A "boundary" node is a node of N_in with an edge to a node outside N_in that leads to a
+parameter (the AddmmBackward of a Linear: its weight edge leads to the weight's accumulator).
+During I a pre-hook captures each boundary node's incoming gradients. W then runs, for each
+boundary node u, ``torch.autograd.grad`` from (u, captured gradients) with ``inputs`` = the
+parameters reachable from u without passing through N_in: the engine runs u again for those
+edges only (dW) and the weight-only nodes below it, never another node of N_in, since none of
+them leads to those parameters. Outputs whose node is outside N_in (a first stage, which has no
+input gradient) are roots of W with their output gradients.
+This is exact when no parameter is reachable from two boundary nodes (a parameter used on two
+input-gradient paths, e.g. a module applied twice or tied weights inside one stage): W would then
+count a contribution twice. Such a stage falls back to a full backward in I and an empty W, which
+is still correct and costs the same total FLOPs; ``SplitPlan.fallback`` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """For one (stage, microbatch): which nodes feed W, and with which parameters."""
+
+    boundary: tuple[tuple[Node, tuple[int, ...]], ...]  # (node, indices of its params)
+    roots: tuple[tuple[int, tuple[int, ...]], ...]  # (output index, indices of its params)
+    fallback: bool
+
+
+def plan_split(
+    outputs: Sequence[GradientEdge],
+    input_nodes: Sequence[Node],
+    params: Sequence[torch.Tensor],
+) -> SplitPlan:
+    """Analyse the graph below ``outputs``; see Note: [B/W split]."""
+    accumulators = {torch.autograd.graph.get_gradient_edge(p).node: i for i, p in enumerate(params)}
+    order = _post_order([edge.node for edge in outputs])
+    inputs = set(input_nodes)
+    reaches_input: dict[Node, bool] = {}
+    below: dict[Node, frozenset[int]] = {}  # params reachable through nodes outside N_in
+    for node in order:
+        children = [child for child, _ in node.next_functions if child is not None]
+        reaches_input[node] = node in inputs or any(reaches_input[c] for c in children)
+        if node in accumulators:
+            below[node] = frozenset((accumulators[node],))
+        else:
+            below[node] = frozenset().union(
+                *(below[c] for c in children if not reaches_input[c])
+            )
+    boundary = []
+    for node in order:
+        if not reaches_input[node] or node in inputs:
+            continue
+        children = [child for child, _ in node.next_functions if child is not None]
+        group = frozenset().union(*(below[c] for c in children if not reaches_input[c]))
+        if group:
+            boundary.append((node, tuple(sorted(group))))
+    roots = []
+    for index, edge in enumerate(outputs):
+        if not reaches_input[edge.node] and below[edge.node]:
+            roots.append((index, tuple(sorted(below[edge.node]))))
+    seen: set[int] = set()
+    fallback = False
+    for _, group in [*boundary, *roots]:
+        if seen.intersection(group):
+            fallback = True
+        seen.update(group)
+    return SplitPlan(tuple(boundary), tuple(roots), fallback)
+
+
+def _post_order(roots: Sequence[Node]) -> list[Node]:
+    """Every node below ``roots``, children before parents (iterative: graphs can be deep)."""
+    order: list[Node] = []
+    visited: set[Node] = set()
+    for root in roots:
+        if root in visited:
+            continue
+        visited.add(root)
+        stack = [(root, iter([c for c, _ in root.next_functions if c is not None]))]
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                order.append(node)
+            elif child not in visited:
+                visited.add(child)
+                stack.append((child, iter([c for c, _ in child.next_functions if c is not None])))
+    return order
+
+
+class WeightGradState:
+    """What I leaves for W: captured gradients at boundary nodes and the output gradients."""
+
+    def __init__(self, plan: SplitPlan, output_grads: Sequence[torch.Tensor | None]) -> None:
+        self.plan = plan
+        self.output_grads = list(output_grads)
+        # Filled by pre-hooks; holds only tensors, never nodes, so no reference cycle forms.
+        self.captured: list[tuple[torch.Tensor | None, ...] | None] = [None] * len(plan.boundary)
+
+
+def input_backward(
+    outputs: Sequence[GradientEdge],
+    output_grads: Sequence[torch.Tensor],
+    input_edges: Sequence[GradientEdge],
+    params: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightGradState | None]:
+    """I: gradients of the stage inputs, and what W needs (None when I already did it all)."""
+    plan = plan_split(outputs, [e.node for e in input_edges], params)
+    if plan.fallback:
+        return full_backward(outputs, output_grads, input_edges, params), None
+    state = WeightGradState(plan, output_grads)
+    if not input_edges:
+        return [], state
+    handles = []
+    for index, (node, _) in enumerate(plan.boundary):
+        def capture(grads: tuple[torch.Tensor | None, ...], index: int = index) -> None:
+            state.captured[index] = tuple(grads)
+
+        handles.append(node.register_prehook(capture))
+    try:
+        grads = torch.autograd.grad(
+            list(outputs), list(input_edges), grad_outputs=list(output_grads),
+            retain_graph=True, allow_unused=True,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return list(grads), state
+
+
+def weight_backward(
+    state: WeightGradState,
+    outputs: Sequence[GradientEdge],
+    params: Sequence[torch.Tensor],
+) -> None:
+    """W: accumulate parameter gradients from what I captured (see Note: [B/W split])."""
+    starts: list[tuple[list[GradientEdge], list[torch.Tensor], tuple[int, ...]]] = []
+    for (node, group), grads in zip(state.plan.boundary, state.captured):
+        if grads is None:
+            continue  # the engine never reached this node: no gradient flows through it
+        edges = [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
+        values = [g for g in grads if g is not None]
+        if edges:
+            starts.append((edges, values, group))
+    for index, group in state.plan.roots:
+        grad = state.output_grads[index]
+        if grad is not None:
+            starts.append(([outputs[index]], [grad], group))
+    for edges, values, group in starts:
+        grads = torch.autograd.grad(
+            edges, [params[i] for i in group], grad_outputs=values,
+            retain_graph=True, allow_unused=True,
+        )
+        for i, grad in zip(group, grads):
+            accumulate(params[i], grad)
+
+
+def full_backward(
+    outputs: Sequence[GradientEdge],
+    output_grads: Sequence[torch.Tensor],
+    input_edges: Sequence[GradientEdge],
+    params: Sequence[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """B: input and parameter gradients in one pass; the graph is freed as it goes."""
+    wanted = [*input_edges, *params]
+    if not wanted:
+        return []
+    grads = torch.autograd.grad(
+        list(outputs), wanted, grad_outputs=list(output_grads), allow_unused=True,
+    )
+    for param, grad in zip(params, grads[len(input_edges):]):
+        accumulate(param, grad)
+    return list(grads[: len(input_edges)])
+
+
+def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Add ``grad`` into ``param.grad`` (as AccumulateGrad would)."""
+    if grad is None:
+        return
+    if param.grad is None:
+        param.grad = grad.detach().clone()
+    else:
+        param.grad.add_(grad)

@@ -1,0 +1,54 @@
+"""Runtime configuration: frozen dataclasses passed to Pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeoffload.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How the activation offloader treats saved tensors (paper-notes.md section 5).
+
+    - ``min_offload_elements``: saved tensors with at most this many elements stay on the device
+      (the authors' code keeps tensors of <= 1024 elements; moving them costs more than it saves).
+      Set 0 to offload everything that is not a parameter (what makes the measured peaks equal
+      the simulator's, which moves the whole activation of an offloaded (stage, microbatch)).
+    - ``pin_memory``: use pinned host buffers on CUDA (ignored on CPU).
+    - ``stream``: start each saved tensor's copy to host as autograd saves it, during the forward
+      (what the simulator assumes, see offloader.py Note: [streaming offload]); False starts the
+      copies at the OFFLOAD action instead, after the forward.
+    """
+
+    min_offload_elements: int = 1024
+    pin_memory: bool = True
+    stream: bool = True
+
+    def __post_init__(self) -> None:
+        if self.min_offload_elements < 0:
+            raise ConfigError(
+                f"OffloadConfig.min_offload_elements must be >= 0, got {self.min_offload_elements}"
+            )
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Options of Pipeline.
+
+    - ``p2p_timeout_s``: how long a rank waits for one message (or for a send to finish) before
+      it raises PipelineRuntimeError naming the action; a dead or mismatched peer becomes an
+      error on every rank instead of a hang.
+    - ``offload``: see OffloadConfig.
+    - ``clone_hand_off``: copy stage outputs handed to a stage in the same process (V placement,
+      local mode) so that each (stage, microbatch) owns its activation storage, as it would after
+      a real receive; the memory accounting (simulator and meter) assumes this.
+    """
+
+    p2p_timeout_s: float = 300.0
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    clone_hand_off: bool = True
+
+    def __post_init__(self) -> None:
+        if self.p2p_timeout_s <= 0:
+            raise ConfigError(f"RuntimeConfig.p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")

@@ -1,0 +1,95 @@
+"""Making communication explicit: SEND / RECV actions where a stage boundary crosses ranks.
+
+A schedule from a generator usually has compute (and transfer) actions only; the runtime then
+adds, on each rank, RECV_F(s, m) right before F(s, m) and SEND_F(s, m) right after it when the
+neighbouring stage lives on another rank, and likewise RECV_B / SEND_B around the backward that
+produces or needs the gradient (I or B). A boundary between two stages of one rank (V placement)
+gets nothing: the output is handed over in memory. A schedule that already has comm actions is
+used as it is (torch.distributed.pipelining's lowered CSVs, for instance).
+"""
+
+from __future__ import annotations
+
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.schedule import Schedule
+
+_COMM = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
+
+
+def with_comms(schedule: Schedule) -> Schedule:
+    """``schedule`` with explicit SEND / RECV actions (unchanged if it has some already)."""
+    if schedule.has_kind(*_COMM):
+        return schedule
+    last = schedule.num_stages - 1
+
+    def remote(rank: int, other: int) -> bool:
+        return 0 <= other <= last and schedule.rank_of(other) != rank
+
+    rows = []
+    for rank, actions in enumerate(schedule.ranks):
+        row: list[Action] = []
+        for action in actions:
+            stage, kind, mb = action
+            if kind is Kind.F and remote(rank, stage - 1):
+                row.append(Action(stage, Kind.RECV_F, mb))
+            if kind.is_backward and remote(rank, stage + 1):
+                row.append(Action(stage, Kind.RECV_B, mb))
+            row.append(action)
+            if kind is Kind.F and remote(rank, stage + 1):
+                row.append(Action(stage, Kind.SEND_F, mb))
+            if kind.is_backward and remote(rank, stage - 1):
+                row.append(Action(stage, Kind.SEND_B, mb))
+        rows.append(row)
+    return schedule.with_ranks(rows)
+
+
+def message_of(action: Action) -> tuple[str, int, int]:
+    """The message a comm action sends or receives: (direction, receiving stage, microbatch)."""
+    stage, kind, mb = action
+    if kind is Kind.SEND_F:
+        return ("F", stage + 1, mb)
+    if kind is Kind.RECV_F:
+        return ("F", stage, mb)
+    if kind is Kind.SEND_B:
+        return ("B", stage - 1, mb)
+    if kind is Kind.RECV_B:
+        return ("B", stage, mb)
+    raise ValueError(f"{action} is not a communication action")
+
+
+def peer_of(schedule: Schedule, action: Action) -> int:
+    """The rank a comm action talks to."""
+    stage, kind, _ = action
+    neighbour = stage + 1 if kind in (Kind.SEND_F, Kind.RECV_B) else stage - 1
+    return schedule.rank_of(neighbour)
+
+
+def order_conflicts(schedule: Schedule, per_direction: bool = False) -> list[str]:
+    """Pairs of ranks whose messages are received in another order than they are sent.
+
+    Backends that ignore tags (NCCL) match messages between two ranks in posting order, so such a
+    schedule would pair the wrong buffers; gloo matches by tag and does not care. With
+    ``per_direction`` forward and backward messages are compared separately (what matters when
+    each direction has its own communicator).
+    """
+    sent: dict[tuple[int, ...], list[tuple[str, int, int]]] = {}
+    received: dict[tuple[int, ...], list[tuple[str, int, int]]] = {}
+    for rank, _, action in schedule.actions:
+        message = message_of(action) if action.kind in _COMM else None
+        if message is None:
+            continue
+        lane = (message[0] == "B",) if per_direction else ()
+        if action.kind in (Kind.SEND_F, Kind.SEND_B):
+            sent.setdefault((rank, peer_of(schedule, action), *lane), []).append(message)
+        else:
+            received.setdefault((peer_of(schedule, action), rank, *lane), []).append(message)
+    problems = []
+    for pair, messages in sorted(sent.items()):
+        got = received.get(pair, [])
+        if messages != got:
+            first = next((i for i, (a, b) in enumerate(zip(messages, got)) if a != b),
+                         min(len(messages), len(got)))
+            problems.append(f"rank {pair[0]} -> rank {pair[1]}: message {first} is sent as "
+                            f"{messages[first] if first < len(messages) else None} but received "
+                            f"as {got[first] if first < len(got) else None}")
+    return problems

@@ -1,0 +1,38 @@
+"""Explicit communication for the runtime: where SEND / RECV go, and message order per pair."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from pipeoffload.core.actions import Kind
+from pipeoffload.core.registry import FAMILIES, build_schedule
+from pipeoffload.core.validate import validate
+from pipeoffload.runtime.lowering import message_of, order_conflicts, with_comms
+
+OPTIONS = {"interleaved-1f1b": {"chunks": 2}, "grouped-interleaved": {"chunks": 2, "group_size": 2}}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_comms_cross_ranks_only_and_keep_the_schedule_valid(name: str) -> None:
+    sched = build_schedule(name, pp=4, microbatches=8, **OPTIONS.get(name, {}))
+    lowered = validate(with_comms(sched))
+    sends = {message_of(a) for _, _, a in lowered.actions if a.kind in (Kind.SEND_F, Kind.SEND_B)}
+    recvs = {message_of(a) for _, _, a in lowered.actions if a.kind in (Kind.RECV_F, Kind.RECV_B)}
+    assert sends == recvs
+    last = sched.num_stages - 1
+    expected = {("F", s + 1, m) for s in range(last) for m in range(sched.microbatches)
+                if sched.rank_of(s) != sched.rank_of(s + 1)}
+    expected |= {("B", s, m) for s in range(last) for m in range(sched.microbatches)
+                 if sched.rank_of(s) != sched.rank_of(s + 1)}
+    assert sends == expected
+    assert lowered.without(Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B).ranks == sched.ranks
+    assert with_comms(lowered) is lowered
+
+
+def test_v_schedules_mix_directions_but_each_direction_is_ordered() -> None:
+    lowered = with_comms(build_schedule("zbv", pp=4, microbatches=8))
+    assert order_conflicts(lowered)  # one communicator for both directions would mismatch
+    assert order_conflicts(lowered, per_direction=True) == []
+    assert order_conflicts(with_comms(build_schedule("1f1b", pp=4, microbatches=8))) == []
