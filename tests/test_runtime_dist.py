@@ -22,7 +22,7 @@ from test_runtime_support import (
     with_offload,
 )
 
-from pipeoffload.core.registry import build_schedule
+from pipeoffload.api import build_schedule
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
@@ -32,7 +32,7 @@ from pipeoffload.sim.simulator import simulate
 pytestmark = pytest.mark.slow
 
 CASES = (("1f1b", {}, False), ("interleaved-1f1b", {"chunks": 2}, False), ("zbv", {}, False),
-         ("zbv", {}, True))
+         ("zbv", {}, True), ("po-f", {"offload_ratio": 0.25}, False))
 
 
 def _train_cases(rank: int, world: int, dtype_name: str) -> list[tuple]:
