@@ -20,6 +20,7 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.deps import Dependencies
@@ -35,8 +36,9 @@ class Lane(str, Enum):
     COMM = "comm"
 
 
-@dataclass(frozen=True)
-class TimedAction:
+class TimedAction(NamedTuple):
+    """When one action ran on its rank's lane (a tuple: tens of thousands are made per run)."""
+
     rank: int
     action: Action
     start: float
