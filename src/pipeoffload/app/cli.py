@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipeoffload",
         description="Pipeline-parallel schedules with activation offload (PipeOffload).")
+    from pipeoffload.app.plan_cli import add_plan_parser
+    from pipeoffload.app.train_cli import add_train_parser
+
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("simulate", help="simulate a schedule: time, bubbles, transfers, memory")
     _add_schedule_args(p)
@@ -171,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "and print a hardware preset")
     p.add_argument("--output", metavar="FILE", help="save the preset as JSON")
     p.set_defaults(handler=cmd_probe)
+    add_train_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

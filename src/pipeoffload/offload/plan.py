@@ -292,9 +292,14 @@ class _Planner:
             if postponing and self._postpone(waits, result):
                 continue
             break
-        if not self.keep_stalling and result.total_stall_time > self.policy.stall_tolerance:
+        # Dropping a stalled copy lets later compute start sooner, which can expose another
+        # copy; repeat until nothing stalls (each pass drops at least one item).
+        while not self.keep_stalling and result.total_stall_time > self.policy.stall_tolerance:
+            timing = _timing(result)
             stalled = [i for i in leads
                        if timing[self.backward(i)][1] > self.policy.stall_tolerance]
+            if not stalled:
+                break
             for item in stalled:
                 skipped[item] = "its copies cannot hide behind compute (stall)"
                 del leads[item]

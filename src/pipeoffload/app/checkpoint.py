@@ -1,0 +1,334 @@
+"""Training checkpoints that survive a crash at any moment: per-stage files, then a manifest.
+
+Layout: ``<root>/step_<N:08d>/`` holds ``stage_<s:03d>.pt`` (model and AdamW state of stage s,
+written once per stage by data-parallel replica 0), ``rank_<g:05d>.pt`` (RNG states of global
+rank g) and, written last, ``manifest.json`` (the step, every file's size and SHA-256, and what
+the checkpoint is only valid with: topology, model shape, data position).
+
+Note: [atomic checkpoint] Every file is written to a temporary name in the same folder, flushed,
+fsynced and renamed over its final name (``os.replace`` is atomic on POSIX), and the folder is
+fsynced; the manifest is written only after every rank's files are in place. So a crash leaves
+either a folder without a manifest (ignored: it is not a checkpoint yet) or a complete one. A
+manifest whose files are missing or differ from their recorded SHA-256 is corrupt and raises
+CheckpointError; nothing here ever falls back to a fresh start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeoffload.app.data import TextDataset
+from pipeoffload.errors import PipeoffloadError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(PipeoffloadError):
+    """A checkpoint is missing, incomplete, corrupt or was written for another configuration."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One written checkpoint file: its name inside the step folder, size and SHA-256."""
+
+    name: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A complete checkpoint: ``step`` optimizer steps done; ``info`` is what it requires."""
+
+    folder: Path
+    step: int
+    files: dict[str, FileRecord]
+    info: dict[str, Any]
+
+
+def step_folder(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def stage_file(stage: int) -> str:
+    return f"stage_{stage:03d}.pt"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> FileRecord:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one
+    (see Note: [atomic checkpoint])."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return FileRecord(path.name, len(data), hashlib.sha256(data).hexdigest())
+
+
+def save_object(folder: Path, name: str, obj: object) -> FileRecord:
+    """torch.save ``obj`` (tensors, dicts, numbers) to ``folder/name`` atomically."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return write_atomic(folder / name, buffer.getvalue())
+
+
+def write_manifest(folder: Path, step: int, records: list[FileRecord],
+                   info: dict[str, Any]) -> Path:
+    """Write the manifest last, making ``folder`` a complete checkpoint."""
+    names = [r.name for r in records]
+    if len(set(names)) != len(names):
+        raise CheckpointError(f"checkpoint {folder}: files {names} were recorded twice")
+    body = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "files": {r.name: {"size_bytes": r.size_bytes, "sha256": r.sha256} for r in records},
+        "info": info,
+    }
+    write_atomic(folder / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
+    return folder / MANIFEST
+
+
+def prepare_folder(folder: Path) -> None:
+    """Make ``folder`` ready for a new checkpoint: an old manifest there is removed first, so
+    the folder is never a complete checkpoint while its files are being replaced."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MANIFEST).unlink(missing_ok=True)
+    _fsync_dir(folder)
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Step folders under ``root`` that have a manifest, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / MANIFEST).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def find_checkpoint(resume: str | Path, root: str | Path | None) -> Path:
+    """The folder ``--resume`` means: "latest" (the newest complete checkpoint under ``root``),
+    a step folder, or a root folder (its newest). Raises CheckpointError if there is none."""
+    if str(resume) != "latest":
+        path = Path(resume)
+        if (path / MANIFEST).is_file():
+            return path
+        if not path.exists():
+            raise CheckpointError(f"checkpoint {path} does not exist; pass the folder of a "
+                                  "checkpoint (step_<N>) or of a --checkpoint-dir")
+        root = path
+    if root is None:
+        raise CheckpointError("--resume latest needs --checkpoint-dir (where to look)")
+    found = complete_checkpoints(root)
+    if not found:
+        partial = sorted(p.name for p in Path(root).glob("step_*")) if Path(root).is_dir() else []
+        why = (f"only incomplete ones (no {MANIFEST}, a crash during saving?): {partial}"
+               if partial else "none")
+        raise CheckpointError(
+            f"no complete checkpoint in {root} ({why}); check the path, or start without "
+            "--resume to train from scratch")
+    return found[-1]
+
+
+def read_manifest(folder: str | Path, *, verify_files: bool = True) -> Manifest:
+    """Read and check ``folder``'s manifest and (``verify_files``) that every file it lists is
+    intact; ``load_object`` checks each file it loads in any case."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    try:
+        body = json.loads(path.read_text())
+        step = body["step"]
+        files = {name: FileRecord(name, int(rec["size_bytes"]), str(rec["sha256"]))
+                 for name, rec in body["files"].items()}
+        info = body["info"]
+        version = body["format"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {folder} is not a complete checkpoint "
+                              "(saving was interrupted?); resume from an older one") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{path} is unreadable or corrupt ({error!r}); resume from "
+                              "another checkpoint") from None
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format {version}, this version reads "
+                              f"{FORMAT_VERSION}")
+    if not isinstance(step, int) or step < 0 or not isinstance(info, dict):
+        raise CheckpointError(f"{path} is corrupt: bad step {step!r} or info")
+    if verify_files:
+        for record in files.values():
+            _verify(folder, record)
+    return Manifest(folder, step, files, info)
+
+
+def _verify(folder: Path, record: FileRecord) -> bytes:
+    path = folder / record.name
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"checkpoint file {path} listed in the manifest cannot be read "
+                              f"({error.strerror or error}); the checkpoint is incomplete or "
+                              "damaged, resume from another one") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != record.size_bytes or digest != record.sha256:
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupt: {len(data)} bytes with SHA-256 {digest[:12]}..., "
+            f"but the manifest recorded {record.size_bytes} bytes, {record.sha256[:12]}...; "
+            "resume from another checkpoint")
+    return data
+
+
+def load_object(manifest: Manifest, name: str, device: torch.device | str = "cpu") -> Any:
+    """Load one file of a checked checkpoint (checked again: it could change since)."""
+    record = manifest.files.get(name)
+    if record is None:
+        raise CheckpointError(
+            f"checkpoint {manifest.folder} has no {name} (it holds {sorted(manifest.files)}); "
+            "it was written by another topology, resume with the same --pp/--dp/--schedule")
+    data = _verify(manifest.folder, record)
+    try:
+        return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint file {manifest.folder / name} cannot be loaded "
+                              f"({error!r})") from None
+
+
+def check_compatible(manifest: Manifest, expected: dict[str, Any]) -> None:
+    """Raise CheckpointError naming every key of ``expected`` that the checkpoint differs in."""
+    expected = json.loads(json.dumps(expected))  # compare as the manifest stores them
+    diffs = [f"{key}: checkpoint {manifest.info.get(key)!r}, now {value!r}"
+             for key, value in expected.items() if manifest.info.get(key) != value]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {manifest.folder} was written for another configuration ("
+            + "; ".join(diffs) + "); resume with the options it was saved with")
+
+
+class Placement(Protocol):
+    """Where a process sits (train.Topology satisfies it)."""
+
+    rank: int
+    distributed: bool
+    device: torch.device
+
+    @property
+    def dp_index(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint holds for one process: its stage modules and their AdamW states, the
+    data position (the step) and, per process, the RNG states."""
+
+    stages: Mapping[int, nn.Module]
+    optimizers: Mapping[int, torch.optim.Optimizer]
+    dataset: TextDataset
+
+
+def _world(where: Placement) -> int:
+    return dist.get_world_size() if where.distributed else 1
+
+
+def _barrier(where: Placement) -> None:
+    if where.distributed:
+        dist.barrier()
+
+
+def _json(value: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(value))
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, Any],
+         where: Placement) -> Path:
+    """Write the checkpoint of ``step`` from every process (a collective under
+    torch.distributed); data-parallel replica 0 writes the stages. Returns its folder."""
+    folder = step_folder(root, step)
+    if where.rank == 0:
+        prepare_folder(folder)
+    _barrier(where)
+    records = []
+    if where.dp_index == 0:
+        for s, module in sorted(state.stages.items()):
+            records.append(save_object(folder, stage_file(s), {
+                "model": module.state_dict(), "optimizer": state.optimizers[s].state_dict()}))
+    records.append(save_object(folder, rank_file(where.rank), rng_state(where.device)))
+    if where.distributed:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, records)
+        records = [r for part in parts for r in part]
+    if where.rank == 0:
+        info = {**identity, "processes": _world(where), "data": state.dataset.state_dict()}
+        write_manifest(folder, step, records, _json(info))
+    _barrier(where)
+    return folder
+
+
+def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
+            identity: dict[str, Any], where: Placement) -> int:
+    """Load this process's part of the checkpoint ``resume`` names into ``state``; returns the
+    step it continues from. Raises CheckpointError if it is missing, corrupt or foreign."""
+    manifest = read_manifest(find_checkpoint(resume, root), verify_files=False)
+    check_compatible(manifest, {**identity, "processes": _world(where)})
+    for s, module in sorted(state.stages.items()):
+        saved = load_object(manifest, stage_file(s), where.device)
+        try:
+            module.load_state_dict(saved["model"])
+            state.optimizers[s].load_state_dict(saved["optimizer"])
+        except (KeyError, RuntimeError, ValueError) as error:
+            raise CheckpointError(f"{manifest.folder / stage_file(s)} does not fit stage {s} "
+                                  f"({error}); resume with the model it was saved with") from None
+    set_rng_state(load_object(manifest, rank_file(where.rank)), where.device)
+    data = manifest.info.get("data")
+    if not isinstance(data, dict) or data.get("step") != manifest.step:
+        raise CheckpointError(f"{manifest.folder / MANIFEST} is corrupt: its data position "
+                              f"{data!r} does not match step {manifest.step}")
+    state.dataset.load_state_dict(data)
+    return manifest.step

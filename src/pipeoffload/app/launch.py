@@ -1,0 +1,275 @@
+"""Start a command on several local processes the way torchrun does, for runs without torchrun.
+
+Each child gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE and OMP_NUM_THREADS. Output is forwarded line by line: the reporting rank's
+as is (so its stdout can be parsed, e.g. a final JSON line), every other rank's with a
+``[rank r]`` prefix. When a child fails, the others get ``grace_s`` to notice and fail by
+themselves (so each reports its own error), then the rest are terminated; the launcher returns
+the first failure's exit code and says which rank failed and how.
+
+Each process then joins the job with ``connect`` (torchrun's processes too).
+
+Note: [rank layout] Global rank g is pipeline rank ``g // dp`` of data-parallel replica
+``g % dp``: the replicas of one pipeline rank are neighbours, so with torchrun's node-major
+numbering the gradient all-reduce (the heavy traffic) stays inside a node where it can and the
+pipeline's point-to-point hops (light) cross nodes. Each replica has its own pipeline group and
+each pipeline rank its own data-parallel group; every process creates every group, in the
+same order, as torch.distributed.new_group requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
+
+from pipeoffload.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How to start and supervise the processes.
+
+    - ``reporting_rank``: whose output is forwarded without a prefix (None: prefix every rank).
+    - ``grace_s``: after the first child fails, how long the others may run before they are
+      terminated (long enough for them to hit their own P2P timeout and say so).
+    - ``term_timeout_s``: after SIGTERM, how long before SIGKILL.
+    - ``threads_per_process``: OMP_NUM_THREADS for each child (CPU cores are shared).
+    - ``env``: extra environment variables for every child.
+    """
+
+    nprocs: int
+    reporting_rank: int | None = 0
+    grace_s: float = 30.0
+    term_timeout_s: float = 5.0
+    threads_per_process: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nprocs < 1:
+            raise ConfigError(f"LaunchConfig.nprocs must be >= 1, got {self.nprocs}")
+        if self.grace_s < 0 or self.term_timeout_s < 0 or self.threads_per_process < 1:
+            raise ConfigError("LaunchConfig: grace_s and term_timeout_s must be >= 0 and "
+                              "threads_per_process >= 1")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe_exit(code: int) -> str:
+    """'exited with code 3' / 'was killed by SIGKILL' for a Popen return code."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def shell_code(code: int) -> int:
+    """A Popen return code as a process exit status (signal n -> 128 + n, like a shell)."""
+    return 128 - code if code < 0 else code
+
+
+def _forward(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
+        with lock:
+            out.write(prefix + line if prefix else line)
+            if not line.endswith("\n"):
+                out.write("\n")
+            out.flush()
+    stream.close()
+
+
+def launch(argv: Sequence[str], config: LaunchConfig) -> int:
+    """Run ``argv`` on ``config.nprocs`` local processes; return 0 if all succeeded, else the
+    first failure's exit status (after a message naming the rank on stderr)."""
+    port = free_port()
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[bytes]] = []
+    threads: list[threading.Thread] = []
+    for rank in range(config.nprocs):
+        env = dict(os.environ)
+        env.update(config.env)
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(config.nprocs), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(config.nprocs),
+                   OMP_NUM_THREADS=str(config.threads_per_process), PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        procs.append(proc)
+        prefix = "" if rank == config.reporting_rank else f"[rank {rank}] "
+        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            thread = threading.Thread(target=_forward, args=(stream, out, prefix, lock),
+                                      daemon=True)
+            thread.start()
+            threads.append(thread)
+    try:
+        first_failure, stopped = _supervise(procs, config)
+    except KeyboardInterrupt:
+        _terminate(procs, config.term_timeout_s)
+        raise
+    for thread in threads:
+        thread.join(timeout=5)
+    if first_failure is None:
+        return 0
+    rank, code = first_failure
+    others = [f"rank {r} {describe_exit(p.returncode)}" for r, p in enumerate(procs)
+              if r != rank and r not in stopped and p.returncode not in (0, None)]
+    if stopped:
+        others.append(f"the launcher stopped rank(s) {', '.join(map(str, stopped))} "
+                      f"{config.grace_s:g} s later")
+    with lock:
+        print(f"launch: rank {rank} (pid {procs[rank].pid}) {describe_exit(code)}"
+              + (f"; then {', '.join(others)}" if others else ""), file=sys.stderr, flush=True)
+    return shell_code(code) or 1
+
+
+def _supervise(procs: list[subprocess.Popen[bytes]],
+               config: LaunchConfig) -> tuple[tuple[int, int] | None, list[int]]:
+    """Wait for every child; on the first failure, give the rest ``grace_s``, then stop them.
+
+    Returns the (rank, return code) to blame, None if all succeeded: a child killed by a
+    signal if any (its peers fail because it vanished, and may notice that before this loop
+    sees it die), else the first to exit non-zero; and the ranks the launcher stopped.
+    """
+    stopped: list[int] = []
+    failures: list[tuple[int, int]] = []
+    deadline: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes):
+            if code not in (0, None) and all(r != rank for r, _ in failures):
+                failures.append((rank, code))
+        if failures and deadline is None:
+            deadline = time.monotonic() + config.grace_s
+        done = all(c is not None for c in codes)
+        if not done and deadline is not None and time.monotonic() >= deadline:
+            stopped = [r for r, c in enumerate(codes) if c is None]
+            _terminate(procs, config.term_timeout_s)
+            done = True
+        if done:
+            if not failures:
+                return None, stopped
+            return next(((r, c) for r, c in failures if c < 0), failures[0]), stopped
+        time.sleep(0.05)
+
+
+def _terminate(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    end = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits; see Note: [rank layout]. ``local()``: one process, all ranks."""
+
+    pp: int
+    dp: int
+    rank: int = 0
+    distributed: bool = False
+    device: torch.device | None = None
+    pp_group: Any = None
+    dp_group: Any = None
+    backward_group: Any = None
+
+    @classmethod
+    def local(cls, pp: int, device: torch.device | str = "cpu") -> Topology:
+        import torch
+
+        return cls(pp=pp, dp=1, device=torch.device(device))
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.dp
+
+    @property
+    def dp_index(self) -> int:
+        return self.rank % self.dp
+
+    @property
+    def pipeline_ranks(self) -> tuple[int, ...]:
+        """The pipeline ranks this process runs."""
+        return (self.pp_rank,) if self.distributed else tuple(range(self.pp))
+
+    def global_rank(self, pp_rank: int, dp_index: int) -> int:
+        return pp_rank * self.dp + dp_index
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """"cpu", "cuda" or "auto" (CUDA when available) as this process's device."""
+    import torch
+
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but CUDA is not available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
+            env: Mapping[str, str] = os.environ) -> Topology:
+    """Join the job torchrun (or ``launch``) started: init the default group from env://
+    (NCCL on GPUs, gloo on CPU; ``timeout_s`` for every collective) and create the pipeline
+    and data-parallel groups (see Note: [rank layout])."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if world != pp * dp:
+        raise ConfigError(f"the job has WORLD_SIZE={world} processes but --pp {pp} x --dp {dp} "
+                          f"= {pp * dp}; start pp*dp processes")
+    where = resolve_device(device, int(env.get("LOCAL_RANK", "0")))
+    backend = "nccl" if where.type == "cuda" else "gloo"
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=timeout)
+    topo = Topology(pp=pp, dp=dp, rank=rank, distributed=True, device=where)
+    groups: dict[str, Any] = {}
+    for d in range(dp):
+        members = [topo.global_rank(p, d) for p in range(pp)]
+        group = dist.new_group(members, timeout=timeout)
+        # NCCL matches messages by order: gradients get their own communicator.
+        backward = dist.new_group(members, timeout=timeout) if backend == "nccl" else None
+        if d == topo.dp_index:
+            groups.update(pp_group=group, backward_group=backward)
+    for p in range(pp):
+        group = dist.new_group([topo.global_rank(p, d) for d in range(dp)],
+                               timeout=timeout)
+        if p == topo.pp_rank:
+            groups["dp_group"] = group
+    return dataclasses.replace(topo, **groups)
+
+
+def disconnect(topology: Topology) -> None:
+    import torch.distributed as dist
+
+    if topology.distributed and dist.is_initialized():
+        dist.destroy_process_group()

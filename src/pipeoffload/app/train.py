@@ -1,0 +1,389 @@
+"""The training loop of `pipeoffload train`: the reference transformer, cut into the stages of a
+(planned) schedule, trained with AdamW on byte-level text, DP x PP over torch.distributed.
+
+Processes and groups: see launch.py's Note: [rank layout].
+
+Without torch.distributed (``Topology.local``) one process runs every pipeline rank
+(Pipeline's local mode); that is the single-process reference for the distributed runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeoffload.api import plan_schedule
+from pipeoffload.app import checkpoint as ckpt
+from pipeoffload.app.data import DataConfig, TextDataset
+from pipeoffload.app.launch import Topology
+from pipeoffload.app.model import ModelConfig, model_preset
+from pipeoffload.app.split import build_stage_modules, lm_loss, stage_layer_ranges
+from pipeoffload.core.actions import Kind
+from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
+from pipeoffload.offload.plan import OffloadPlan
+from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
+from pipeoffload.runtime.meter import ActivationMeter
+from pipeoffload.runtime.pipeline import Pipeline
+from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.simulator import SimResult, simulate
+
+_TRANSFERS = (Kind.OFFLOAD, Kind.RELOAD, Kind.OFFLOAD_WAIT)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run depends on (the same in every process).
+
+    ``microbatches`` is per pipeline replica and per step (None: 2 * pp); each replica's batch
+    (``data.batch_size / dp``) must split evenly into them. ``steps`` is the step to stop at,
+    counted from the start of training (a resumed run continues up to it). The learning rate
+    warms up linearly over ``warmup_steps``, then stays at ``lr``, or follows a cosine down to
+    ``lr * min_lr_ratio`` at ``decay_steps`` when that is set; it depends only on the step, so
+    a resumed run follows the same curve. ``min_offload_elements`` is OffloadConfig's (0 moves
+    every saved tensor, which makes the measured peaks comparable to the simulator's).
+    ``measure_baseline`` runs one extra forward/backward without offload after training (no
+    optimizer step, the model is unchanged) to measure the peaks offload saved.
+    """
+
+    model: ModelConfig = field(default_factory=lambda: model_preset("small"))
+    data: DataConfig = field(default_factory=DataConfig)
+    pp: int = 4
+    dp: int = 1
+    schedule: str = "po-f"
+    chunks: int | None = None
+    group_size: int | None = None
+    microbatches: int | None = None
+    offload: str | None = None
+    steps: int = 60
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    decay_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    device: str = "auto"
+    p2p_timeout_s: float = 300.0
+    min_offload_elements: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    measure_baseline: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("--lr must be > 0, --warmup-steps >= 0 and min_lr_ratio in [0, 1]")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError(f"--grad-clip must be > 0 (or none), got {self.grad_clip}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to write)")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"--seq-len {self.data.seq_len} exceeds the model's max_seq_len "
+                              f"{self.model.max_seq_len}; lower --seq-len or raise it")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        local = self.data.batch_size // self.dp
+        if self.data.batch_size % self.dp or local % self.num_microbatches:
+            raise ConfigError(
+                f"global batch {self.data.batch_size} over dp={self.dp} replicas gives "
+                f"{self.data.batch_size / self.dp:g} sequences per replica, which must be a "
+                f"whole multiple of microbatches={self.num_microbatches}; set --batch-size to "
+                f"a multiple of {self.dp * self.num_microbatches}")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else 2 * self.pp
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay_steps is None:
+            return self.lr
+        span = max(self.decay_steps - self.warmup_steps, 1)
+        progress = min((step - self.warmup_steps) / span, 1.0)
+        floor = self.lr * self.min_lr_ratio
+        return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
+        values = dict(values)
+        model = ModelConfig(**values.pop("model"))
+        data = dict(values.pop("data"))
+        data["stdlib_packages"] = tuple(data["stdlib_packages"])
+        values["betas"] = tuple(values["betas"])
+        return cls(model=model, data=DataConfig(**data), **values)
+
+
+def build_plan(config: TrainConfig) -> OffloadPlan:
+    """The schedule (offload planned in) and the planner's report."""
+    options = {k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
+               if v is not None}
+    return plan_schedule(config.schedule, config.pp, config.num_microbatches, config.offload,
+                         **options)
+
+
+def preflight(config: TrainConfig, processes: int) -> OffloadPlan:
+    """Check in one process what every rank would otherwise fail on in unison: the schedule,
+    the split, the data and the checkpoint to resume (``processes``: how many will run)."""
+    plan = build_plan(config)
+    stage_layer_ranges(config.model.n_layers, plan.schedule.num_stages)
+    TextDataset.from_config(config.data, dp_size=config.dp)
+    if config.resume is not None:
+        manifest = ckpt.read_manifest(ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
+        ckpt.check_compatible(manifest, {**checkpoint_identity(config, plan.schedule),
+                                         "processes": processes})
+    elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
+        raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
+                          "pass --resume to continue from them, or use an empty folder")
+    return plan
+
+
+@dataclass(frozen=True)
+class StepLog:
+    """What the progress line shows after one step (on the reporting process)."""
+
+    step: int
+    steps: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    peak_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One run's outcome, the same on every process (gathered).
+
+    Peaks are per pipeline rank of replica 0, in bytes, the maximum over the run's steps.
+    ``predicted_bytes`` is the simulator's peak for the schedule with per-stage activation
+    sizes measured on the first step; ``baseline_*`` are the same without offload (measured on
+    an extra step, and simulated), None when the schedule does not offload.
+    """
+
+    plan: OffloadPlan
+    start_step: int
+    end_step: int
+    losses: tuple[float, ...]
+    tokens_per_s: float
+    peak_bytes: tuple[int, ...]
+    stage_bytes: tuple[int, ...] | None
+    simulation: SimResult | None
+    baseline_simulation: SimResult | None
+    baseline_bytes: tuple[int, ...] | None
+    checkpoint: str | None
+    reporter: bool
+
+    @property
+    def predicted_bytes(self) -> tuple[float, ...] | None:
+        return None if self.simulation is None else self.simulation.peak_bytes
+
+    @property
+    def baseline_predicted_bytes(self) -> tuple[float, ...] | None:
+        sim = self.baseline_simulation
+        return None if sim is None else sim.peak_bytes
+
+
+def train(config: TrainConfig, topology: Topology,
+          on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
+    """Train from step 0 (or the checkpoint ``config.resume`` names) up to ``config.steps``."""
+    plan = build_plan(config)
+    schedule = plan.schedule
+    last_rank = schedule.rank_of(schedule.num_stages - 1)
+    reporter = not topology.distributed or topology.rank == topology.global_rank(last_rank, 0)
+    mine = sorted(s for r in topology.pipeline_ranks for s in schedule.stages_on_rank(r))
+    stages = build_stage_modules(config.model, schedule.num_stages, mine, config.seed,
+                                 device=topology.device)
+    optimizers = {s: torch.optim.AdamW(m.parameters(), lr=config.lr, betas=config.betas,
+                                       weight_decay=config.weight_decay)
+                  for s, m in stages.items()}
+    dataset = TextDataset.from_config(config.data, dp_rank=topology.dp_index,
+                                      dp_size=topology.dp)
+    runtime = RuntimeConfig(p2p_timeout_s=config.p2p_timeout_s,
+                            offload=OffloadConfig(min_offload_elements=config.min_offload_elements))
+    meter = ActivationMeter()
+    pipe = Pipeline(stages, schedule, lm_loss, group=topology.pp_group, config=runtime,
+                    device=topology.device, meter=meter, backward_group=topology.backward_group)
+    state = ckpt.TrainingState(stages, optimizers, dataset)
+    identity = checkpoint_identity(config, schedule)
+    if config.resume is not None:
+        ckpt.restore(state, config.resume, config.checkpoint_dir, identity, topology)
+    elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
+        raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
+                          "pass --resume to continue from them, or use an empty folder")
+    start = dataset.step
+    tokens = config.data.batch_size * config.data.seq_len
+    losses: list[float] = []
+    peaks = [0] * config.pp
+    stage_bytes: tuple[int, ...] | None = None
+    busy_s, saved = 0.0, None
+    for step in range(start, config.steps):
+        began = time.perf_counter()
+        inputs, target = next(dataset)
+        lr = config.lr_at(step)
+        meter.reset()
+        with _peer_failures(topology, f"step {step + 1}"):
+            loss = pipe.step(inputs, target=target)
+            sync_gradients(stages, topology, config.grad_clip)
+            for optimizer in optimizers.values():
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            mean_loss, step_peaks = gather_step(topology, loss, meter, last_rank)
+        elapsed = time.perf_counter() - began
+        busy_s += elapsed
+        if stage_bytes is None:
+            with _peer_failures(topology, "gathering activation sizes"):
+                stage_bytes = stage_sizes(topology, meter, schedule.num_stages)
+        losses.append(mean_loss)
+        peaks = [max(a, b) for a, b in zip(peaks, step_peaks)]
+        if on_step is not None and reporter:
+            on_step(StepLog(step + 1, config.steps, mean_loss, lr, tokens / elapsed, step_peaks))
+        done = step + 1
+        if config.checkpoint_dir is not None and (
+                done == config.steps or (config.checkpoint_every
+                                         and done % config.checkpoint_every == 0)):
+            with _peer_failures(topology, f"saving the checkpoint of step {done}"):
+                saved = str(ckpt.save(state, config.checkpoint_dir, done, identity, topology))
+    simulation = baseline_sim = baseline = None
+    if stage_bytes is not None:
+        costs = CostModel(stage_activation_bytes=stage_bytes)
+        simulation = simulate(schedule, costs)
+        if schedule.has_kind(Kind.OFFLOAD):
+            bare = dataclasses.replace(schedule.without(*_TRANSFERS),
+                                       name=f"{schedule.name} without offload")
+            baseline_sim = simulate(bare, costs)
+            if config.measure_baseline:
+                with _peer_failures(topology, "the step without offload"):
+                    baseline = measure_without_offload(pipe, stages, dataset, topology, runtime,
+                                                       last_rank)
+    return TrainResult(plan, start, config.steps, tuple(losses),
+                       tokens * len(losses) / busy_s if busy_s else 0.0, tuple(peaks),
+                       stage_bytes, simulation, baseline_sim, baseline, saved, reporter)
+
+
+@contextmanager
+def _peer_failures(topology: Topology, what: str) -> Iterator[None]:
+    """Turn a failed collective (a peer died) into a PipelineRuntimeError naming this rank."""
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, PipeoffloadError) or not topology.distributed:
+            raise
+        raise PipelineRuntimeError(
+            f"rank {topology.rank} (pipeline rank {topology.pp_rank}, replica "
+            f"{topology.dp_index}), {what}: a collective failed ({error}); a peer died or "
+            "failed, look at its error") from error
+
+
+def checkpoint_identity(config: TrainConfig, schedule: Any) -> dict[str, Any]:
+    """What a checkpoint is only valid with (its manifest's ``info``, compared on resume)."""
+    return {"pp": config.pp, "dp": config.dp, "schedule": schedule.name,
+            "stage_to_rank": list(schedule.stage_to_rank),
+            "model": dataclasses.asdict(config.model)}
+
+
+def sync_gradients(stages: Mapping[int, nn.Module], topology: Topology,
+                   clip: float | None) -> None:
+    """Average gradients over data-parallel replicas, then clip by the global norm."""
+    params = {s: [p for p in m.parameters() if p.grad is not None] for s, m in stages.items()}
+    if topology.distributed and topology.dp > 1:
+        for group in params.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            dist.all_reduce(flat, group=topology.dp_group)
+            flat /= topology.dp
+            offset = 0
+            for p in group:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+    if clip is None:
+        return
+    grads = [p.grad for s in sorted(params) for p in params[s]]
+    squares = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+    if topology.distributed and topology.pp > 1:
+        dist.all_reduce(squares, group=topology.pp_group)
+    scale = clip / (squares.sqrt().item() + 1e-6)
+    if scale < 1:
+        for g in grads:
+            g.mul_(scale)
+
+
+def _gather(topology: Topology, values: list[float]) -> list[list[float]]:
+    """Every process's ``values`` (same length everywhere), by global rank."""
+    if not topology.distributed:
+        return [values]
+    device = topology.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
+
+
+def gather_step(topology: Topology, loss: torch.Tensor | None, meter: ActivationMeter,
+                last_rank: int) -> tuple[float, list[int]]:
+    """The step's loss (mean over replicas) and peak bytes per pipeline rank (replica 0)."""
+    if not topology.distributed:
+        assert loss is not None
+        return loss.item(), [meter.peak_bytes(r) for r in range(topology.pp)]
+    value = math.nan if loss is None else loss.item()
+    rows = _gather(topology, [value, float(meter.peak_bytes(topology.pp_rank))])
+    losses = [rows[topology.global_rank(last_rank, d)][0] for d in range(topology.dp)]
+    return sum(losses) / len(losses), [int(rows[topology.global_rank(p, 0)][1])
+                                       for p in range(topology.pp)]
+
+
+def stage_sizes(topology: Topology, meter: ActivationMeter,
+                num_stages: int) -> tuple[int, ...] | None:
+    """Per-stage activation bytes of one microbatch measured on the last step, from every
+    process; None if a stage's microbatches differed (the simulator takes one size)."""
+    seen: dict[int, set[int]] = {}
+    for (stage, _), nbytes in meter.scope_bytes.items():
+        seen.setdefault(stage, set()).add(nbytes)
+    local = {s: next(iter(v)) if len(v) == 1 else -1 for s, v in seen.items()}
+    merged: dict[int, int] = {}
+    if topology.distributed:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+        for part in parts:
+            merged.update(part)
+    else:
+        merged = local
+    sizes = [merged.get(s, -1) for s in range(num_stages)]
+    return None if min(sizes) < 0 else tuple(sizes)
+
+
+def measure_without_offload(pipe: Pipeline, stages: Mapping[int, nn.Module],
+                            dataset: TextDataset, topology: Topology, runtime: RuntimeConfig,
+                            last_rank: int) -> tuple[int, ...]:
+    """Peak bytes per pipeline rank of one forward/backward of the next batch with the same
+    schedule minus its transfers; gradients are dropped, the model and data position kept."""
+    meter = ActivationMeter()
+    bare = Pipeline(stages, pipe.schedule.without(*_TRANSFERS), lm_loss,
+                    group=topology.pp_group, config=runtime, device=topology.device,
+                    meter=meter, backward_group=topology.backward_group)
+    inputs, target = dataset.batch_at(dataset.step)
+    loss = bare.step(inputs, target=target)
+    for module in stages.values():
+        module.zero_grad(set_to_none=True)
+    return tuple(gather_step(topology, loss, meter, last_rank)[1])

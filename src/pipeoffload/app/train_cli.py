@@ -1,0 +1,322 @@
+"""`pipeoffload train`: options -> TrainConfig, then run here, under torchrun, or self-launched.
+
+- Under torchrun (env:// variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT present) this
+  process is one rank of the job (NCCL on GPUs, gloo on CPU).
+- Otherwise, with pp * dp > 1 and no ``--inline``, it starts pp * dp local processes with
+  launch.py (each re-enters here with ``--worker-config``); with pp * dp == 1 or ``--inline``
+  it runs every pipeline rank in this process (Pipeline's local mode).
+The reporting process (the last stage's rank of replica 0, which has the loss) prints a
+progress line per ``--log-every`` steps and, at the end, the peak-activation table, or with
+``--json`` one JSON line on stdout (progress then goes to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+from pipeoffload.errors import ConfigError, PipeoffloadError
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """What the reporting process prints and writes (``png`` None: no picture)."""
+
+    json: bool = False
+    png: str | None = "pipeoffload-train.png"
+    log_every: int = 10
+    threads: int = 1
+
+
+def add_train_parser(subparsers: Any) -> None:
+    """Register the ``train`` subcommand (options and handler) on an argparse subparsers."""
+    p = subparsers.add_parser(
+        "train", help="train the reference transformer with a pipeline schedule (offload "
+        "included); self-launches local processes, or runs under torchrun",
+        description="Train the reference transformer with a pipeline schedule, activation "
+        "offload included, and report the peak activation per rank: measured, and predicted by "
+        "the simulator. Without torchrun it starts pp * dp local processes; under torchrun it "
+        "is one rank of the job. See docs/training.md.")
+    g = p.add_argument_group("parallelism and schedule")
+    g.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel pipeline replicas")
+    g.add_argument("--schedule", default="po-f", help="schedule name (default po-f)")
+    g.add_argument("--chunks", type=int, default=None, help="stages per rank")
+    g.add_argument("--group-size", type=int, default=None, help="grouped-interleaved g")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per replica and step (default 2 * pp)")
+    g.add_argument("--offload", default=None, metavar="SPEC",
+                   help="none | all | chunks:K | fraction:X | limit:X (po-h/po-f: own default)")
+    g.add_argument("--inline", action="store_true",
+                   help="run every pipeline rank in this one process (dp must be 1)")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="small", help="preset: tiny | small | medium")
+    for flag, field, what in (("--layers", "n_layers", "transformer layers"),
+                              ("--dim", "dim", "model width"), ("--heads", "n_heads", "heads"),
+                              ("--kv-heads", "n_kv_heads", "key/value heads"),
+                              ("--ffn-hidden", "ffn_hidden", "SwiGLU inner width")):
+        g.add_argument(flag, dest=field, type=int, default=None, help=f"override {what}")
+    g.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default min(128, the model's max_seq_len); "
+                   "a longer one raises max_seq_len)")
+    g.add_argument("--batch-size", type=int, default=16, help="global batch in sequences, "
+                   "summed over dp replicas (default 16)")
+    g.add_argument("--data", default=None, metavar="PATH", help="text file or folder "
+                   "(default: Python standard-library sources)")
+    g.add_argument("--max-bytes", type=int, default=1 << 20, help="read at most this much text")
+    g = p.add_argument_group("optimisation")
+    # The same defaults as TrainConfig's (a test checks); torch is not imported to build this.
+    g.add_argument("--steps", type=int, default=60, help="train up to this step (default 60)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak AdamW lr (default 3e-3)")
+    g.add_argument("--warmup-steps", type=int, default=10)
+    g.add_argument("--decay-steps", type=int, default=None,
+                   help="cosine decay to 0.1 lr at this step (default: constant after warmup)")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm (0: off)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("runtime, checkpoints and output")
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--threads", type=int, default=1,
+                   help="torch threads per process on CPU (default 1: tiny matrices run faster "
+                   "on one thread, and processes share the cores)")
+    g.add_argument("--p2p-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a rank waits for a peer before failing (default 300)")
+    g.add_argument("--min-offload-elements", type=int, default=0,
+                   help="saved tensors this small stay on the device (default 0: move all)")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also save every N steps (a checkpoint is always saved at the end)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="continue from the newest checkpoint in --checkpoint-dir, or PATH")
+    g.add_argument("--no-baseline", action="store_true",
+                   help="skip the extra step that measures peaks without offload")
+    g.add_argument("--json", action="store_true", help="print one JSON line at the end")
+    g.add_argument("--png", default="pipeoffload-train.png", metavar="FILE",
+                   help="schedule picture to write (default pipeoffload-train.png)")
+    g.add_argument("--no-png", action="store_true", help="write no picture")
+    g.add_argument("--log-every", type=int, default=10, metavar="N")
+    p.add_argument("--worker-config", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(handler=cmd_train)
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
+    """The TrainConfig and ReportOptions the command line asks for."""
+    from pipeoffload.app.data import DataConfig
+    from pipeoffload.app.model import model_preset
+    from pipeoffload.app.train import TrainConfig
+
+    model = model_preset(args.model)
+    overrides = {f: getattr(args, f) for f in ("n_layers", "dim", "n_heads", "n_kv_heads",
+                                               "ffn_hidden") if getattr(args, f) is not None}
+    seq_len = args.seq_len if args.seq_len is not None else min(128, model.max_seq_len)
+    overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
+    model = dataclasses.replace(model, **overrides)
+    data = DataConfig(source=args.data, seq_len=seq_len, batch_size=args.batch_size,
+                      seed=args.seed, max_bytes=args.max_bytes)
+    if args.resume is not None and args.resume == "latest" and args.checkpoint_dir is None:
+        raise ConfigError("--resume without a PATH needs --checkpoint-dir (where to look)")
+    for flag in ("log_every", "threads"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    config = TrainConfig(
+        model=model, data=data, pp=args.pp, dp=args.dp, schedule=args.schedule,
+        chunks=args.chunks, group_size=args.group_size, microbatches=args.microbatches,
+        offload=args.offload, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+        decay_steps=args.decay_steps, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip or None, seed=args.seed, device=args.device,
+        p2p_timeout_s=args.p2p_timeout, min_offload_elements=args.min_offload_elements,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, measure_baseline=not args.no_baseline)
+    report = ReportOptions(json=args.json, png=None if args.no_png else args.png,
+                           log_every=args.log_every, threads=args.threads)
+    return config, report
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """The `train` handler: decide where to run (see the module docstring) and run."""
+    if args.worker_config is not None:
+        payload = json.loads(args.worker_config)
+        from pipeoffload.app.train import TrainConfig
+
+        return run_worker(TrainConfig.from_dict(payload["config"]),
+                          ReportOptions(**payload["report"]), distributed=True)
+    config, report = config_from_args(args)
+    if all(k in os.environ for k in _TORCHRUN_ENV):
+        return run_worker(config, report, distributed=True)
+    if args.inline or config.pp * config.dp == 1:
+        if config.dp > 1:
+            raise ConfigError("--inline runs one pipeline replica in one process; use --dp 1 "
+                              "or drop --inline")
+        return run_worker(config, report, distributed=False)
+    return _self_launch(config, report)
+
+
+def _self_launch(config: Any, report: ReportOptions) -> int:
+    from pipeoffload.app.launch import LaunchConfig, Topology, launch
+    from pipeoffload.app.train import preflight
+
+    plan = preflight(config, processes=config.pp * config.dp)
+    last = plan.schedule.rank_of(plan.schedule.num_stages - 1)
+    reporter = Topology(pp=config.pp, dp=config.dp).global_rank(last, 0)
+    payload = json.dumps({"config": config.to_dict(), "report": dataclasses.asdict(report)})
+    argv = [sys.executable, "-m", "pipeoffload.app.train_cli", "train", "--worker-config",
+            payload]
+    grace_s = min(config.p2p_timeout_s, 30.0) + 5.0
+    return launch(argv, LaunchConfig(nprocs=config.pp * config.dp, reporting_rank=reporter,
+                                     grace_s=grace_s, threads_per_process=report.threads))
+
+
+def run_worker(config: Any, report: ReportOptions, *, distributed: bool) -> int:
+    """Train in this process (one rank of a job, or every rank in local mode) and report."""
+    import torch
+
+    from pipeoffload.app.launch import Topology, connect, disconnect, resolve_device
+    from pipeoffload.app.train import train
+
+    topology = None
+    try:
+        if distributed:
+            topology = connect(config.pp, config.dp, config.device, config.p2p_timeout_s)
+        else:
+            topology = Topology.local(config.pp, resolve_device(config.device))
+        if topology.device.type == "cpu":
+            torch.set_num_threads(report.threads)
+        out = sys.stderr if report.json else sys.stdout
+        result = train(config, topology, on_step=lambda log: _progress(log, report, out))
+        if result.reporter:
+            _report(result, config, report, out)
+    except BaseException as error:
+        if not distributed:
+            raise
+        # A failed rank must not hang in teardown waiting for peers: report and leave now.
+        where = f"rank {topology.rank if topology else os.environ.get('RANK', '?')}"
+        if isinstance(error, PipeoffloadError):
+            text = str(error)
+            text = text[len(where) + 2:] if text.startswith(f"{where}: ") else text
+            print(f"pipeoffload train: {where}: error: {text}", file=sys.stderr, flush=True)
+            os._exit(2)
+        print(f"pipeoffload train: {where}: {type(error).__name__}: {error}", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    if topology is not None:
+        disconnect(topology)
+    return 0
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _progress(log: Any, report: ReportOptions, out: IO[str]) -> None:
+    if log.step % report.log_every and log.step not in (1, log.steps):
+        return
+    peaks = " ".join(f"r{r}={format_bytes(b)}" for r, b in enumerate(log.peak_bytes))
+    width = len(str(log.steps))
+    print(f"step {log.step:>{width}}/{log.steps}  loss {log.loss:.4f}  lr {log.lr:.2e}  "
+          f"{log.tokens_per_s:,.0f} tok/s  activation peak {peaks}", file=out, flush=True)
+
+
+def _report(result: Any, config: Any, report: ReportOptions, out: IO[str]) -> None:
+    if report.json:
+        png = _write_png(result, report.png)
+        print(json.dumps(summary(result, config, png), sort_keys=True), flush=True)
+        return
+    print(render_table(result), file=out)
+    if result.checkpoint:
+        print(f"checkpoint: {result.checkpoint}", file=out)
+    out.flush()
+    png = _write_png(result, report.png)
+    if png:
+        print(f"schedule PNG: {png}", file=out, flush=True)
+
+
+def _write_png(result: Any, path: str | None) -> str | None:
+    if path is None:
+        return None
+    from pipeoffload.sim.render_png import render_png
+
+    simulation = result.simulation or result.plan.result
+    return str(render_png(simulation, path, compare=result.baseline_simulation))
+
+
+def render_table(result: Any) -> str:
+    """Peak activation per pipeline rank: measured and predicted, with and without offload."""
+    schedule = result.plan.schedule
+    rows = [("rank", "stages", "measured", "predicted", "no offload: measured", "predicted")]
+    for r in range(schedule.num_ranks):
+        rows.append((str(r), ",".join(map(str, schedule.stages_on_rank(r))),
+                     *(format_bytes(None if values is None else values[r])
+                       for values in (result.peak_bytes, result.predicted_bytes,
+                                      result.baseline_bytes, result.baseline_predicted_bytes))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    losses = result.losses
+    head = (f"{schedule.name}: pp={schedule.num_ranks}, {schedule.num_stages} stages, "
+            f"{schedule.microbatches} microbatches; steps {result.start_step}->{result.end_step}"
+            + (f", loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "")
+            + f", {result.tokens_per_s:,.0f} tokens/s")
+    notes = ("measured: ActivationMeter on the real tensors, max over steps (replica 0); "
+             "predicted: the simulator with per-stage sizes measured on the first step; no "
+             "offload: one extra forward/backward of the same schedule without transfers "
+             "(measured) and its simulation (predicted)")
+    return "\n".join([head, "peak activation per pipeline rank", *lines, notes])
+
+
+def summary(result: Any, config: Any, png: str | None) -> dict[str, Any]:
+    """The --json object."""
+    schedule = result.plan.schedule
+    ma_bytes = None
+    if result.stage_bytes is not None:
+        ma_bytes = [sum(result.stage_bytes[s] for s in schedule.stages_on_rank(r))
+                    for r in range(schedule.num_ranks)]
+    as_list = (lambda v: None if v is None else list(v))  # noqa: E731
+    return {
+        "schedule": schedule.name, "pp": config.pp, "dp": config.dp,
+        "stages": schedule.num_stages, "microbatches": schedule.microbatches,
+        "start_step": result.start_step, "steps": result.end_step,
+        "first_loss": result.losses[0] if result.losses else None,
+        "last_loss": result.losses[-1] if result.losses else None,
+        "losses": list(result.losses), "tokens_per_s": result.tokens_per_s,
+        "peak_activation_bytes": list(result.peak_bytes),
+        "predicted_peak_activation_bytes": as_list(result.predicted_bytes),
+        "peak_activation": None if ma_bytes is None else
+        [b / m for b, m in zip(result.peak_bytes, ma_bytes)],
+        "peak_activation_without_offload_bytes": as_list(result.baseline_bytes),
+        "predicted_peak_activation_without_offload_bytes":
+            as_list(result.baseline_predicted_bytes),
+        "stage_activation_bytes": as_list(result.stage_bytes),
+        "checkpoint": result.checkpoint, "png": png,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m pipeoffload.app.train_cli train ...` (what torchrun and launch.py start)."""
+    parser = argparse.ArgumentParser(prog="pipeoffload")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except PipeoffloadError as error:
+        print(f"pipeoffload train: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""What ``pipeoffload plan`` prints: the k line, a ranked table, the winner's command, and the
+same as one JSON object (the contract: k, best and candidates, each plan with pp, tp, dp,
+schedule, chunks, group_size, offload, recompute, microbatch_size, microbatches, step_time,
+mfu, memory_gib, feasible and command)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeoffload.planner.costing import GIB
+from pipeoffload.planner.evaluate import Plan
+from pipeoffload.planner.search import SearchResult
+from pipeoffload.planner.transformer import TransformerSpec
+
+
+def plan_json(plan: Plan, spec: TransformerSpec | None = None) -> dict[str, Any]:
+    """One plan as a JSON-ready dictionary (times in seconds, memory in GiB)."""
+    c = plan.candidate
+    memory = plan.memory
+    return {
+        "pp": c.pp,
+        "tp": c.tp,
+        "dp": c.dp,
+        "schedule": c.display_name,
+        "chunks": c.chunks,
+        "group_size": c.group_size,
+        "offload": c.offload,
+        "recompute": c.recompute.value,
+        "microbatch_size": c.micro_batch,
+        "microbatches": c.microbatches,
+        "step_time": plan.step_time,
+        "pipeline_time": plan.pipeline_time,
+        "dp_time": plan.dp_time,
+        "mfu": plan.mfu,
+        "bubble_rate": plan.bubble_rate,
+        "stall_time": plan.stall_time,
+        "offloaded_fraction": plan.offloaded_fraction,
+        "memory_gib": plan.memory_gib,
+        "memory_split_gib": {
+            "parameters": memory.params / GIB,
+            "gradients": memory.grads / GIB,
+            "optimizer": memory.optimizer / GIB,
+            "activations": memory.activations / GIB,
+            "reserve": memory.reserve / GIB,
+        },
+        "feasible": plan.feasible,
+        "simulated_microbatches": list(plan.simulated_microbatches),
+        "command": c.command(spec),
+    }
+
+
+def result_json(result: SearchResult, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The whole search as one JSON object."""
+    best = result.best
+    stats = result.stats
+    return {
+        "inputs": inputs,
+        "k": result.k.k,
+        "k_detail": str(result.k),
+        "budget_gib": result.budget_bytes / GIB,
+        "best": plan_json(best, result.spec) if best is not None else None,
+        "feasible": bool(best is not None and best.feasible),
+        "shortfall": result.shortfall(),
+        "candidates": [plan_json(plan, result.spec) for plan in result.candidates],
+        "search": {
+            "configurations": stats.configurations,
+            "simulated": stats.simulated,
+            "pruned_by_time": stats.pruned_by_time,
+            "pruned_by_memory": stats.pruned_by_memory,
+            "dominated": stats.dominated,
+            "not_buildable": stats.not_buildable,
+            "seconds": stats.seconds,
+        },
+        "notes": list(result.notes),
+    }
+
+
+_HEADER = ("#", "schedule", "pp", "tp", "dp", "v", "g", "b", "m", "recompute", "offload",
+           "step s", "MFU", "params+grads", "optimizer", "activations", "total GiB", "fits")
+
+
+def _row(rank: int, plan: Plan) -> tuple[str, ...]:
+    c, memory = plan.candidate, plan.memory
+    return (
+        str(rank), c.display_name, str(c.pp), str(c.tp), str(c.dp), str(c.chunks),
+        str(c.group_size) if c.group_size is not None else "-", str(c.micro_batch),
+        str(c.microbatches), c.recompute.value, c.offload, f"{plan.step_time:.3f}",
+        f"{plan.mfu:.1%}", f"{(memory.params + memory.grads) / GIB:.1f}",
+        f"{memory.optimizer / GIB:.1f}", f"{memory.activations / GIB:.1f}",
+        f"{plan.memory_gib:.1f}", "yes" if plan.feasible else "no",
+    )
+
+
+def render_table(plans: list[Plan] | tuple[Plan, ...]) -> str:
+    """A Markdown table of ranked plans (memory on the fullest device; total includes the
+    reserve)."""
+    rows = [_HEADER] + [_row(i + 1, plan) for i, plan in enumerate(plans)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
+    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |"
+             for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def render_result(result: SearchResult, inputs_line: str) -> str:
+    """The human report: the k line with its inputs, the ranked table, the winner's command
+    (or what the nearest plan would need)."""
+    stats = result.stats
+    lines = [inputs_line, str(result.k), ""]
+    if result.candidates:
+        lines.append(render_table(result.candidates))
+    lines.append("")
+    lines.append(f"searched {stats.configurations} configurations in {stats.seconds:.1f} s: "
+                 f"{stats.simulated} simulations, {stats.pruned_by_time} pruned by time, "
+                 f"{stats.pruned_by_memory} by memory, {stats.dominated} dominated, "
+                 f"{stats.not_buildable} not buildable")
+    lines.extend(result.notes)
+    best = result.best
+    if best is None:
+        lines.append("no configuration to show")
+    elif best.feasible:
+        lines.append(f"best: {best.step_time:.3f} s per step, MFU {best.mfu:.1%}, "
+                     f"{best.memory_gib:.1f} GiB per device")
+        lines.append(best.candidate.command(result.spec))
+    else:
+        lines.append(result.shortfall() or "")
+        lines.append("nearest: " + best.candidate.command(result.spec))
+    return "\n".join(lines)
