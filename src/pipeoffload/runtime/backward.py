@@ -44,26 +44,19 @@ def plan_split(
 ) -> SplitPlan:
     """Analyse the graph below ``outputs``; see Note: [B/W split]."""
     accumulators = {torch.autograd.graph.get_gradient_edge(p).node: i for i, p in enumerate(params)}
-    order = _post_order([edge.node for edge in outputs])
+    order, children = _post_order([edge.node for edge in outputs])
     inputs = set(input_nodes)
     reaches_input: dict[Node, bool] = {}
     below: dict[Node, frozenset[int]] = {}  # params reachable through nodes outside N_in
-    for node in order:
-        children = [child for child, _ in node.next_functions if child is not None]
-        reaches_input[node] = node in inputs or any(reaches_input[c] for c in children)
-        if node in accumulators:
-            below[node] = frozenset((accumulators[node],))
-        else:
-            below[node] = frozenset().union(
-                *(below[c] for c in children if not reaches_input[c])
-            )
     boundary = []
-    for node in order:
-        if not reaches_input[node] or node in inputs:
-            continue
-        children = [child for child, _ in node.next_functions if child is not None]
-        group = frozenset().union(*(below[c] for c in children if not reaches_input[c]))
-        if group:
+    empty: frozenset[int] = frozenset()
+    for node in order:  # children come first, so their entries exist
+        kids = children[node]
+        reaches_input[node] = node in inputs or any(reaches_input[c] for c in kids)
+        outside = [below[c] for c in kids if not reaches_input[c]]
+        group = empty.union(*outside) if outside else empty
+        below[node] = frozenset((accumulators[node],)) if node in accumulators else group
+        if reaches_input[node] and node not in inputs and group:
             boundary.append((node, tuple(sorted(group))))
     roots = []
     for index, edge in enumerate(outputs):
@@ -78,25 +71,26 @@ def plan_split(
     return SplitPlan(tuple(boundary), tuple(roots), fallback)
 
 
-def _post_order(roots: Sequence[Node]) -> list[Node]:
-    """Every node below ``roots``, children before parents (iterative: graphs can be deep)."""
+def _post_order(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Every node below ``roots``, children before parents (iterative: graphs can be deep), and
+    each node's children."""
     order: list[Node] = []
-    visited: set[Node] = set()
+    children: dict[Node, list[Node]] = {}
     for root in roots:
-        if root in visited:
+        if root in children:
             continue
-        visited.add(root)
-        stack = [(root, iter([c for c, _ in root.next_functions if c is not None]))]
+        children[root] = [c for c, _ in root.next_functions if c is not None]
+        stack = [(root, iter(children[root]))]
         while stack:
-            node, children = stack[-1]
-            child = next(children, None)
+            node, pending = stack[-1]
+            child = next(pending, None)
             if child is None:
                 stack.pop()
                 order.append(node)
-            elif child not in visited:
-                visited.add(child)
-                stack.append((child, iter([c for c, _ in child.next_functions if c is not None])))
-    return order
+            elif child not in children:
+                children[child] = [c for c, _ in child.next_functions if c is not None]
+                stack.append((child, iter(children[child])))
+    return order, children
 
 
 class WeightGradState:

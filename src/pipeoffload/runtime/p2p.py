@@ -178,6 +178,9 @@ class DistTransport:
         if not ops:
             return []
         try:
+            if len(ops) == 1:  # batching one op only adds overhead (NCCL coalesces several)
+                op = ops[0]
+                return [op.op(op.tensor, op.peer, op.group, op.tag)]
             return list(dist.batch_isend_irecv(ops))
         except Exception as error:
             raise self._failure(action, peer, what, repr(error)) from error

@@ -24,25 +24,26 @@ class HostBufferPool:
 
     def __init__(self, pin_memory: bool) -> None:
         self._pin = pin_memory
-        self._free: list[_Slot] = []
+        self._free: dict[int, list[_Slot]] = {}  # buffer size -> free slots of that size
         self._lent: dict[int, torch.Tensor] = {}  # id(view) -> whole buffer
         self.allocated_bytes = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
-        best: _Slot | None = None
-        for slot in self._free:
-            if slot.buffer.numel() < nbytes:
-                continue
-            if slot.ready is not None and not slot.ready.query():  # type: ignore[attr-defined]
-                continue
-            if best is None or slot.buffer.numel() < best.buffer.numel():
-                best = slot
-        if best is None:
+        # Steady state asks for the sizes it gave back, so try an exact fit first.
+        sizes = [nbytes] if self._free.get(nbytes) else sorted(
+            size for size, slots in self._free.items() if size > nbytes and slots)
+        buffer = None
+        for size in sizes:
+            slots = self._free[size]
+            for index, slot in enumerate(slots):
+                if slot.ready is None or slot.ready.query():  # type: ignore[attr-defined]
+                    buffer = slots.pop(index).buffer
+                    break
+            if buffer is not None:
+                break
+        if buffer is None:
             buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
             self.allocated_bytes += nbytes
-        else:
-            self._free.remove(best)
-            buffer = best.buffer
         view = buffer[:nbytes]
         self._lent[id(view)] = buffer
         return view
@@ -50,4 +51,4 @@ class HostBufferPool:
     def give_back(self, view: torch.Tensor, ready: object | None = None) -> None:
         """Return a buffer from ``take``; ``ready`` is the event of its last pending copy."""
         buffer = self._lent.pop(id(view))
-        self._free.append(_Slot(buffer, ready))
+        self._free.setdefault(buffer.numel(), []).append(_Slot(buffer, ready))

@@ -96,6 +96,7 @@ class StageRunner:
         self._scale = 1.0 / microbatches
         self._anchor = torch.empty(0, requires_grad=True)
         self._state: dict[int, _Forwarded] = {}
+        self._params: list[torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -113,7 +114,10 @@ class StageRunner:
 
     @property
     def params(self) -> list[torch.Tensor]:
-        return [p for p in self.module.parameters() if p.requires_grad]
+        """Trainable parameters (cached: asked for twice per microbatch)."""
+        if self._params is None:
+            self._params = [p for p in self.module.parameters() if p.requires_grad]
+        return self._params
 
     def forward(
         self,
