@@ -63,7 +63,8 @@ def test_every_schedule_validates_with_its_name_and_placement(name: str, p: int,
     kinds = {a.kind for acts in schedule.ranks for a in acts}
     assert kinds == ({Kind.F, Kind.I, Kind.W} if split else {Kind.F, Kind.B})
     assert result.peak_activation == pytest.approx(
-        [peak / len(schedule.stages_on_rank(r)) for r, peak in enumerate(order_peaks(schedule.ranks))]
+        [peak / len(schedule.stages_on_rank(r))
+         for r, peak in enumerate(order_peaks(schedule.ranks))]
     )
 
 

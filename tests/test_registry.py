@@ -34,7 +34,8 @@ def test_registry_is_a_read_only_mapping() -> None:
         ("ScheduleInterleaved1F1B", "interleaved-1f1b"), ("ZBVZeroBubble", "zbv"),
         ("ScheduleZBVZeroBubble", "zbv"), ("ZB-V", "zbv"), ("zb_v", "zbv"), ("zbh1", "zb-h1"),
         ("ZB_H2", "zb-h2"), ("vhalf", "v-half"), ("V_Min", "v-min"), ("  v-MIN ", "v-min"),
-        ("GroupedInterleaved", "grouped-interleaved"), ("grouped_interleaved", "grouped-interleaved"),
+        ("GroupedInterleaved", "grouped-interleaved"),
+        ("grouped_interleaved", "grouped-interleaved"),
         ("group-interleaved-1f1b", "grouped-interleaved"),
     ],
 )
@@ -55,7 +56,8 @@ def test_unknown_names_suggest_the_closest_and_list_all(typo: str, suggestion: s
 
 
 def test_nonsense_name_lists_known_names_without_a_guess() -> None:
-    with pytest.raises(ConfigError, match="unknown schedule 'qqqqqqqq'; known schedules: gpipe, 1f1b"):
+    expected = "unknown schedule 'qqqqqqqq'; known schedules: gpipe, 1f1b"
+    with pytest.raises(ConfigError, match=expected):
         build_schedule("qqqqqqqq", 4, 8)
     with pytest.raises(ConfigError, match="must be a string"):
         build_schedule(3, 4, 8)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from pipeoffload.core import registry
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
-from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
+from pipeoffload.offload.targets import OffloadTarget, parse_target
 from pipeoffload.sim.costs import CostModel
 
 # preset key -> (description, default offload target)
@@ -88,7 +88,3 @@ def build_schedule(
     plan = plan_schedule(name, pp, microbatches, offload, costs=costs,
                          offload_ratio=offload_ratio, policy=policy, **options)
     return plan.schedule
-
-
-def offload_requested(offload: str | OffloadTarget | None) -> bool:
-    return parse_target(offload).kind is not TargetKind.NONE

@@ -59,15 +59,12 @@ def _check_counts(schedule: Schedule) -> None:
             _fail(schedule, "appears twice (each action runs exactly once)", rank, position, action)
         where.setdefault(action, (rank, position))
 
-    def first_position(stage: int) -> tuple[int, int]:
-        rank = schedule.rank_of(stage)
-        return rank, 0
-
     for stage in range(schedule.num_stages):
         for mb in range(schedule.microbatches):
             has = {kind: Action(stage, kind, mb) in seen for kind in Kind}
             anchor = Action(stage, Kind.F, mb)
-            rank, position = where.get(anchor, first_position(stage))
+            # Point at the F if it exists, else at the start of the rank that should run it.
+            rank, position = where.get(anchor, (schedule.rank_of(stage), 0))
             if not has[Kind.F]:
                 _fail(schedule, f"missing forward {anchor} on rank {rank}", rank, position, anchor)
             if has[Kind.B] and (has[Kind.I] or has[Kind.W]):

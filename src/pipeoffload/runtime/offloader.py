@@ -21,7 +21,7 @@ Shapes may change between steps: records live for one forward/backward, buffers 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -264,16 +264,14 @@ class ActivationOffloader:
             return
         compute = torch.cuda.current_stream(self._device)
         mine = {id(storage) for storage in scope.storages.values()}
-        still = []
-        for event, storages in self._pending:
-            if any(id(storage) in mine for storage in storages):
-                compute.wait_event(event)  # type: ignore[arg-type]
-                for storage in storages:
-                    if storage.host is not None:
-                        self._release_device(storage)
-            else:
-                still.append((event, storages))
-        self._pending = still
+
+        def waited(event: object, storages: list[_Storage]) -> bool:
+            if not any(id(storage) in mine for storage in storages):
+                return False
+            compute.wait_event(event)  # type: ignore[arg-type]
+            return True
+
+        self._release_where(waited)
 
     def wait_reloaded(self, key: Hashable) -> None:
         """Make the compute stream (never the host) wait for ``key``'s RELOAD copies."""
@@ -296,9 +294,13 @@ class ActivationOffloader:
 
     def poll(self) -> None:
         """Release device memory of offloads whose copy has completed (never blocks)."""
+        self._release_where(lambda event, _: event.query())  # type: ignore[attr-defined]
+
+    def _release_where(self, finished: Callable[[object, list[_Storage]], bool]) -> None:
+        """Release the device copies of the pending offloads for which ``finished`` holds."""
         still = []
         for event, storages in self._pending:
-            if event.query():  # type: ignore[attr-defined]
+            if finished(event, storages):
                 for storage in storages:
                     if storage.host is not None:
                         self._release_device(storage)
