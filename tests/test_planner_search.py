@@ -28,7 +28,7 @@ from pipeoffload.planner.hardware import hardware_preset
 from pipeoffload.planner.presets import model_preset
 from pipeoffload.planner.ratio import RunConfig
 from pipeoffload.planner.search import SearchConfig, SearchSpace, configurations, search
-from pipeoffload.planner.transformer import MlpKind, TransformerSpec
+from pipeoffload.planner.transformer import MlpKind, Recompute, TransformerSpec
 
 A100 = hardware_preset("a100-80gb")
 SMALL = TransformerSpec(num_layers=16, hidden=2048, heads=16, kv_heads=16, ffn_hidden=8192,
@@ -226,3 +226,18 @@ def test_paper_case_pp_with_offload_beats_tp8_at_lower_memory() -> None:
     layer8 = stage_costs(spec, A100, Layout(1, 8, 4, 1, RunConfig(tp=8)))[1]
     compute = (layer8.flops.f + layer8.flops.i + layer8.flops.w) / A100.bf16_flops_per_s
     assert 0.1 < layer8.chunk_s / compute - 1 < 0.25  # the TP overhead the docstring quotes
+
+
+def test_recompute_and_offload_mix_per_chunk() -> None:
+    """Recomputing each rank's longest-lived chunk and offloading the rest holds less than
+    offloading alone, and pays for it in time (the RECOMPUTE forwards)."""
+    from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
+
+    base = Candidate("grouped-interleaved", 1, 1, 4, 2, 1, 16, recompute=Recompute.NONE,
+                     group_size=2)
+    evaluator = Evaluator(BIG, A100, MemoryConfig(), math.inf, Extrapolation(enabled=False))
+    offload_only = evaluator.evaluate(dataclasses.replace(base, offload="all"))
+    mixed = evaluator.evaluate(dataclasses.replace(base, offload=RECOMPUTE_AND_OFFLOAD))
+    assert mixed.memory.activations < offload_only.memory.activations
+    assert mixed.step_time > offload_only.step_time
+    assert "recomputed" in mixed.candidate.command()

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from pipeoffload.core import registry
 from pipeoffload.core.schedule import Schedule
-from pipeoffload.offload.plan import add_offload
+from pipeoffload.offload.plan import OffloadPlan, add_offload
+from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.targets import parse_target
 from pipeoffload.planner.costing import (
     GIB,
@@ -40,11 +41,25 @@ from pipeoffload.planner.costing import (
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.ratio import PieceCost, RunConfig
 from pipeoffload.planner.transformer import Recompute, TransformerSpec
+from pipeoffload.sim.costs import CostModel
 
 #: Schedules whose stages sit in V placement (two per rank).
 V_SHAPED = frozenset({"zbv", "v-half", "v-min"})
 #: Schedules with a ``chunks`` option (the others run a fixed number of stages per rank).
 CHUNKED = frozenset({"interleaved-1f1b", "grouped-interleaved"})
+
+
+RECOMPUTE_AND_OFFLOAD = "recompute-chunks:1+all"
+"""A memory option mixing both per chunk: each rank's longest-lived chunk is recomputed
+(RECOMPUTE actions, offload/recompute.py), every other activation that hides is offloaded."""
+
+
+def plan_memory(schedule: Schedule, costs: CostModel, option: str) -> OffloadPlan:
+    """Plan an offload target, or RECOMPUTE_AND_OFFLOAD, into ``schedule``."""
+    if option == RECOMPUTE_AND_OFFLOAD:
+        schedule = add_recompute(schedule, costs, "chunks:1").schedule
+        option = "all"
+    return add_offload(schedule, costs, parse_target(option))
 
 
 @dataclass(frozen=True)
@@ -105,7 +120,8 @@ class Candidate:
         parts += [f"--microbatches {self.microbatches}",
                   f"--batch-size {self.dp * self.microbatches * self.micro_batch}"]
         if self.display_name not in ("po-h", "po-f"):
-            parts.append(f"--offload {self.offload}")
+            offload = "all" if self.offload == RECOMPUTE_AND_OFFLOAD else self.offload
+            parts.append(f"--offload {offload}")
         if spec is not None:
             parts += [f"--layers {spec.num_layers}", f"--dim {spec.hidden}",
                       f"--heads {spec.heads}", f"--kv-heads {spec.kv_heads}",
@@ -115,9 +131,11 @@ class Candidate:
             extra.append(f"tp={self.tp}")
         if self.recompute is not Recompute.NONE:
             extra.append(f"recompute={self.recompute.value}")
+        if self.offload == RECOMPUTE_AND_OFFLOAD:
+            extra.append("each rank's longest-lived chunk recomputed (RECOMPUTE actions)")
         if extra:
             parts.append(f"  # plan assumes {', '.join(extra)}: not options of train (no "
-                         "tensor parallelism or per-layer recompute there)")
+                         "tensor parallelism or recompute there)")
         return " ".join(parts)
 
 
@@ -264,17 +282,16 @@ class Evaluator:
         pieces = self.pieces(candidate)
         layout = candidate.layout
         costs = cost_model(pieces, self.spec, self.hw, layout)
-        target = parse_target(candidate.offload)
         counts = self.extrapolation.counts(candidate)
         runs = []
         for m in counts:
-            runs.append(add_offload(self.schedule(candidate, m), costs, target))
+            runs.append(plan_memory(self.schedule(candidate, m), costs, candidate.offload))
             self.simulations += 1
         if len(runs) == 2 and any(
                 run.result.total_stall_time > self.extrapolation.stall_tolerance
                 * run.result.makespan for run in runs):
             counts = (candidate.microbatches,)
-            runs = [add_offload(self.schedule(candidate, counts[0]), costs, target)]
+            runs = [plan_memory(self.schedule(candidate, counts[0]), costs, candidate.offload)]
             self.simulations += 1
         last = runs[-1]
         makespan = last.result.makespan

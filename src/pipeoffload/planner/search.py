@@ -34,6 +34,7 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.planner.costing import GIB, MemoryConfig
 from pipeoffload.planner.evaluate import (
     CHUNKED,
+    RECOMPUTE_AND_OFFLOAD,
     V_SHAPED,
     Candidate,
     Evaluator,
@@ -46,7 +47,7 @@ from pipeoffload.planner.transformer import Recompute, TransformerSpec, as_recom
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "v-min",
                      "grouped-interleaved")
-OFFLOAD_ORDER = ("none", "chunks:1", "all")
+OFFLOAD_ORDER = ("none", "chunks:1", "all", RECOMPUTE_AND_OFFLOAD)
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def _variants(spec: TransformerSpec, hw: Hardware, base: Candidate,
             kept.append(r)
     offloads = [o for o in space.offload if base.pp > 1 or o == "none"]
     if base.chunks < 2:
-        offloads = [o for o in offloads if o != "chunks:1"]
+        offloads = [o for o in offloads if o not in ("chunks:1", RECOMPUTE_AND_OFFLOAD)]
     return [replace(base, recompute=r, offload=o) for r in kept for o in offloads]
 
 
