@@ -35,15 +35,9 @@ from pipeoffload.errors import ConfigError, PipeoffloadError
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
+from test_runtime_support import one_thread  # noqa: E402, F401 - autouse fixture
+
 TINY_ARGS = ["--model", "tiny", "--batch-size", "16", "--log-every", "1", "--p2p-timeout", "20"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
