@@ -116,7 +116,7 @@ def add_offload(
     base = simulate(bare, costs)
     planner = _Planner(bare, costs, policy, base, keep_stalling=target.demands)
     if target.kind is TargetKind.NONE:
-        return planner.finish(target, (), base, {}, ())
+        return planner.finish(target, bare, base, {}, ())
     if target.kind is TargetKind.LIMIT:
         return _plan_limit(planner, target)
     chosen, notes = planner.spans.choose(target, planner.units)
@@ -129,21 +129,25 @@ def _plan_limit(planner: _Planner, target: OffloadTarget) -> OffloadPlan:
     """The shortest longest-lived-first prefix per rank that meets the limit (binary search in
     lockstep over ranks: a rank's peak depends on its own offloads, not on other ranks')."""
     ranks = range(planner.schedule.num_ranks)
-    sizes = planner.base.peak_bytes if target.in_bytes else planner.base.peak_activation
-    if target.in_bytes and sizes is None:
+    if target.in_bytes and planner.base.peak_bytes is None:
         planner_note = ("limit in bytes needs activation sizes in the cost model "
                         "(activation_bytes); nothing offloaded")
-        return planner.finish(target, (), planner.base, {}, (planner_note,))
+        return planner.finish(target, planner.schedule, planner.base, {}, (planner_note,))
     lo = [0] * len(ranks)
     hi = [len(planner.by_lifespan[r]) for r in ranks]
 
-    def attempt(prefix: list[int]) -> tuple[tuple[Schedule, SimResult, dict], tuple[float, ...]]:
-        chosen = [item for r in ranks for item in planner.by_lifespan[r][: prefix[r]]]
-        outcome = planner.plan(chosen)
-        peaks = outcome[1].peak_bytes if target.in_bytes else outcome[1].peak_activation
-        return outcome, peaks  # type: ignore[return-value]
+    tried: dict[tuple[int, ...], tuple] = {}  # a plan is costly: never make one twice
 
-    best, peaks = attempt(hi)
+    def attempt(prefix: list[int]) -> tuple[tuple[Schedule, SimResult, dict], tuple[float, ...]]:
+        key = tuple(prefix)
+        if key not in tried:
+            chosen = [item for r in ranks for item in planner.by_lifespan[r][: prefix[r]]]
+            outcome = planner.plan(chosen)
+            peaks = outcome[1].peak_bytes if target.in_bytes else outcome[1].peak_activation
+            tried[key] = (outcome, peaks)
+        return tried[key]
+
+    _, peaks = attempt(hi)
     reachable = [peaks[r] <= target.value + 1e-9 for r in ranks]
     while any(lo[r] < hi[r] for r in ranks if reachable[r]):
         mid = [(lo[r] + hi[r]) // 2 if reachable[r] else hi[r] for r in ranks]
@@ -345,10 +349,8 @@ class _Planner:
                 f"largest chunk), and transfers that cannot hide are kept only if the target "
                 f"demands them; lower the offload ratio or raise reload_margin tolerance")
 
-    def finish(self, target: OffloadTarget, planned: Schedule | tuple, result: SimResult,
+    def finish(self, target: OffloadTarget, planned: Schedule, result: SimResult,
                skipped: dict[Item, str], notes: tuple[str, ...]) -> OffloadPlan:
-        if not isinstance(planned, Schedule):
-            planned = self.schedule
         offloaded = tuple(sorted((a.stage, a.microbatch) for acts in planned.ranks for a in acts
                                  if a.kind is Kind.OFFLOAD))
         if any(after > before + 1e-9 for before, after in
@@ -360,10 +362,10 @@ class _Planner:
             notes = notes + ("nothing could be offloaded: " + "; ".join(reasons),)
         total = sum(self.units[s] for acts in self.compute for s, k, _ in acts if k is Kind.F)
         moved_units = sum(self.units[s] for s, _ in offloaded)
-        sizes = [self.costs.bytes_of(s) for s, _ in offloaded]
-        bytes_moved = None if any(b is None for b in sizes) else float(sum(sizes))  # type: ignore[arg-type]
-        if self.costs.bytes_of(0) is None:
-            bytes_moved = None
+        # Byte peaks exist exactly when every stage's activation size is known.
+        bytes_moved = None if self.base.peak_bytes is None else float(
+            sum(self.costs.bytes_of(s) for s, _ in offloaded))  # type: ignore[misc]
+        kept = set(offloaded)
         report = OffloadReport(
             target=target,
             offloaded=offloaded,
@@ -377,10 +379,10 @@ class _Planner:
             makespan_after=result.makespan,
             stall_time=result.stall_time,
             skipped=tuple(Skipped(s, m, why) for (s, m), why in sorted(skipped.items())
-                          if (s, m) not in set(offloaded)),
+                          if (s, m) not in kept),
             notes=notes,
         )
-        return OffloadPlan(schedule=planned.with_ranks(planned.ranks), report=report, result=result)
+        return OffloadPlan(schedule=planned, report=report, result=result)
 
 
 def _timing(result: SimResult) -> dict[Action, tuple[float, float, float]]:
