@@ -10,6 +10,9 @@ from __future__ import annotations
 import time
 
 from pipeoffload.api import plan_schedule
+from pipeoffload.core.actions import Kind
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.offload.plan import OffloadPolicy
 
 
 def full_offload_table() -> None:
@@ -32,35 +35,49 @@ def full_offload_table() -> None:
 def selective_table() -> None:
     print("\n### Selective offload, p = 8, v = 2, g = 4, m = 32 (rank 0: 12 chunk units "
           "= 6 M_a without offload)\n")
-    print("| target | ratio | rank-0 peak (chunk units) | cut | bytes offloaded | makespan "
-          "change |")
-    print("|---|---|---|---|---|---|")
-    for target in ("chunks:1", "fraction:0.5", "limit:2.5", "limit:2", "all"):
+    print("| target | ratio | --fetch-on-use | back by | rank-0 peak (chunk units) | cut "
+          "| bytes offloaded | makespan change |")
+    print("|---|---|---|---|---|---|---|---|")
+    for target in ("chunks:1", "fraction:0.5", "limit:2", "limit:1.5", "all"):
         for ratio in (0.0, 0.25, 0.5):
-            plan = plan_schedule("grouped-interleaved", 8, 32, target, chunks=2, group_size=4,
-                                 offload_ratio=ratio)
-            r = plan.report
-            cut = 1 - r.peak_after[0] / r.peak_before[0]
-            change = r.makespan_after / r.makespan_before - 1
-            print(f"| {target} | {ratio:g} | {2 * r.peak_after[0]:.3g} | {cut:.0%} | "
-                  f"{r.offloaded_fraction:.0%} | {change:+.2%} |")
+            for fetch in (False, True):
+                plan = plan_schedule("grouped-interleaved", 8, 32, target, chunks=2,
+                                     group_size=4, offload_ratio=ratio,
+                                     policy=OffloadPolicy(fetch_on_use=fetch))
+                r = plan.report
+                cut = 1 - r.peak_after[0] / r.peak_before[0]
+                change = r.makespan_after / r.makespan_before - 1
+                print(f"| {target} | {ratio:g} | {'yes' if fetch else 'no'} | "
+                      f"{_back_by(plan.schedule)} | "
+                      f"{2 * r.peak_after[0]:.3g} | {cut:.0%} | {r.offloaded_fraction:.0%} | "
+                      f"{change:+.2%} |")
+
+
+def _back_by(schedule: Schedule) -> str:
+    """How the plan brings activations back: RELOAD, FETCH or both (FETCH only where it hides)."""
+    kinds = [k.value for k in (Kind.RELOAD, Kind.FETCH) if schedule.has_kind(k)]
+    return " + ".join(kinds) or "-"
 
 
 def authors_table() -> None:
     print("\n### Against the authors' planner (paper-notes.md section 6), m = 4p\n")
-    print("| p | v | g | ratio | offload | authors (chunk units) | ours (chunk units) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| p | v | g | ratio | offload | authors (chunk units) | ours, RELOAD | ours, "
+          "--fetch-on-use |")
+    print("|---|---|---|---|---|---|---|---|")
     cases = [(8, 2, 4, 0.25, "chunks:1", "7"), (8, 2, 4, 0.5, "chunks:1", "8"),
              (8, 2, 4, 0.25, "all", "4"), (8, 2, 4, 0.5, "all", "unable to schedule"),
              (8, 2, 8, 0.25, "all", "never schedulable"),
              (16, 3, 8, 0.25, "chunks:1", "19"), (16, 3, 8, 0.25, "chunks:2", "11"),
              (16, 3, 8, 0.25, "all", "3")]
     for pp, v, g, ratio, target, theirs in cases:
-        plan = plan_schedule("grouped-interleaved", pp, 4 * pp, target, chunks=v, group_size=g,
-                             offload_ratio=ratio)
-        print(f"| {pp} | {v} | {g} | {ratio:g} | {target} | {theirs} | "
-              f"{v * plan.report.peak_after[0]:.3g} (from {v * plan.report.peak_before[0]:.3g})"
-              " |")
+        ours = []
+        for fetch in (False, True):
+            plan = plan_schedule("grouped-interleaved", pp, 4 * pp, target, chunks=v,
+                                 group_size=g, offload_ratio=ratio,
+                                 policy=OffloadPolicy(fetch_on_use=fetch))
+            ours.append(f"{v * plan.report.peak_after[0]:.3g} "
+                        f"(from {v * plan.report.peak_before[0]:.3g})")
+        print(f"| {pp} | {v} | {g} | {ratio:g} | {target} | {theirs} | {ours[0]} | {ours[1]} |")
 
 
 def scaling_table() -> None:

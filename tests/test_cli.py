@@ -46,6 +46,23 @@ def test_csv_round_trip_through_the_cli(tmp_path, capsys):
     assert again["peak_activation"] == built["peak_activation"]
 
 
+def test_a_planned_csv_runs_as_planned_and_fetch_on_use_reaches_the_papers_cut(tmp_path, capsys):
+    path = tmp_path / "gi.csv"
+    flags = ["--schedule", "grouped-interleaved", "--pp", "8", "--chunks", "2",
+             "--group-size", "4", "--offload", "chunks:1", "--offload-ratio", "0.25"]
+    planned = run_json(capsys, *flags, "--fetch-on-use", "--csv", str(path))
+    reloaded = run_json(capsys, *flags)
+    # p=8, v=2, g=4: chunk 0 read back on use leaves the g = 4 chunk-1 activations (2 M_a);
+    # reloaded, it counts whole while backpropagated (and one copy is in flight): 3 M_a.
+    assert planned["peak_activation"][0] == 2.0 and reloaded["peak_activation"][0] == 3.0
+    assert "FETCH" in path.read_text()
+    again = run_json(capsys, "--from-csv", str(path), "--offload-ratio", "0.25")
+    assert again["peak_activation"] == planned["peak_activation"]
+    assert again["makespan"] == planned["makespan"]
+    bare = run_json(capsys, "--from-csv", str(path), "--offload", "none")
+    assert bare["peak_activation"] == planned["peak_activation_without_offload"]
+
+
 def test_png_and_trace_are_written(tmp_path, capsys):
     png, trace = tmp_path / "s.png", tmp_path / "s.json"
     assert main(["simulate", "--schedule", "po-h", "--pp", "4", "--offload-ratio", "0.25",

@@ -5,7 +5,7 @@ import pytest
 from pipeoffload.api import build_schedule, plan_schedule, schedule_names
 from pipeoffload.core.actions import Kind
 from pipeoffload.core.validate import validate
-from pipeoffload.offload.plan import add_offload
+from pipeoffload.offload.plan import OffloadPolicy, add_offload
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import simulate
 
@@ -24,6 +24,7 @@ def _recount_peaks(result, units):
                 continue
             last = t.get((Kind.W, s, m)) or t[(Kind.B, s, m)]
             off, back = t.get((Kind.OFFLOAD, s, m)), t.get((Kind.RELOAD, s, m))
+            # A FETCH-ed activation never comes back whole: each pass reads it as it goes.
             if off is None:
                 spans[(s, m)] = [(x.start, last.end, 1.0)]
             else:
@@ -38,7 +39,9 @@ def _recount_peaks(result, units):
                     left = max(left, produced - min(produced, copied))
                 if off.start >= x.end:
                     left = 1.0
-                spans[(s, m)] = [(x.start, off.end, left), (back.start, last.end, 1.0)]
+                spans[(s, m)] = [(x.start, off.end, left)]
+                if back is not None:
+                    spans[(s, m)].append((back.start, last.end, 1.0))
         times = sorted({a for iv in spans.values() for a, _, _ in iv})
         peak = 0.0
         for time in times:
@@ -51,13 +54,18 @@ def _recount_peaks(result, units):
 
 @pytest.mark.parametrize("name", ZOO)
 @pytest.mark.parametrize("target", TARGETS)
-def test_every_schedule_and_target_gives_a_valid_plan_whose_report_adds_up(name, target):
+@pytest.mark.parametrize("fetch", [False, True], ids=["reload", "fetch"])
+def test_every_schedule_and_target_gives_a_valid_plan_whose_report_adds_up(name, target, fetch):
     options = {"chunks": 2} if name in ("interleaved-1f1b", "grouped-interleaved") else {}
     pp, microbatches = 4, 8
     bare = build_schedule(name, pp, microbatches, **options)
     costs = CostModel(offload_ratio=0.25, activation_bytes=1000.0)
-    plan = add_offload(bare, costs, target)
+    plan = add_offload(bare, costs, target, OffloadPolicy(fetch_on_use=fetch))
     validate(plan.schedule)
+    back = {(a.stage, a.microbatch): a.kind for r in plan.schedule.ranks for a in r
+            if a.kind in (Kind.RELOAD, Kind.FETCH)}
+    if not fetch:
+        assert Kind.FETCH not in back.values()
     report, result = plan.report, plan.result
     before = simulate(bare, costs)
     assert report.peak_before == before.peak_activation
@@ -67,7 +75,7 @@ def test_every_schedule_and_target_gives_a_valid_plan_whose_report_adds_up(name,
     assert report.peak_after == pytest.approx(_recount_peaks(result, units), abs=0.02)
     offloads = [(a.stage, a.microbatch) for r in plan.schedule.ranks for a in r
                 if a.kind is Kind.OFFLOAD]
-    assert sorted(offloads) == list(report.offloaded)
+    assert sorted(offloads) == list(report.offloaded) == sorted(back)
     assert report.bytes_moved == pytest.approx(1000.0 * len(offloads))
     total_units = sum(units) * microbatches
     assert report.offloaded_fraction == pytest.approx(
@@ -87,14 +95,18 @@ def test_full_offload_at_k_equal_one_keeps_rank0_flat_and_time_unchanged(pp, chu
     assert plan.report.makespan_after <= 1.02 * plan.report.makespan_before
 
 
-@pytest.mark.parametrize("ratio,min_cut", [(0.0, 7 / 12), (0.25, 1 / 2), (0.5, 5 / 12)])
-def test_better_than_linear(ratio, min_cut):
-    """p=8, v=2, g=4: offloading the longest-lived half of the bytes cuts rank 0's peak by more
-    than half (paper-notes.md section 4). We count the chunk being backpropagated as resident
-    (it must be on the device), so the floor is g + 1 = 5 of 12 chunk units: -58%, where the
-    paper's count (12 -> 4) leaves it out. docs/offload.md has the numbers."""
+@pytest.mark.parametrize("fetch,ratio,min_cut", [
+    (True, 0.0, 2 / 3), (True, 0.25, 2 / 3), (True, 0.5, 1 / 2),
+    (False, 0.0, 7 / 12), (False, 0.25, 1 / 2), (False, 0.5, 1 / 2),
+])
+def test_better_than_linear(fetch, ratio, min_cut):
+    """p=8, v=2, g=4: offloading the longest-lived half of the bytes (chunk 0) cuts rank 0's peak
+    by more than half (paper-notes.md section 4). Read back on use (FETCH), chunk 0 costs
+    nothing while it is backpropagated and the peak is the g = 4 chunk-1 activations: 12 -> 4
+    chunk units (-67%), the paper's count. A RELOAD holds the chunk-0 activation being
+    backpropagated whole, so its floor is g + 1 = 5 (-58%). docs/offload.md has the numbers."""
     plan = plan_schedule("grouped-interleaved", 8, 32, "fraction:0.5", chunks=2, group_size=4,
-                         offload_ratio=ratio)
+                         offload_ratio=ratio, policy=OffloadPolicy(fetch_on_use=fetch))
     before, after = plan.report.peak_before[0], plan.report.peak_after[0]
     assert before == 6.0  # 12 chunk units
     assert plan.report.offloaded_fraction == pytest.approx(0.5, abs=0.02)
@@ -180,3 +192,15 @@ def test_recompute_rejects_limit_targets():
 
     with pytest.raises(ConfigError, match="recompute target"):
         add_recompute(build_schedule("1f1b", 2, 4), target="limit:1")
+
+
+def test_given_target_keeps_a_planned_schedule_as_it_is():
+    costs = CostModel(offload_ratio=0.25)
+    plan = plan_schedule("po-h", 4, 16, costs=costs, policy=OffloadPolicy(fetch_on_use=True))
+    again = add_offload(plan.schedule, costs, "given")
+    assert again.schedule == plan.schedule
+    assert again.report.peak_after == plan.report.peak_after
+    assert again.report.offloaded == plan.report.offloaded
+    assert again.report.peak_before == plan.report.peak_before
+    stripped = add_offload(plan.schedule, costs, "none")
+    assert not stripped.schedule.has_kind(Kind.OFFLOAD, Kind.FETCH)

@@ -17,6 +17,15 @@ def rel(stage, mb):
     return Action(stage, Kind.RELOAD, mb)
 
 
+def fetch(stage, mb):
+    return Action(stage, Kind.FETCH, mb)
+
+
+def reads(res, rank=0):
+    """(start, end) of the FETCH reads on a rank's H2D lane."""
+    return [(t.start, t.end) for t in res.timeline[rank] if t.action.kind is Kind.FETCH]
+
+
 def two_stage(actions0, actions1, microbatches=1):
     return Schedule((tuple(actions0), tuple(actions1)), (0, 1), microbatches)
 
@@ -117,6 +126,50 @@ def test_shared_link_queues_two_ranks():
     assert shared.timed(off(0, 0)).end == 2.0
     assert shared.timed(off(1, 0)).start == 2.0  # the link was busy with rank 0 until 2
     assert alone.makespan == 9.0 and shared.makespan == 10.0
+
+
+def test_fetched_activation_is_read_during_its_backward_and_never_held_whole():
+    # As the RELOAD test above, but microbatch 0 comes back by FETCH: nothing of it is resident
+    # after its copy out, so the peak is microbatch 1 alone (RELOAD: 2).
+    sched = Schedule(((F(0, 0), off(0, 0), F(0, 1), B(0, 1), fetch(0, 0), B(0, 0)),), (0,), 2)
+    res = simulate(sched, CostModel(f_time=1, i_time=1, w_time=1, offload_ratio=0.25))
+    assert reads(res) == [(4.0, 4.75)]  # queued when B(0,0) could start; read 0.75
+    assert (res.timed(B(0, 0)).start, res.timed(B(0, 0)).end) == (4.0, 6.0)
+    assert res.peak_activation == (1.0,)
+    assert res.memory[0][-1][1] == 0.0
+    assert res.stall_time == (0.0,)
+
+
+def test_a_read_slower_than_its_pass_stretches_it_and_counts_as_stall():
+    sched = Schedule(((F(0, 0), off(0, 0), F(0, 1), B(0, 1), fetch(0, 0), B(0, 0)),), (0,), 2)
+    res = simulate(sched, CostModel(offload_ratio=1.0))  # copies take 3, B takes 2
+    assert reads(res) == [(4.0, 7.0)]
+    # The pass cannot end before its read: B(0,0) ends at 7, as if it began at 5.
+    assert res.timed(B(0, 0)).end == 7.0
+    assert res.stall_time == (1.0,)
+
+
+def test_split_backward_reads_in_each_pass():
+    sched = Schedule(((F(0, 0), off(0, 0), fetch(0, 0), I(0, 0), W(0, 0)),), (0,), 1)
+    res = simulate(sched, CostModel(offload_ratio=0.25))  # copies 0.75, passes 1
+    assert reads(res) == [(1.0, 1.75), (2.0, 2.75)]
+    assert res.timed(W(0, 0)).end == 3.0
+    assert res.peak_activation == (0.0,)  # streamed out as made, read back as used
+
+
+def test_reads_of_two_ranks_queue_on_a_shared_link():
+    sched = two_stage(
+        [F(0, 0), off(0, 0), F(0, 1), fetch(0, 0), B(0, 0), B(0, 1)],
+        [F(1, 0), F(1, 1), off(1, 1), B(1, 0), fetch(1, 1), B(1, 1)], microbatches=2)
+    costs = CostModel(offload_ratio=0.5)  # copies 1.5, B 2
+    alone = simulate(sched, costs)
+    shared = simulate(sched, CostModel(offload_ratio=0.5, host_link=HostLink(ranks_per_link=2)))
+    # B(1,0) ends at 5; then B(0,0) and B(1,1) both want to read for 1.5.
+    assert reads(alone, 0) == reads(alone, 1) == [(5.0, 6.5)]
+    assert alone.stall_time == (0.0, 0.0)
+    both = sorted(reads(shared, 0) + reads(shared, 1))
+    assert both == [(5.0, 6.5), (6.5, 8.0)]  # one at a time on the shared link
+    assert sum(shared.stall_time) == pytest.approx(1.0)  # the second pass ends at 8, not 7
 
 
 def test_deadlock_raises_schedule_error_naming_the_rank():

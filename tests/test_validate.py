@@ -6,11 +6,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeoffload.api import build_schedule, schedule_names
-from pipeoffload.core.actions import Kind
+from pipeoffload.api import build_schedule, plan_schedule, schedule_names
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.text import parse_rows, schedule_from_rows, to_csv_text
 from pipeoffload.core.validate import validate
 from pipeoffload.errors import ScheduleError
+from pipeoffload.offload.plan import OffloadPolicy
 
 NAMES = [name for name, _ in schedule_names()]
 V_SHAPED = {"zbv", "v-half", "v-min"}
@@ -120,3 +121,28 @@ def test_every_name_builds_at_a_common_size():
         sched = _schedule(name, pp, 2, 0.0)
         assert sched.num_ranks == pp
         assert math.isclose(len(sched.stage_to_rank) / pp, sched.chunks)
+
+
+def test_fetch_comes_back_instead_of_reload_and_is_checked_like_it():
+    sched = plan_schedule("zbv", 2, 4, "all", policy=OffloadPolicy(fetch_on_use=True)).schedule
+    assert sched.has_kind(Kind.FETCH)
+    validate(sched)
+    again = schedule_from_rows(parse_rows(to_csv_text(sched), "fetch.csv"))
+    assert again.ranks == sched.ranks
+    fetch = next(a for r in sched.ranks for a in r if a.kind is Kind.FETCH)
+    rank = sched.rank_of(fetch.stage)
+    without_offload = [[a for a in r if a != Action(fetch.stage, Kind.OFFLOAD, fetch.microbatch)]
+                       for r in sched.ranks]
+    with pytest.raises(ScheduleError, match="has no matching OFFLOAD"):
+        validate(sched.with_ranks(without_offload))
+    with_both = [list(r) for r in sched.ranks]
+    with_both[rank].insert(with_both[rank].index(fetch),
+                           Action(fetch.stage, Kind.RELOAD, fetch.microbatch))
+    with pytest.raises(ScheduleError, match="RELOAD or by FETCH, not both"):
+        validate(sched.with_ranks(with_both))
+    # A FETCH after the backward it serves: the backward waits for it forever.
+    late = [list(r) for r in sched.ranks]
+    late[rank].remove(fetch)
+    late[rank].append(fetch)
+    with pytest.raises(ScheduleError, match=f"waits for {fetch}"):
+        validate(sched.with_ranks(late))

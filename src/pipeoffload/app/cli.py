@@ -28,12 +28,15 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=None,
                    help="grouped-interleaved group size g, ceil(p/2) <= g <= p")
     p.add_argument("--offload", default=None, metavar="SPEC",
-                   help="none | all | chunks:K | fraction:X | limit:X[GiB] (po-h / po-f "
-                   "have their own default)")
+                   help="none | all | chunks:K | fraction:X | limit:X[GiB] | given (po-h / "
+                   "po-f have their own default; --from-csv keeps the file's transfers)")
     p.add_argument("--offload-ratio", type=float, default=None, metavar="R",
                    help="one-way copy time of a chunk's activations / its F+I+W time")
     p.add_argument("--allow-stall", action="store_true",
                    help="keep transfers that cannot hide behind compute (reports the stall)")
+    p.add_argument("--fetch-on-use", action="store_true",
+                   help="bring activations back by FETCH (each backward pass reads them from "
+                   "host memory as it uses them) where the reads hide, instead of RELOAD")
     p.add_argument("--cost-f", type=float, default=1.0, help="forward time of one chunk")
     p.add_argument("--cost-i", type=float, default=1.0, help="input-gradient backward time")
     p.add_argument("--cost-w", type=float, default=1.0, help="weight-gradient backward time")
@@ -47,9 +50,10 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
 
 def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult without offload)
     from pipeoffload.api import plan_schedule, resolve_costs
+    from pipeoffload.core.actions import OFFLOAD_KINDS
     from pipeoffload.core.text import read_csv
     from pipeoffload.core.validate import validate
-    from pipeoffload.offload.plan import add_offload
+    from pipeoffload.offload.plan import OffloadPolicy, add_offload
     from pipeoffload.offload.targets import parse_target
     from pipeoffload.sim.costs import CostModel, Duplex, HostLink
 
@@ -60,19 +64,23 @@ def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult 
                            args.ranks_per_link),
     ), args.offload_ratio)
     target = parse_target(args.offload, allow_stall=args.allow_stall) if args.offload else None
+    policy = OffloadPolicy(fetch_on_use=args.fetch_on_use)
     if args.from_csv:
         for flag in ("chunks", "group_size"):
             if getattr(args, flag) is not None:
                 raise PipeoffloadError(f"--{flag.replace('_', '-')} has no effect with "
                                        "--from-csv (the file fixes the schedule); drop it")
         schedule = validate(read_csv(args.from_csv))
-        return add_offload(schedule, costs, target or "none")
+        if target is None:  # a planned schedule saved with --csv runs as it was planned
+            target = parse_target("given" if schedule.has_kind(*OFFLOAD_KINDS) else "none")
+        return add_offload(schedule, costs, target, policy)
     options = {k: v for k, v in (("chunks", args.chunks), ("group_size", args.group_size))
                if v is not None}
     microbatches = args.microbatches or 4 * args.pp
     if args.allow_stall and target is None:
         raise PipeoffloadError("--allow-stall needs --offload SPEC")
-    return plan_schedule(args.schedule, args.pp, microbatches, target, costs=costs, **options)
+    return plan_schedule(args.schedule, args.pp, microbatches, target, costs=costs,
+                         policy=policy, **options)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -110,9 +118,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _transfer_kinds():
-    from pipeoffload.core.actions import Kind
+    from pipeoffload.core.actions import OFFLOAD_KINDS
 
-    return (Kind.OFFLOAD, Kind.RELOAD, Kind.OFFLOAD_WAIT)
+    return OFFLOAD_KINDS
 
 
 def _simulate_json(plan) -> dict:

@@ -27,16 +27,14 @@ from pipeoffload.app.data import DataConfig, TextDataset
 from pipeoffload.app.launch import Topology
 from pipeoffload.app.model import ModelConfig, model_preset
 from pipeoffload.app.split import build_stage_modules, lm_loss, stage_layer_ranges
-from pipeoffload.core.actions import Kind
+from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
-from pipeoffload.offload.plan import OffloadPlan
+from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, simulate
-
-_TRANSFERS = (Kind.OFFLOAD, Kind.RELOAD, Kind.OFFLOAD_WAIT)
 
 
 @dataclass(frozen=True)
@@ -63,6 +61,7 @@ class TrainConfig:
     group_size: int | None = None
     microbatches: int | None = None
     offload: str | None = None
+    fetch_on_use: bool = False
     steps: int = 60
     lr: float = 3e-3
     warmup_steps: int = 10
@@ -140,7 +139,7 @@ def build_plan(config: TrainConfig) -> OffloadPlan:
     options = {k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
                if v is not None}
     return plan_schedule(config.schedule, config.pp, config.num_microbatches, config.offload,
-                         **options)
+                         policy=OffloadPolicy(fetch_on_use=config.fetch_on_use), **options)
 
 
 def preflight(config: TrainConfig, processes: int) -> OffloadPlan:
@@ -271,7 +270,7 @@ def train(config: TrainConfig, topology: Topology,
         costs = CostModel(stage_activation_bytes=stage_bytes)
         simulation = simulate(schedule, costs)
         if schedule.has_kind(Kind.OFFLOAD):
-            bare = dataclasses.replace(schedule.without(*_TRANSFERS),
+            bare = dataclasses.replace(schedule.without(*OFFLOAD_KINDS),
                                        name=f"{schedule.name} without offload")
             baseline_sim = simulate(bare, costs)
             if config.measure_baseline:
@@ -379,7 +378,7 @@ def measure_without_offload(pipe: Pipeline, stages: Mapping[int, nn.Module],
     """Peak bytes per pipeline rank of one forward/backward of the next batch with the same
     schedule minus its transfers; gradients are dropped, the model and data position kept."""
     meter = ActivationMeter()
-    bare = Pipeline(stages, pipe.schedule.without(*_TRANSFERS), lm_loss,
+    bare = Pipeline(stages, pipe.schedule.without(*OFFLOAD_KINDS), lm_loss,
                     group=topology.pp_group, config=runtime, device=topology.device,
                     meter=meter, backward_group=topology.backward_group)
     inputs, target = dataset.batch_at(dataset.step)

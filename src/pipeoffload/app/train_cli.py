@@ -56,6 +56,9 @@ def add_train_parser(subparsers: Any) -> None:
                    help="microbatches per replica and step (default 2 * pp)")
     g.add_argument("--offload", default=None, metavar="SPEC",
                    help="none | all | chunks:K | fraction:X | limit:X (po-h/po-f: own default)")
+    g.add_argument("--fetch-on-use", action="store_true",
+                   help="backward passes read offloaded activations from host memory as they "
+                   "use them (FETCH) instead of a whole RELOAD: lower peaks, more reads")
     g.add_argument("--inline", action="store_true",
                    help="run every pipeline rank in this one process (dp must be 1)")
     g = p.add_argument_group("model and data")
@@ -131,7 +134,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
     config = TrainConfig(
         model=model, data=data, pp=args.pp, dp=args.dp, schedule=args.schedule,
         chunks=args.chunks, group_size=args.group_size, microbatches=args.microbatches,
-        offload=args.offload, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+        offload=args.offload, fetch_on_use=args.fetch_on_use, steps=args.steps, lr=args.lr,
+        warmup_steps=args.warmup_steps,
         decay_steps=args.decay_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip or None, seed=args.seed, device=args.device,
         p2p_timeout_s=args.p2p_timeout, min_offload_elements=args.min_offload_elements,

@@ -1,7 +1,7 @@
 """Actions: the atoms of a schedule, and their text form.
 
 The text form follows torch.distributed.pipelining (``{stage}{KIND}{microbatch}``, e.g. ``2F0``,
-``1SEND_F3``) so CSV files move both ways, plus our own ``OFFLOAD`` / ``RELOAD`` /
+``1SEND_F3``) so CSV files move both ways, plus our own ``OFFLOAD`` / ``RELOAD`` / ``FETCH`` /
 ``OFFLOAD_WAIT`` / ``RECOMPUTE`` kinds (``0OFFLOAD3``), which torch's prefix parser cannot
 mistake for one of its kinds.
 """
@@ -28,6 +28,10 @@ class Kind(str, Enum):
     RECV_B = "RECV_B"
     OFFLOAD = "OFFLOAD"  # copy this (stage, microbatch)'s saved activations to host memory
     RELOAD = "RELOAD"  # copy them back before the backward that needs them
+    # From here the backward passes (I, W or B) of (stage, mb) read its saved activations from
+    # host memory as they use them, tensor by tensor, and drop each copy after use: nothing of
+    # it is held on the device between uses (Note: [fetch on use], sim/simulator.py).
+    FETCH = "FETCH"
     OFFLOAD_WAIT = "OFFLOAD_WAIT"  # compute waits here until OFFLOAD of (stage, mb) completed
     RECOMPUTE = "RECOMPUTE"  # re-run the forward from its kept input, just before the backward
 
@@ -55,6 +59,8 @@ class Kind(str, Enum):
 
 
 _COMPUTE = frozenset({Kind.F, Kind.I, Kind.W, Kind.B, Kind.RECOMPUTE})
+OFFLOAD_KINDS = frozenset({Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.OFFLOAD_WAIT})
+"""The kinds the offload planner adds (and replaces when it plans again)."""
 
 
 class Action(NamedTuple):

@@ -5,10 +5,11 @@ Note: [data dependencies]
 - F(s, m) needs stage s-1's output for m: RECV_F(s, m) where the schedule has explicit comms,
   else F(s-1, m) directly (a same-rank hand-off in V placement needs no communication).
 - I(s, m) / B(s, m) need F(s, m), the output gradient (RECV_B(s, m), or the backward of s+1),
-  the activations back on the device (RELOAD(s, m) if offloaded) or rebuilt (RECOMPUTE(s, m)).
-- W(s, m) needs I(s, m). OFFLOAD needs F; RELOAD and OFFLOAD_WAIT need OFFLOAD; RECOMPUTE
-  needs F. (OFFLOAD_WAIT holds the rank's program until the copy out is done: it postpones a
-  forward so that device memory is freed before the next allocation.)
+  the activations back on the device (RELOAD(s, m) if offloaded), readable from the host
+  (FETCH(s, m)) or rebuilt (RECOMPUTE(s, m)).
+- W(s, m) needs I(s, m). OFFLOAD needs F; RELOAD, FETCH and OFFLOAD_WAIT need OFFLOAD;
+  RECOMPUTE needs F. (OFFLOAD_WAIT holds the rank's program until the copy out is done: it
+  postpones a forward so that device memory is freed before the next allocation.)
 - SEND_F / SEND_B follow the computation they send; RECV_x follows the peer's SEND_x.
 """
 
@@ -43,7 +44,8 @@ class Dependencies:
             return (Action(s - 1, Kind.F, m),) if s > 0 else ()
         if kind in (Kind.I, Kind.B):
             deps = [Action(s, Kind.F, m)]
-            for local in (Action(s, Kind.RELOAD, m), Action(s, Kind.RECOMPUTE, m)):
+            for local in (Action(s, Kind.RELOAD, m), Action(s, Kind.FETCH, m),
+                          Action(s, Kind.RECOMPUTE, m)):
                 if local in self._present:
                     deps.append(local)
             if s < self._last_stage:
@@ -54,7 +56,7 @@ class Dependencies:
             return (Action(s, Kind.I, m),)
         if kind in (Kind.OFFLOAD, Kind.RECOMPUTE, Kind.SEND_F):
             return (Action(s, Kind.F, m),)
-        if kind in (Kind.RELOAD, Kind.OFFLOAD_WAIT):
+        if kind in (Kind.RELOAD, Kind.FETCH, Kind.OFFLOAD_WAIT):
             return (Action(s, Kind.OFFLOAD, m),)
         if kind is Kind.SEND_B:
             return (self.backward_of(s, m),)

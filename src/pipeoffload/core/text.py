@@ -12,7 +12,7 @@ import io
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeoffload.core.actions import Action, Kind, parse_action
+from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind, parse_action
 from pipeoffload.core.errors import ParseError
 from pipeoffload.core.schedule import Schedule, infer_stage_to_rank
 
@@ -60,7 +60,7 @@ def read_csv(path: str | Path, *, microbatches: int | None = None) -> Schedule:
 
 def to_csv_text(schedule: Schedule, *, compute_only: bool = False) -> str:
     """CSV text, one row per rank. ``compute_only`` drops transfer, recompute and comm actions."""
-    ours = {Kind.OFFLOAD, Kind.RELOAD, Kind.OFFLOAD_WAIT, Kind.RECOMPUTE}
+    ours = OFFLOAD_KINDS | {Kind.RECOMPUTE}
     comms = {Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B}
     dropped = ours | comms if compute_only else set()
     out = io.StringIO()

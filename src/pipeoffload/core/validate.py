@@ -1,9 +1,9 @@
 """The validator: can this schedule run, and does it do all the work exactly once?
 
 Checks, in order: indices in range; each action on the rank that holds its stage; each
-(stage, microbatch) has one F and one backward (B, or I then W), at most one OFFLOAD and a
-RELOAD for it, at most one RECOMPUTE and never with an offload; finally that no rank waits
-forever (found by running the schedule without a clock).
+(stage, microbatch) has one F and one backward (B, or I then W), at most one OFFLOAD and
+either a RELOAD or a FETCH for it, at most one RECOMPUTE and never with an offload; finally
+that no rank waits forever (found by running the schedule without a clock).
 """
 
 from __future__ import annotations
@@ -74,12 +74,19 @@ def _check_counts(schedule: Schedule) -> None:
                 missing = "W" if has[Kind.I] else "I" if has[Kind.W] else "B (or I and W)"
                 _fail(schedule, f"missing backward {missing} for stage {stage} microbatch {mb}",
                       rank, position, anchor)
-            if has[Kind.OFFLOAD] != has[Kind.RELOAD]:
-                present = Kind.OFFLOAD if has[Kind.OFFLOAD] else Kind.RELOAD
-                missing_kind = Kind.RELOAD if has[Kind.OFFLOAD] else Kind.OFFLOAD
-                act = Action(stage, present, mb)
+            if has[Kind.RELOAD] and has[Kind.FETCH]:
+                act = Action(stage, Kind.FETCH, mb)
                 r, p = where[act]
-                _fail(schedule, f"{act} has no matching {missing_kind.value}", r, p, act)
+                _fail(schedule, "an offloaded (stage, microbatch) comes back by RELOAD or by "
+                      "FETCH, not both", r, p, act)
+            if has[Kind.OFFLOAD] != (has[Kind.RELOAD] or has[Kind.FETCH]):
+                if has[Kind.OFFLOAD]:
+                    act, missing_kind = Action(stage, Kind.OFFLOAD, mb), "RELOAD or FETCH"
+                else:
+                    back = Kind.RELOAD if has[Kind.RELOAD] else Kind.FETCH
+                    act, missing_kind = Action(stage, back, mb), "OFFLOAD"
+                r, p = where[act]
+                _fail(schedule, f"{act} has no matching {missing_kind}", r, p, act)
             if has[Kind.OFFLOAD_WAIT] and not has[Kind.OFFLOAD]:
                 act = Action(stage, Kind.OFFLOAD_WAIT, mb)
                 r, p = where[act]

@@ -1,5 +1,6 @@
 """The offload planning pass: schedule + costs + target -> the same schedule with OFFLOAD /
-RELOAD (and OFFLOAD_WAIT) actions, and a report of what it bought and what it could not do.
+RELOAD or FETCH (and OFFLOAD_WAIT) actions, and a report of what it bought and what it could
+not do.
 
 Assumes a valid schedule (existing transfer actions are replaced). Guarantees a valid schedule
 whose per-rank peak is never above the input's (a plan that would raise a peak is dropped), and
@@ -11,7 +12,10 @@ How (PipeOffload's selective offload, generalised to any schedule):
 2. The target picks candidates, longest-lived first (they free the most memory per byte moved).
 3. OFFLOAD goes right after the F (the copy streams out while the F runs; see the simulator's
    [streaming offload] note). RELOADs are placed by a backward pass over each rank's H2D queue
-   so that each copy back ends ``reload_margin`` before its backward (``place_reloads``).
+   so that each copy back ends ``reload_margin`` before its backward (``place_reloads``). With
+   ``OffloadPolicy.fetch_on_use``, an item whose every backward pass is at least as long as
+   reading its activation back comes back by FETCH instead (read on use, never held whole on
+   the device; the simulator's [fetch on use] note), placed right before its backward.
 4. Simulate; re-place what stalled; drop what cannot hide (unless the target demands it, see
    OffloadTarget.demands) or gains nothing. Then postpone forwards that would start while
    more than ``max_pending_offloads`` copies out are unfinished (OFFLOAD_WAIT), as long as the
@@ -22,14 +26,17 @@ How (PipeOffload's selective offload, generalised to any schedule):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
+from pipeoffload.offload.report import OffloadPlan, OffloadReport, Skipped
 from pipeoffload.offload.select import Item, Lifespans
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, activation_units, simulate
+
+__all__ = ["OffloadPlan", "OffloadPolicy", "OffloadReport", "Skipped", "add_offload"]
 
 
 @dataclass(frozen=True)
@@ -49,57 +56,12 @@ class OffloadPolicy:
     link. None: never postpone."""
     postpone_slack: float = 0.0
     """Postponing may grow the makespan by at most this fraction; beyond it, no waits."""
-
-
-@dataclass(frozen=True)
-class Skipped:
-    stage: int
-    microbatch: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class OffloadReport:
-    """What a plan does. Peaks in M_a units (bytes where the cost model has sizes)."""
-
-    target: OffloadTarget
-    offloaded: tuple[Item, ...]
-    peak_before: tuple[float, ...]
-    peak_after: tuple[float, ...]
-    peak_bytes_before: tuple[float, ...] | None
-    peak_bytes_after: tuple[float, ...] | None
-    offloaded_fraction: float
-    """Share of all activation (by M_a units, i.e. by bytes when sizes are given) offloaded."""
-    bytes_moved: float | None
-    """Bytes copied device-to-host (the same again host-to-device), or None without sizes."""
-    makespan_before: float
-    makespan_after: float
-    stall_time: tuple[float, ...]
-    skipped: tuple[Skipped, ...] = ()
-    notes: tuple[str, ...] = ()
-
-    def summary(self) -> str:
-        lines = [
-            f"offload {self.target}: {len(self.offloaded)} activations offloaded "
-            f"({self.offloaded_fraction:.0%} of activation memory)",
-            "peak M_a per rank: " + ", ".join(
-                f"{b:.3g}->{a:.3g}" for b, a in zip(self.peak_before, self.peak_after)),
-            f"makespan {self.makespan_before:.4g} -> {self.makespan_after:.4g}, "
-            f"stall {sum(self.stall_time):.4g}",
-        ]
-        if self.skipped:
-            lines.append(f"{len(self.skipped)} candidates skipped, e.g. "
-                         f"stage {self.skipped[0].stage} mb {self.skipped[0].microbatch}: "
-                         f"{self.skipped[0].reason}")
-        lines.extend(self.notes)
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class OffloadPlan:
-    schedule: Schedule
-    report: OffloadReport
-    result: SimResult = field(repr=False)
+    fetch_on_use: bool = False
+    """Bring an activation back by FETCH (each backward pass reads it from host memory as it
+    uses it) where the reads hide behind the passes, instead of a RELOAD that holds it whole on
+    the device from before its backward to the end of its W. Lower peaks (the activation being
+    backpropagated no longer counts), more host-to-device traffic with a B/W split (I and W
+    each read it). Off by default: the GPU side of FETCH has not been measured yet."""
 
 
 def add_offload(
@@ -112,11 +74,13 @@ def add_offload(
     costs = costs or CostModel()
     policy = policy or OffloadPolicy()
     target = parse_target(target)
-    bare = schedule.without(Kind.OFFLOAD, Kind.RELOAD, Kind.OFFLOAD_WAIT)
+    bare = schedule.without(*OFFLOAD_KINDS)
     base = simulate(bare, costs)
     planner = _Planner(bare, costs, policy, base, keep_stalling=target.demands)
     if target.kind is TargetKind.NONE:
         return planner.finish(target, bare, base, {}, ())
+    if target.kind is TargetKind.GIVEN:
+        return planner.report(target, schedule, simulate(schedule, costs), {}, ())
     if target.kind is TargetKind.LIMIT:
         return _plan_limit(planner, target)
     chosen, notes = planner.spans.choose(target, planner.units)
@@ -239,27 +203,42 @@ class _Planner:
                 next_start = min(next_start, max(issue, out_end))
         return leads
 
-    def insert(self, leads: dict[Item, int], waits: dict[Action, Item]) -> Schedule:
+    def passes(self, item: Item) -> list[Action]:
+        """The backward passes that read the item's activation: B, or I and W."""
+        first = self.backward(item)
+        return [first] if first.kind is Kind.B else [first, Action(item[0], Kind.W, item[1])]
+
+    def reads_hide(self, item: Item) -> bool:
+        """Whether each backward pass of ``item`` lasts at least as long as its FETCH read."""
+        read = self.costs.transfer_time(item[0], Kind.RELOAD)
+        return all(read <= self.costs.compute_time(p) + self.policy.stall_tolerance
+                   for p in self.passes(item))
+
+    def insert(self, leads: dict[Item, int], waits: dict[Action, Item],
+               fetches: Iterable[Item] = ()) -> Schedule:
         """The schedule with OFFLOAD after each chosen F, its RELOAD ``lead`` compute actions
-        ahead of its backward, and OFFLOAD_WAITs (``waits``: forward -> item) before forwards."""
-        by_rank: list[list[tuple[int, int, Item]]] = [[] for _ in self.schedule.ranks]
-        for item, lead in leads.items():
+        ahead of its backward (or its FETCH right before it, for ``fetches``), and
+        OFFLOAD_WAITs (``waits``: forward -> item) before forwards."""
+        by_rank: list[list[tuple[int, int, Action]]] = [[] for _ in self.schedule.ranks]
+        back = [(item, lead, Kind.RELOAD) for item, lead in leads.items()]
+        back += [(item, 0, Kind.FETCH) for item in fetches]
+        for item, lead, kind in back:
             rank = self.schedule.rank_of(item[0])
             b_index = self.position[rank][self.backward(item)]
-            by_rank[rank].append((b_index - lead, b_index, item))
+            by_rank[rank].append((b_index - lead, b_index, Action(item[0], kind, item[1])))
+        offloaded = {(a.stage, a.microbatch) for _, _, a in (x for r in by_rank for x in r)}
         ranks = []
         for rank, actions in enumerate(self.schedule.ranks):
             before: dict[Action, list[Action]] = {}
-            for anchor_index, _, item in sorted(by_rank[rank]):
-                anchor = self.compute[rank][anchor_index]
-                before.setdefault(anchor, []).append(Action(item[0], Kind.RELOAD, item[1]))
+            for anchor_index, _, copy in sorted(by_rank[rank]):
+                before.setdefault(self.compute[rank][anchor_index], []).append(copy)
             out: list[Action] = []
             for action in actions:
                 out.extend(before.get(action, ()))
                 if action in waits:
                     out.append(Action(waits[action][0], Kind.OFFLOAD_WAIT, waits[action][1]))
                 out.append(action)
-                if action.kind is Kind.F and (action.stage, action.microbatch) in leads:
+                if action.kind is Kind.F and (action.stage, action.microbatch) in offloaded:
                     out.append(Action(action.stage, Kind.OFFLOAD, action.microbatch))
             ranks.append(out)
         return self.schedule.with_ranks(ranks)
@@ -273,13 +252,14 @@ class _Planner:
         for item in chosen:
             if self.backward(item) == self._after_f(item):
                 skipped[item] = "its backward directly follows its forward"
+        fetches = {item for item in items if self.policy.fetch_on_use and self.reads_hide(item)}
         timing = _timing(self.base)
         waits: dict[Action, Item] = {}
         postponing = self.policy.max_pending_offloads is not None
-        leads = self.place_reloads(items, timing, skipped)
-        planned, result = self.insert(leads, waits), self.base
+        leads = self.place_reloads([i for i in items if i not in fetches], timing, skipped)
+        planned, result = self.insert(leads, waits, fetches), self.base
         for _ in range(self.policy.max_rounds):
-            planned = self.insert(leads, waits)
+            planned = self.insert(leads, waits, fetches)
             result = simulate(planned, self.costs)
             if waits and result.makespan > self.base.makespan * (1 + self.policy.postpone_slack) \
                     + self.policy.stall_tolerance:
@@ -291,7 +271,7 @@ class _Planner:
                 new_leads = self.place_reloads(leads, timing, skipped)
                 if new_leads != leads:
                     leads = new_leads
-                    waits = {f: it for f, it in waits.items() if it in leads}
+                    waits = {f: it for f, it in waits.items() if it in leads or it in fetches}
                     continue
             if postponing and self._postpone(waits, result):
                 continue
@@ -300,17 +280,22 @@ class _Planner:
         # copy; repeat until nothing stalls (each pass drops at least one item).
         while not self.keep_stalling and result.total_stall_time > self.policy.stall_tolerance:
             timing = _timing(result)
-            stalled = [i for i in leads
-                       if timing[self.backward(i)][1] > self.policy.stall_tolerance]
+            stalled = [i for i in [*leads, *fetches] if self._stalled(i, timing)]
             if not stalled:
                 break
             for item in stalled:
                 skipped[item] = "its copies cannot hide behind compute (stall)"
-                del leads[item]
-            waits = {f: item for f, item in waits.items() if item in leads}
-            planned = self.insert(leads, waits)
+                leads.pop(item, None)
+                fetches.discard(item)
+            waits = {f: it for f, it in waits.items() if it in leads or it in fetches}
+            planned = self.insert(leads, waits, fetches)
             result = simulate(planned, self.costs)
         return planned, result, skipped
+
+    def _stalled(self, item: Item, timing: dict[Action, tuple]) -> bool:
+        """Whether a backward pass of ``item`` waited for its copy back (a W only waits for a
+        FETCH read)."""
+        return any(timing[p][1] > self.policy.stall_tolerance for p in self.passes(item))
 
     def _after_f(self, item: Item) -> Action:
         rank = self.schedule.rank_of(item[0])
@@ -351,12 +336,17 @@ class _Planner:
 
     def finish(self, target: OffloadTarget, planned: Schedule, result: SimResult,
                skipped: dict[Item, str], notes: tuple[str, ...]) -> OffloadPlan:
-        offloaded = tuple(sorted((a.stage, a.microbatch) for acts in planned.ranks for a in acts
-                                 if a.kind is Kind.OFFLOAD))
+        """The plan, unless it would raise a peak (then nothing is offloaded), and its report."""
         if any(after > before + 1e-9 for before, after in
                zip(self.base.peak_activation, result.peak_activation)):
             notes = notes + ("the plan would raise a peak; nothing offloaded",)
-            planned, result, offloaded = self.schedule, self.base, ()
+            planned, result = self.schedule, self.base
+        return self.report(target, planned, result, skipped, notes)
+
+    def report(self, target: OffloadTarget, planned: Schedule, result: SimResult,
+               skipped: dict[Item, str], notes: tuple[str, ...]) -> OffloadPlan:
+        offloaded = tuple(sorted((a.stage, a.microbatch) for acts in planned.ranks for a in acts
+                                 if a.kind is Kind.OFFLOAD))
         if target.kind is not TargetKind.NONE and not offloaded and skipped:
             reasons = sorted({why for why in skipped.values()})
             notes = notes + ("nothing could be offloaded: " + "; ".join(reasons),)

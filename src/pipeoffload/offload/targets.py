@@ -1,5 +1,6 @@
 """What to offload: the target a user asks for, parsed from ``none``, ``all``, ``chunks:K``,
-``fraction:X``, ``limit:X`` (M_a units) or ``limit:XGiB`` / ``limit:XMB`` (bytes)."""
+``fraction:X``, ``limit:X`` (M_a units) or ``limit:XGiB`` / ``limit:XMB`` (bytes), or ``given``
+(keep the transfers the schedule already has, e.g. a planned schedule loaded from CSV)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ class TargetKind(str, Enum):
     CHUNKS = "chunks"  # the K longest-lived stages (chunks) of every rank
     FRACTION = "fraction"  # this fraction of each rank's activation bytes, longest-lived first
     LIMIT = "limit"  # the least offload that brings every rank's peak to this value
+    GIVEN = "given"  # the schedule's own transfers, as they are
 
 
 _BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_SPEC_HELP = "use none, all, chunks:K, fraction:X (0..1), limit:X (M_a units) or limit:XGiB"
+_SPEC_HELP = ("use none, all, chunks:K, fraction:X (0..1), limit:X (M_a units), limit:XGiB or "
+              "given")
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class OffloadTarget:
     allow_stall: bool = False
 
     def __str__(self) -> str:
-        if self.kind in (TargetKind.NONE, TargetKind.ALL):
+        if self.kind in (TargetKind.NONE, TargetKind.ALL, TargetKind.GIVEN):
             return self.kind.value
         if self.kind is TargetKind.CHUNKS:
             return f"chunks:{int(self.value)}"
@@ -58,7 +61,7 @@ def parse_target(spec: str | OffloadTarget | None, *, allow_stall: bool = False)
     if spec is None:
         return OffloadTarget(TargetKind.NONE)
     text = spec.strip().lower()
-    if text in ("none", "all"):
+    if text in ("none", "all", "given"):
         return OffloadTarget(TargetKind(text), allow_stall=allow_stall)
     name, _, arg = text.partition(":")
     try:

@@ -71,6 +71,7 @@ class RankExecutor:
             Kind.RECV_B: self._recv,
             Kind.OFFLOAD: self._offload,
             Kind.RELOAD: self._reload,
+            Kind.FETCH: self._fetch,
             Kind.OFFLOAD_WAIT: self._offload_wait,
             Kind.RECOMPUTE: self._recompute,
         }
@@ -215,6 +216,9 @@ class RankExecutor:
 
     def _reload(self, action: Action, step: StepData) -> None:
         self._require_offloader(action).reload((action.stage, action.microbatch))
+
+    def _fetch(self, action: Action, step: StepData) -> None:
+        self._require_offloader(action).fetch_on_use((action.stage, action.microbatch))
 
     def _require_offloader(self, action: Action) -> ActivationOffloader:
         if self._offloader is None:

@@ -12,6 +12,9 @@ a token lives exactly as long as whoever keeps the saved tensor on the device ke
   A storage whose copy completes as it is saved (streamed offload with synchronous copies, on
   CPU) is never counted resident, only added to its scope's size (``note``), which is what the
   simulator's streaming accounting gives for a copy that keeps up with the forward.
+  The device copies that a fetched (stage, microbatch)'s backward reads from host (the
+  offloader's Note: [fetch on use]) are never counted either: each lives only while autograd
+  uses it, and the simulator counts a fetched activation 0 bytes until its backward ends.
 Counting is event driven: the peak is the maximum over every moment a storage starts to be
 counted. No storage becomes resident during a backward, so this equals sampling after every
 action and at the end of every F, which is what the simulator's accounting sees (an activation is

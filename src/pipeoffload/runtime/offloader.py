@@ -16,6 +16,16 @@ RELOAD allocates device memory, starts the copy back, and the backward that need
 polled with ``event.query()`` between actions, so the host never blocks. On CPU the same code runs
 with synchronous copies: the host copy is a separate tensor and the original storage is released.
 Shapes may change between steps: records live for one forward/backward, buffers are pooled by size.
+
+Note: [fetch on use] (shared with the simulator, sim/simulator.py) FETCH is the alternative to
+RELOAD: it only marks the scope, and from then on every backward pass (I, W or B) reads each
+saved storage back from its host copy when autograd unpacks it (``_unpack``). The offloader keeps
+no device reference to that copy, only a weak one to its storage, so the copy lives as long as
+autograd uses it (the node that unpacked it), several views of one storage unpacked while it
+lives share it, and nothing of the activation is held on the device between uses; the meter never
+counts it. Host copies stay until ``discard`` at the end of the backward (W re-reads). On CUDA a
+read is queued on the host-to-device stream after the storage's copy out, and the stream
+autograd runs the node on waits for it (never the host).
 """
 
 from __future__ import annotations
@@ -43,6 +53,9 @@ class _Storage:
     original: weakref.ref  # the storage it was saved from, to tell a reused address apart
     token: ResidentToken | None = None
     host: torch.Tensor | None = None
+    copied: object | None = None  # CUDA: event of its copy to host
+    read: object | None = None  # CUDA: event of the last fetch-on-use read of ``host``
+    fetched: weakref.ref | None = None  # the storage of the live fetched copy, if any
 
 
 @dataclass(eq=False)
@@ -52,6 +65,7 @@ class _Scope:
     stream: bool
     storages: dict[tuple[str, int], _Storage] = field(default_factory=dict)
     offloaded: bool = False
+    fetched: bool = False
     reload_event: object | None = None
 
 
@@ -87,6 +101,7 @@ class ActivationOffloader:
         self._cuda = device.type == "cuda"
         self._pool = HostBufferPool(pin_memory=self._cuda and config.pin_memory)
         self._pending: list[tuple[object, list[_Storage]]] = []  # (D2H event, storages to free)
+        self._fetched_bytes = 0
         if self._cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
@@ -95,6 +110,12 @@ class ActivationOffloader:
     def host_pool_bytes(self) -> int:
         """Bytes of host buffers allocated so far (they are reused, not freed)."""
         return self._pool.allocated_bytes
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes copied back to the device by fetch-on-use reads so far (each read copies a
+        whole storage; see Note: [fetch on use])."""
+        return self._fetched_bytes
 
     def device_bytes(self, key: Hashable) -> int:
         """Bytes of ``key``'s recorded storages currently held on the device by the offloader."""
@@ -158,21 +179,51 @@ class ActivationOffloader:
         return _Saved(scope, storage, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                       tensor.storage_offset())
 
-    @staticmethod
-    def _unpack(packed: object) -> torch.Tensor:
+    def _unpack(self, packed: object) -> torch.Tensor:
         if isinstance(packed, ResidentToken):
             return packed.tensor
         if not isinstance(packed, _Saved):
             return packed  # type: ignore[return-value]
-        on_device = packed.storage.on_device
-        if on_device is None:
-            stage_mb = packed.scope.key
+        storage = packed.storage
+        if storage.on_device is not None:
+            raw = storage.on_device.untyped_storage()
+        elif packed.scope.fetched and storage.host is not None:
+            raw = self._fetch_storage(storage)
+        else:
             raise PipelineRuntimeError(
-                f"a saved activation of {stage_mb} is on the host when its backward needs it: "
-                "the schedule must RELOAD it before its I or B"
+                f"a saved activation of {packed.scope.key} is on the host when its backward "
+                "needs it: the schedule must RELOAD or FETCH it before its I or B"
             )
-        rebuilt = torch.empty(0, dtype=packed.dtype, device=packed.storage.device)
-        return rebuilt.set_(on_device.untyped_storage(), packed.offset, packed.size, packed.stride)
+        rebuilt = torch.empty(0, dtype=packed.dtype, device=storage.device)
+        return rebuilt.set_(raw, packed.offset, packed.size, packed.stride)
+
+    def _fetch_storage(self, storage: _Storage) -> torch.UntypedStorage:
+        """A device copy of ``storage``'s host bytes that only autograd holds: the live one if
+        another saved view of it is still in use, else a fresh one (Note: [fetch on use])."""
+        alive = storage.fetched() if storage.fetched is not None else None
+        if alive is not None:
+            return alive
+        host = storage.host
+        assert host is not None
+        if not self._cuda:
+            target = host.clone()
+        else:
+            compute = torch.cuda.current_stream(self._device)
+            with torch.cuda.stream(self._h2d):
+                if storage.copied is not None:
+                    self._h2d.wait_event(storage.copied)  # type: ignore[arg-type]
+                target = torch.empty(storage.nbytes, dtype=torch.uint8, device=self._device)
+                target.copy_(host, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._h2d)
+            compute.wait_event(done)
+            # Freed when autograd drops it, so the allocator must wait for the compute stream.
+            target.record_stream(compute)
+            storage.read = done
+        self._fetched_bytes += storage.nbytes
+        raw = target.untyped_storage()
+        storage.fetched = weakref.ref(raw)
+        return raw
 
     def _stream_out(self, scope: _Scope, storage: _Storage) -> None:
         """Start copying one storage to host during the forward."""
@@ -197,6 +248,8 @@ class ActivationOffloader:
                 storage.host.copy_(storage.on_device, non_blocking=True)  # type: ignore[union-attr]
         copied = torch.cuda.Event()
         copied.record(self._d2h)
+        for storage in storages:
+            storage.copied = copied
         self._pending.append((copied, storages))
 
     def offload(self, key: Hashable) -> None:
@@ -223,6 +276,9 @@ class ActivationOffloader:
     def reload(self, key: Hashable) -> None:
         """Start copying ``key``'s storages back; the backward waits via ``wait_reloaded``."""
         scope = self._scope_of(key, "RELOAD")
+        if scope.fetched:
+            raise PipelineRuntimeError(f"RELOAD of {key} after its FETCH; an offloaded "
+                                       "activation comes back by one of them, not both")
         if not scope.offloaded:
             raise PipelineRuntimeError(f"RELOAD of {key} without an OFFLOAD before it")
         scope.offloaded = False
@@ -254,6 +310,18 @@ class ActivationOffloader:
                 self._pool.give_back(storage.host, done)
                 storage.host = None
         scope.reload_event = done
+
+    def fetch_on_use(self, key: Hashable) -> None:
+        """FETCH: from now on ``key``'s backward passes read its saved storages back from host
+        as autograd unpacks them, each copy held only while used (Note: [fetch on use])."""
+        scope = self._scope_of(key, "FETCH")
+        if scope.fetched:
+            raise PipelineRuntimeError(f"{key} is already fetched; FETCH runs once per OFFLOAD")
+        if not scope.offloaded:
+            raise PipelineRuntimeError(
+                f"FETCH of {key} without an OFFLOAD before it (or after its RELOAD); put "
+                "OFFLOAD after its F and one FETCH or RELOAD before its I or B")
+        scope.fetched = True
 
     def wait_offloaded(self, key: Hashable) -> None:
         """OFFLOAD_WAIT: the compute stream (never the host) waits until ``key``'s copies to
@@ -287,10 +355,13 @@ class ActivationOffloader:
             return
         for storage in scope.storages.values():
             if storage.host is not None:
-                self._pool.give_back(storage.host, self._copy_event_of(storage))
+                # A read waited for the copy out, so the last read is the buffer's last use.
+                ready = storage.read if storage.read is not None else storage.copied
+                self._pool.give_back(storage.host, ready)
                 storage.host = None
             storage.on_device = None
             storage.token = None
+            storage.fetched = None
 
     def poll(self) -> None:
         """Release device memory of offloads whose copy has completed (never blocks)."""

@@ -19,10 +19,12 @@ from pipeoffload.sim.simulator import Lane, SimResult
 
 # Muted, clearly distinct hues (close to seaborn's "deep" palette) that also print well.
 KIND_COLORS = {Kind.F: "#4C72B0", Kind.I: "#DD8452", Kind.W: "#55A868", Kind.B: "#C44E52",
-               Kind.RECOMPUTE: "#8172B3", Kind.OFFLOAD: "#937860", Kind.RELOAD: "#DA8BC3"}
+               Kind.RECOMPUTE: "#8172B3", Kind.OFFLOAD: "#937860", Kind.RELOAD: "#DA8BC3",
+               Kind.FETCH: "#8C8C8C"}
 _KIND_NAMES = {Kind.F: "F forward", Kind.I: "I input-grad", Kind.W: "W weight-grad",
                Kind.B: "B backward", Kind.RECOMPUTE: "recompute",
-               Kind.OFFLOAD: "offload (D2H)", Kind.RELOAD: "reload (H2D)"}
+               Kind.OFFLOAD: "offload (D2H)", Kind.RELOAD: "reload (H2D)",
+               Kind.FETCH: "fetch reads (H2D)"}
 _MEMORY_COLOR = "#2F4858"
 _COMPARE_COLOR = "#9A9A9A"
 # Layout in inches; fixed so label-fitting can be computed before drawing.

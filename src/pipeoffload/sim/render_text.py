@@ -27,12 +27,12 @@ _MAX_COLUMNS_PER_ACTION = 6.0
 _COLUMNS_PER_ACTION_STEPS = (6.0, 5.0, 4.0, 3.0, 2.5, 2.0, 1.5, 1.25, 1.0)
 
 _LETTER = {Kind.F: "F", Kind.I: "I", Kind.W: "W", Kind.B: "B", Kind.RECOMPUTE: "R",
-           Kind.OFFLOAD: "o", Kind.RELOAD: "r"}
+           Kind.OFFLOAD: "o", Kind.RELOAD: "r", Kind.FETCH: "f"}
 _KIND_WORDS = {Kind.F: "forward", Kind.I: "input-grad", Kind.W: "weight-grad",
                Kind.B: "backward", Kind.RECOMPUTE: "recompute"}
 # ANSI SGR codes: a background per kind; odd chunks use the bright variant of the same hue.
 _ANSI_BACKGROUND = {Kind.F: 44, Kind.I: 46, Kind.W: 42, Kind.B: 43, Kind.RECOMPUTE: 45}
-_ANSI_TRANSFER = {Kind.OFFLOAD: 35, Kind.RELOAD: 33}
+_ANSI_TRANSFER = {Kind.OFFLOAD: 35, Kind.RELOAD: 33, Kind.FETCH: 36}
 _ANSI_RESET = "\x1b[0m"
 
 
@@ -272,8 +272,10 @@ def _legend(result: SimResult, has_transfers: bool) -> list[str]:
         parts += ["lower case = odd chunk", "'5F3' = stage 5, F, microbatch 3"]
     parts += [f"{BUSY_FILL} busy", f"{IDLE} idle"]
     if has_transfers:
-        parts += ["o3 offload mb 3 (device to host)", "r3 reload mb 3 (host to device)",
-                  f"{TRANSFER_FILL} copy in progress"]
+        parts += ["o3 offload mb 3 (device to host)", "r3 reload mb 3 (host to device)"]
+        if Kind.FETCH in present:
+            parts.append("f3 mb 3 read back by its backward pass")
+        parts.append(f"{TRANSFER_FILL} copy in progress")
     return parts
 
 

@@ -2,9 +2,9 @@
 chrome://tracing next to traces of real runs.
 
 Layout: one process (pid) per rank, one thread (tid) per lane: compute, d2h (OFFLOAD copies),
-h2d (RELOAD copies), comm (SEND / RECV, zero-length in the simulator). Every timed action is one
-complete ("X") event named like "F s2 mb3"; each rank's resident activation is a counter ("C")
-series in M_a units, plus one in bytes when the cost model knows activation sizes.
+h2d (RELOAD copies, FETCH reads), comm (SEND / RECV, zero-length in the simulator). Every timed
+action is one complete ("X") event named like "F s2 mb3"; each rank's resident activation is a
+counter ("C") series in M_a units, plus one in bytes when the cost model knows activation sizes.
 
 Time: trace timestamps are microseconds. The simulator's clock has whatever unit the cost model
 was written in; by default one simulator unit is mapped to one second (``time_scale_us =

@@ -7,11 +7,26 @@ Each rank runs its action list in order, like a program:
   they wait in their host-link queue (see HostLink) and for their dependencies;
 - OFFLOAD_WAIT holds the program until the named OFFLOAD completes (a postponement, not a
   stall);
+- FETCH is a marker (it waits for its OFFLOAD); each backward pass (I, W or B) of a fetched
+  (stage, microbatch) then reads the activation back while it runs: see Note: [fetch on use];
 - SEND / RECV actions, if the schedule has them, take no time; a RECV completes when its peer's
   SEND has completed plus the P2P latency;
 - every dependency that crosses ranks adds ``CostModel.p2p_time``.
-A compute action that waits on a RELOAD beyond the time it could otherwise start is stalled;
-the stall is reported per rank. Memory follows design.md's accounting (see ``memory_events``).
+A compute action that waits on a RELOAD or a FETCH read beyond the time it could otherwise
+start is stalled; the stall is reported per rank. Memory follows design.md's accounting (see
+``memory_events``).
+
+Note: [fetch on use]
+The time-mirror of streaming offload. A backward pass of a fetched (s, m) reads each saved tensor
+from host memory when it uses it and drops the copy after use, so nothing of (s, m) is held on the
+device between uses (in the fluid limit; in practice about one layer's tensors are in flight).
+Each pass is charged a read of the whole activation over the host link. That is an estimate: the
+runtime reads each saved storage once per autograd node that unpacks it while no copy of it is
+alive, so a B can read a little more than its activation, and an I and its W together often
+about what one B reads (``ActivationOffloader.fetched_bytes`` counts it). The read is a
+transfer on the rank's H2D queue, queued when the pass could start; the pass cannot end before
+its read does (a read slower than the pass stretches it: the difference is a stall). The
+timeline shows each read as a FETCH bar on the H2D lane, one per pass.
 """
 
 from __future__ import annotations
@@ -28,6 +43,8 @@ from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ScheduleError
 from pipeoffload.sim.costs import CostModel
+
+_PASSES = (Kind.I, Kind.W, Kind.B)  # the backward passes that read saved activations
 
 
 class Lane(str, Enum):
@@ -101,7 +118,7 @@ def _lane(kind: Kind) -> Lane:
         return Lane.COMPUTE
     if kind is Kind.OFFLOAD:
         return Lane.D2H
-    if kind is Kind.RELOAD:
+    if kind in (Kind.RELOAD, Kind.FETCH):
         return Lane.H2D
     return Lane.COMM
 
@@ -123,6 +140,12 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
     pending: list[tuple[float, int, int, Action]] = []  # transfers: (ready, seq, rank, action)
     channel_free: dict[tuple[int, str], float] = defaultdict(float)
     seq = 0
+    # Backward passes that read a fetched activation queue for the host link like a transfer;
+    # their rank's program is blocked until the read is placed (see [fetch on use]).
+    fetched = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts
+               if a.kind is Kind.FETCH}
+    reading: dict[Action, float] = {}  # queued pass -> time its other inputs allowed
+    blocked = [False] * schedule.num_ranks
 
     def ready_time(rank: int, action: Action) -> tuple[float, float] | None:
         """(time all dependencies allow, time all but RELOADs allow), or None if not timed."""
@@ -136,14 +159,14 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
                 return None
             at = end[dep] + (costs.p2p_time if rank_of[dep.stage] != rank else 0.0)
             ready = max(ready, at)
-            if dep.kind is not Kind.RELOAD:
+            if dep.kind is not Kind.RELOAD and dep.kind is not Kind.FETCH:
                 other = max(other, at)
         return ready, other
 
     def advance(rank: int) -> None:
         nonlocal seq
         actions = schedule.ranks[rank]
-        while pointer[rank] < len(actions):
+        while not blocked[rank] and pointer[rank] < len(actions):
             action = actions[pointer[rank]]
             times = ready_time(rank, action)
             if times is None:
@@ -152,9 +175,17 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
             pointer[rank] += 1
             if action.kind is Kind.OFFLOAD:
                 ready = forward_start[(action.stage, action.microbatch)]  # see [streaming offload]
-            if action.kind.is_transfer:
+            if action.kind is Kind.FETCH:  # a marker: ready once its copy out is done
+                end[action] = ready
+                runnable.extend(waiting.pop(action, ()))
+                continue
+            reads = action.kind in _PASSES and (action.stage, action.microbatch) in fetched
+            if action.kind.is_transfer or reads:
                 heapq.heappush(pending, (ready, seq, rank, action))
                 seq += 1
+                if reads:
+                    reading[action] = other
+                    blocked[rank] = True
                 continue
             duration = costs.compute_time(action)
             waited = 0.0
@@ -173,6 +204,22 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
         for woken in waiting.pop(action, ()):
             runnable.append(woken)
 
+    def place_read(rank: int, action: Action, ready: float) -> None:
+        """A backward pass of a fetched activation, with its read on the H2D queue."""
+        channel = costs.host_link.channel(rank, Kind.RELOAD)
+        start = max(ready, channel_free[channel])
+        stop = channel_free[channel] = start + costs.transfer_time(action.stage, Kind.RELOAD)
+        fetch = Action(action.stage, Kind.FETCH, action.microbatch)
+        timed[rank].append(TimedAction(rank, fetch, start, stop, Lane.H2D))
+        duration = costs.compute_time(action)
+        begin = max(ready, stop - duration)  # a slow read stretches the pass: counted as a wait
+        waited = begin - reading.pop(action)
+        stall[rank] += waited
+        issue[rank] = begin + duration
+        blocked[rank] = False
+        finish(rank, action, begin, begin + duration, waited)
+        runnable.append(rank)
+
     runnable = list(range(schedule.num_ranks))
     while True:
         while runnable:
@@ -180,6 +227,9 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
         if not pending:
             break
         ready, _, rank, action = heapq.heappop(pending)
+        if action in reading:
+            place_read(rank, action, ready)
+            continue
         channel = costs.host_link.channel(rank, action.kind)
         start = max(ready, channel_free[channel])
         stop = start + costs.transfer_time(action.stage, action.kind)
@@ -222,7 +272,8 @@ def memory_events(schedule: Schedule, rank_timeline: tuple[TimedAction, ...] | l
 
     Note: [memory accounting] (design.md) the activation of (s, m) is resident from the start of
     F(s, m) to the end of W(s, m) or B(s, m), except from the end of OFFLOAD(s, m) to the start
-    of RELOAD(s, m). A recomputed (s, m) runs its F without autograd recording and keeps only
+    of RELOAD(s, m); a fetched (s, m) stays off the device until its backward ends (Note:
+    [fetch on use]). A recomputed (s, m) runs its F without autograd recording and keeps only
     its input (not counted: it is the previous stage's output), so it is resident from the
     start of its RECOMPUTE only.
 
@@ -248,7 +299,8 @@ def memory_events(schedule: Schedule, rank_timeline: tuple[TimedAction, ...] | l
             if Action(s, Kind.RECOMPUTE, m) not in timed:
                 events.append((t.start, size))
         elif kind in (Kind.W, Kind.B):
-            events.append((t.end, -size))
+            if Action(s, Kind.FETCH, m) not in timed:
+                events.append((t.end, -size))
         elif kind in (Kind.RELOAD, Kind.RECOMPUTE):
             events.append((t.start, size))
     events.sort(key=lambda e: (e[0], e[1] > 0))
