@@ -109,6 +109,9 @@ def test_better_than_linear(fetch, ratio, min_cut):
                          offload_ratio=ratio, policy=OffloadPolicy(fetch_on_use=fetch))
     before, after = plan.report.peak_before[0], plan.report.peak_after[0]
     assert before == 6.0  # 12 chunk units
+    # FETCH only where each pass outlasts its read (ratio <= 1/3 at unit costs), else RELOAD.
+    assert plan.schedule.has_kind(Kind.FETCH) == (fetch and ratio <= 1 / 3)
+    assert plan.schedule.has_kind(Kind.RELOAD) == (not fetch or ratio > 1 / 3)
     assert plan.report.offloaded_fraction == pytest.approx(0.5, abs=0.02)
     assert 1 - after / before >= min_cut - 1e-9, plan.report.summary()
 

@@ -120,15 +120,17 @@ def max_relative_error(stages: list[nn.Module] | dict, grads: list) -> float:
     return worst
 
 
-def with_offload(schedule: Schedule, stages: set[int] | None = None) -> Schedule:
-    """OFFLOAD right after each F and RELOAD right before its backward (I or B), on its rank."""
+def with_offload(schedule: Schedule, stages: set[int] | None = None,
+                 back: Kind = Kind.RELOAD) -> Schedule:
+    """OFFLOAD right after each F and ``back`` (RELOAD or FETCH) right before its backward (I or
+    B), on its rank."""
     rows = []
     for actions in schedule.ranks:
         row = []
         for action in actions:
             chosen = stages is None or action.stage in stages
             if chosen and action.kind.is_backward:
-                row.append(Action(action.stage, Kind.RELOAD, action.microbatch))
+                row.append(Action(action.stage, back, action.microbatch))
             row.append(action)
             if chosen and action.kind is Kind.F:
                 row.append(Action(action.stage, Kind.OFFLOAD, action.microbatch))
