@@ -29,7 +29,8 @@ from pipeoffload.app.data import DataConfig
 from pipeoffload.app.launch import LaunchConfig, Topology, launch
 from pipeoffload.app.model import model_preset
 from pipeoffload.app.train import TrainConfig, train
-from pipeoffload.app.train_cli import add_train_parser, config_from_args
+from pipeoffload.app.train_cli import add_train_parser, config_from_args, render_table
+from pipeoffload.core.actions import Kind
 from pipeoffload.errors import ConfigError, PipeoffloadError
 
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -99,6 +100,20 @@ def test_cli_defaults_are_train_config_defaults_and_overrides_apply() -> None:
     assert report.png is None
     with pytest.raises(ConfigError, match="a multiple of 32"):  # dp=2 x 16 microbatches
         config_from_args(parse(["--pp", "8", "--dp", "2"]))
+
+
+def test_fetch_on_use_trains_bitwise_like_reload_with_lower_predicted_peaks() -> None:
+    base = tiny_config(pp=2, steps=2, microbatches=4, measure_baseline=False)
+    reload = run_inline(base)
+    fetch = run_inline(dataclasses.replace(base, fetch_on_use=True))
+    assert fetch.plan.schedule.has_kind(Kind.FETCH)
+    assert not reload.plan.schedule.has_kind(Kind.FETCH)
+    assert list(fetch.losses) == list(reload.losses)
+    assert fetch.peak_bytes == fetch.predicted_bytes
+    assert all(f <= r for f, r in zip(fetch.peak_bytes, reload.peak_bytes))
+    assert sum(fetch.peak_bytes) < sum(reload.peak_bytes)
+    assert "FETCH-ed activations" in render_table(fetch)
+    assert "FETCH" not in render_table(reload)
 
 
 @needs_gloo

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from pipeoffload.core.actions import Kind
 from pipeoffload.errors import ConfigError, PipeoffloadError
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -280,6 +281,10 @@ def render_table(result: Any) -> str:
              "predicted: the simulator with per-stage sizes measured on the first step; no "
              "offload: one extra forward/backward of the same schedule without transfers "
              "(measured) and its simulation (predicted)")
+    if schedule.has_kind(Kind.FETCH):
+        notes += ("; FETCH-ed activations are read back tensor by tensor as the backward uses "
+                  "them and never held whole, so a rank whose stages are all offloaded can "
+                  "measure 0 B")
     return "\n".join([head, "peak activation per pipeline rank", *lines, notes])
 
 
