@@ -9,7 +9,8 @@ Run: python benchmarks/gpu_offload.py [--quick]          (one CUDA GPU, under 8 
    interleaved pipeline (stages 0 and p, v = 2, g = ceil(p/2); real layers from
    pipeoffload.app.model, stage 0 with the embedding), measures one chunk's F, I and W times
    and saved bytes, and plans three schedules from those costs (CostModel with bytes and the
-   measured bandwidths): no offload, po-h (longest-lived chunk offloaded) and po-f (all).
+   measured bandwidths): no offload, po-h (longest-lived chunk offloaded), po-f (all) and
+   po-f with --fetch-on-use (activations read back by each backward pass as it uses them).
 3. Replays rank 0's action list of each plan with the runtime's own pieces: RankExecutor,
    StageRunner and ActivationOffloader (side streams, pinned pool), with P2P replaced by a
    local stand-in: a forward input whose producer is on another rank, and every output
@@ -42,7 +43,7 @@ from _common import best_time, format_table, intersection, machine_summary, unio
 
 from pipeoffload.api import plan_schedule
 from pipeoffload.app.model import ModelConfig, Transformer
-from pipeoffload.offload.plan import OffloadPlan
+from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
 from pipeoffload.runtime.config import OffloadConfig
 from pipeoffload.runtime.executor import RankExecutor, StepData
 from pipeoffload.runtime.lowering import with_comms
@@ -51,7 +52,7 @@ from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.stage import StageRunner
 from pipeoffload.sim.costs import CostModel, Duplex, HostLink
 
-VARIANTS = ("none", "po-h", "po-f")
+VARIANTS = ("none", "po-h", "po-f", "po-f+fetch")
 GIB = 2**30
 MIB = 2**20
 
@@ -191,7 +192,8 @@ class FakeTransport:
 
 
 class CountingOffloader(ActivationOffloader):
-    """The runtime's offloader, counting the bytes each OFFLOAD and RELOAD moves."""
+    """The runtime's offloader, counting the bytes each OFFLOAD and RELOAD moves (FETCH reads:
+    ``fetched_bytes``)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -267,6 +269,8 @@ def plans(cfg: GpuBenchConfig, size: Size, costs: CostModel) -> dict[str, Offloa
         "none": plan_schedule("po-f", size.pp, m, offload="none", costs=costs),
         "po-h": plan_schedule("po-h", size.pp, m, costs=costs),
         "po-f": plan_schedule("po-f", size.pp, m, costs=costs),
+        "po-f+fetch": plan_schedule("po-f", size.pp, m, costs=costs,
+                                    policy=OffloadPolicy(fetch_on_use=True)),
     }
 
 
@@ -361,7 +365,8 @@ def run_variant(cfg: GpuBenchConfig, size: Size, name: str, plan: OffloadPlan,
     row = {"step_s": statistics.median(times), "spread": (min(times), max(times))}
     if offloader is not None:
         row["d2h_bytes"] = offloader.d2h_bytes / (cfg.warmup + cfg.steps)
-        row["h2d_bytes"] = offloader.h2d_bytes / (cfg.warmup + cfg.steps)
+        row["h2d_bytes"] = ((offloader.h2d_bytes + offloader.fetched_bytes)
+                            / (cfg.warmup + cfg.steps))
     if cfg.cuda:
         replay.zero_grads()
         _sync(cfg)

@@ -63,7 +63,7 @@ def test_gpu_offload_cpu_tiny(tmp_path: Path) -> None:
     assert "D2H" in out and "| size " in out and "sim rank-0 busy s" in out
     rows = json.loads(records_path.read_text())["rows"]
     assert {(r["size"]["pp"], r["variant"]) for r in rows} == {
-        (p, v) for p in (8, 16) for v in ("none", "po-h", "po-f")}
+        (p, v) for p in (8, 16) for v in ("none", "po-h", "po-f", "po-f+fetch")}
     for row in rows:
         assert "skipped" not in row, row
         if row["variant"] == "none":
@@ -75,3 +75,5 @@ def test_gpu_offload_cpu_tiny(tmp_path: Path) -> None:
     for pp in (8, 16):
         assert by[(pp, "po-f")]["meter_peak"] < by[(pp, "po-h")]["meter_peak"] \
             < by[(pp, "none")]["meter_peak"]
+        assert by[(pp, "po-f+fetch")]["meter_peak"] <= by[(pp, "po-f")]["meter_peak"]
+        assert by[(pp, "po-f+fetch")]["h2d_bytes"] > 0
