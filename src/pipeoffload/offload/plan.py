@@ -2,10 +2,11 @@
 RELOAD or FETCH (and OFFLOAD_WAIT) actions, and a report of what it bought and what it could
 not do.
 
-Assumes a valid schedule (existing transfer actions are replaced). Guarantees a valid schedule
-whose per-rank peak is never above the input's (a plan that would raise a peak is dropped), and
-never raises for an unreachable target: it returns the best plan it found and says why in
-``OffloadReport.notes`` and ``OffloadReport.skipped``.
+Assumes a valid schedule (existing transfer actions are replaced; the target ``given`` keeps
+them and only reports). Guarantees a valid schedule whose per-rank peak is never above the
+input's (a plan that would raise a peak is dropped), and never raises for an unreachable
+target: it returns the best plan it found and says why in ``OffloadReport.notes`` and
+``OffloadReport.skipped``.
 
 How (PipeOffload's selective offload, generalised to any schedule):
 1. Simulate the schedule; every (stage, microbatch) gets its lifespan, F start to W/B end.
