@@ -1,12 +1,14 @@
 """Offload planning: PipeOffload's claims, the never-fail contract, and reports that add up."""
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeoffload.api import build_schedule, plan_schedule, schedule_names
 from pipeoffload.core.actions import Kind
 from pipeoffload.core.validate import validate
 from pipeoffload.offload.plan import OffloadPolicy, add_offload
-from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.costs import CostModel, Duplex, HostLink
 from pipeoffload.sim.simulator import simulate
 
 ZOO = [name for name, _ in schedule_names() if name not in ("po-h", "po-f")]
@@ -85,6 +87,29 @@ def test_every_schedule_and_target_gives_a_valid_plan_whose_report_adds_up(name,
     assert report.makespan_after == result.makespan
     if target == "none":
         assert not offloads
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(ZOO), pp=st.integers(2, 6), per_rank=st.integers(2, 4),
+       target=st.sampled_from(TARGETS), ratio=st.sampled_from([0.0, 0.1, 0.25, 0.4, 0.7, 1.5]),
+       fetch=st.booleans(), half=st.booleans())
+def test_any_plan_is_valid_never_raises_a_peak_and_its_memory_recounts(
+        name, pp, per_rank, target, ratio, fetch, half):
+    options = {"chunks": 2} if name in ("interleaved-1f1b", "grouped-interleaved") else {}
+    microbatches = pp * per_rank
+    if name == "grouped-interleaved":
+        microbatches = 2 * pp  # whole groups of g = ceil(p/2) with the default group size
+    costs = CostModel(offload_ratio=ratio, host_link=HostLink(Duplex.HALF if half
+                                                              else Duplex.FULL))
+    bare = build_schedule(name, pp, microbatches, **options)
+    plan = add_offload(bare, costs, target, OffloadPolicy(fetch_on_use=fetch))
+    validate(plan.schedule)
+    for before, after in zip(plan.report.peak_before, plan.report.peak_after):
+        assert after <= before + 1e-9
+    units = [1 / len(bare.stages_on_rank(bare.rank_of(s))) for s in range(bare.num_stages)]
+    assert plan.report.peak_after == pytest.approx(_recount_peaks(plan.result, units), abs=0.02)
+    if not fetch:
+        assert not plan.schedule.has_kind(Kind.FETCH)
 
 
 @pytest.mark.parametrize("pp", [4, 5, 8, 16, 32])
