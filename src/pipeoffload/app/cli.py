@@ -92,10 +92,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.csv:
         write_csv(schedule, args.csv)
     if args.png:
+        from pipeoffload.core.actions import OFFLOAD_KINDS
         from pipeoffload.sim.render_png import render_png
         from pipeoffload.sim.simulator import simulate
 
-        bare = schedule.without(*_transfer_kinds())
+        bare = schedule.without(*OFFLOAD_KINDS)
         baseline = simulate(dataclasses.replace(bare, name=f"{bare.name} without offload"),
                             result.costs) if report.offloaded else None
         render_png(result, args.png, compare=baseline)
@@ -115,12 +116,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if path:
             print(f"wrote {label}: {path}")
     return 0
-
-
-def _transfer_kinds():
-    from pipeoffload.core.actions import OFFLOAD_KINDS
-
-    return OFFLOAD_KINDS
 
 
 def _simulate_json(plan) -> dict:

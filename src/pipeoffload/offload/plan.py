@@ -216,7 +216,7 @@ class _Planner:
                    for p in self.passes(item))
 
     def insert(self, leads: dict[Item, int], waits: dict[Action, Item],
-               fetches: Iterable[Item] = ()) -> Schedule:
+               fetches: set[Item]) -> Schedule:
         """The schedule with OFFLOAD after each chosen F, its RELOAD ``lead`` compute actions
         ahead of its backward (or its FETCH right before it, for ``fetches``), and
         OFFLOAD_WAITs (``waits``: forward -> item) before forwards."""
@@ -227,7 +227,7 @@ class _Planner:
             rank = self.schedule.rank_of(item[0])
             b_index = self.position[rank][self.backward(item)]
             by_rank[rank].append((b_index - lead, b_index, Action(item[0], kind, item[1])))
-        offloaded = {(a.stage, a.microbatch) for _, _, a in (x for r in by_rank for x in r)}
+        offloaded = leads.keys() | fetches
         ranks = []
         for rank, actions in enumerate(self.schedule.ranks):
             before: dict[Action, list[Action]] = {}

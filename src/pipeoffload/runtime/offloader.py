@@ -295,7 +295,7 @@ class ActivationOffloader:
         for storage in scope.storages.values():
             if storage.on_device is not None:
                 # The D2H copy has not been seen to finish: the device bytes are still there.
-                self._pool.give_back(storage.host, self._copy_event_of(storage))  # type: ignore[arg-type]
+                self._pool.give_back(storage.host, storage.copied)  # type: ignore[arg-type]
                 storage.host = None
                 continue
             target = torch.empty(storage.nbytes, dtype=torch.uint8, device=self._device)
@@ -396,12 +396,6 @@ class ActivationOffloader:
         for key in list(self._scopes):
             self.discard(key)
         self._pending = []
-
-    def _copy_event_of(self, storage: _Storage) -> object | None:
-        for event, storages in self._pending:
-            if any(s is storage for s in storages):
-                return event
-        return None
 
     def _release_device(self, storage: _Storage) -> None:
         storage.on_device = None

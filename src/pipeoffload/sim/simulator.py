@@ -204,11 +204,18 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
         for woken in waiting.pop(action, ()):
             runnable.append(woken)
 
+    def occupy(rank: int, kind: Kind, stage: int, ready: float,
+               until: float = 0.0) -> tuple[float, float]:
+        """Place one copy on its host-link queue: (start, end); it ends no earlier than
+        ``until``."""
+        channel = costs.host_link.channel(rank, kind)
+        start = max(ready, channel_free[channel])
+        stop = channel_free[channel] = max(start + costs.transfer_time(stage, kind), until)
+        return start, stop
+
     def place_read(rank: int, action: Action, ready: float) -> None:
         """A backward pass of a fetched activation, with its read on the H2D queue."""
-        channel = costs.host_link.channel(rank, Kind.RELOAD)
-        start = max(ready, channel_free[channel])
-        stop = channel_free[channel] = start + costs.transfer_time(action.stage, Kind.RELOAD)
+        start, stop = occupy(rank, Kind.RELOAD, action.stage, ready)
         fetch = Action(action.stage, Kind.FETCH, action.microbatch)
         timed[rank].append(TimedAction(rank, fetch, start, stop, Lane.H2D))
         duration = costs.compute_time(action)
@@ -230,13 +237,10 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
         if action in reading:
             place_read(rank, action, ready)
             continue
-        channel = costs.host_link.channel(rank, action.kind)
-        start = max(ready, channel_free[channel])
-        stop = start + costs.transfer_time(action.stage, action.kind)
-        if action.kind is Kind.OFFLOAD:  # the last bytes exist only when the forward ends
-            stop = max(stop, end[Action(action.stage, Kind.F, action.microbatch)])
-        channel_free[channel] = stop
-        finish(rank, action, start, stop)
+        # A copy out cannot end before its forward: its last bytes exist only then.
+        until = end[Action(action.stage, Kind.F, action.microbatch)] \
+            if action.kind is Kind.OFFLOAD else 0.0
+        finish(rank, action, *occupy(rank, action.kind, action.stage, ready, until))
 
     stuck = [r for r in range(schedule.num_ranks) if pointer[r] < len(schedule.ranks[r])]
     if stuck:
