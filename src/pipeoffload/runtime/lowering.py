@@ -10,6 +10,9 @@ used as it is (torch.distributed.pipelining's lowered CSVs, for instance).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+from enum import Enum
+
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
 
@@ -64,25 +67,77 @@ def peer_of(schedule: Schedule, action: Action) -> int:
     return schedule.rank_of(neighbour)
 
 
-def order_conflicts(schedule: Schedule, per_direction: bool = False) -> list[str]:
+class Channel(str, Enum):
+    """Which communicator a message travels on: forward or backward, towards a higher or a
+    lower rank (see Note: [NCCL channels])."""
+
+    F_UP = "F_UP"
+    F_DOWN = "F_DOWN"
+    B_UP = "B_UP"
+    B_DOWN = "B_DOWN"
+
+
+# Note: [NCCL channels]
+# NCCL runs the point-to-point operations of one communicator in posting order on one stream,
+# and a large send completes only together with its receive, so two messages on one
+# communicator can wait for each other across ranks. With one communicator for forward and one
+# for backward messages, zbv and v-half deadlock at p = 2 and 4 and interleaved-1f1b at p = 2
+# (runtime/rendezvous.py shows it). Splitting each direction again by whether the receiver's
+# rank is higher or lower than the sender's gives four communicators on which every zoo
+# schedule runs, with and without offload, at p = 2, 4, 8 (tests/test_runtime_rendezvous.py).
+
+
+def sender_and_receiver(schedule: Schedule, message: tuple[str, int, int]) -> tuple[int, int]:
+    """The ranks that send and receive ``message``."""
+    direction, stage, _ = message
+    source = stage - 1 if direction == "F" else stage + 1
+    return schedule.rank_of(source), schedule.rank_of(stage)
+
+
+def channel_of(schedule: Schedule, message: tuple[str, int, int]) -> Channel:
+    """The communicator ``message`` uses (Note: [NCCL channels])."""
+    sender, receiver = sender_and_receiver(schedule, message)
+    up = receiver > sender
+    if message[0] == "F":
+        return Channel.F_UP if up else Channel.F_DOWN
+    return Channel.B_UP if up else Channel.B_DOWN
+
+
+def two_groups(schedule: Schedule, message: tuple[str, int, int]) -> Hashable:
+    """The older layout, one communicator per direction F / B (deadlocks on NCCL for V-shaped
+    schedules; kept to show that and for callers that pass only ``backward_group``)."""
+    return message[0]
+
+
+def one_group(schedule: Schedule, message: tuple[str, int, int]) -> Hashable:
+    """Every message on one communicator."""
+    return ""
+
+
+def order_conflicts(schedule: Schedule, per_direction: bool = False,
+                    lane: Callable[[Schedule, tuple[str, int, int]], Hashable] | None = None,
+                    ) -> list[str]:
     """Pairs of ranks whose messages are received in another order than they are sent.
 
     Backends that ignore tags (NCCL) match messages between two ranks in posting order, so such a
     schedule would pair the wrong buffers; gloo matches by tag and does not care. With
     ``per_direction`` forward and backward messages are compared separately (what matters when
-    each direction has its own communicator).
+    each direction has its own communicator); ``lane`` generalises it: messages are compared per
+    ``lane(schedule, message)`` (e.g. ``channel_of``).
     """
+    if lane is None:
+        lane = two_groups if per_direction else one_group
     sent: dict[tuple[int, ...], list[tuple[str, int, int]]] = {}
     received: dict[tuple[int, ...], list[tuple[str, int, int]]] = {}
     for rank, _, action in schedule.actions:
         message = message_of(action) if action.kind in _COMM else None
         if message is None:
             continue
-        lane = (message[0] == "B",) if per_direction else ()
+        key = lane(schedule, message)
         if action.kind in (Kind.SEND_F, Kind.SEND_B):
-            sent.setdefault((rank, peer_of(schedule, action), *lane), []).append(message)
+            sent.setdefault((rank, peer_of(schedule, action), key), []).append(message)
         else:
-            received.setdefault((peer_of(schedule, action), rank, *lane), []).append(message)
+            received.setdefault((peer_of(schedule, action), rank, key), []).append(message)
     problems = []
     for pair, messages in sorted(sent.items()):
         got = received.get(pair, [])

@@ -1,0 +1,169 @@
+"""A rendezvous model of NCCL point-to-point, run over a lowered schedule (pure Python).
+
+Gloo delivers messages by tag and never makes a send wait for an unrelated message, so tests
+over gloo cannot see what this model shows: whether the posting order of DistTransport, with a
+given choice of communicators, can deadlock on NCCL.
+
+Note: [rendezvous model]
+- Per communicator, each rank's operations run one after another in posting order (one NCCL
+  stream per communicator); a send completes only together with the matching receive, both at
+  the head of their rank's queue on that communicator (messages larger than NCCL's buffers, the
+  case of activations). With ``per_pair`` a communicator is one (group, rank pair), as NCCL
+  builds lazily without ``device_id``; otherwise one per group (eager init with ``device_id``).
+- Hosts post in program order what DistTransport posts (``posts_of``): one operation per
+  message; on the first step a forward message is preceded by its shape metadata, whose receive
+  the receiving host waits for (it needs the values) at the action that consumes the message,
+  before posting the data receive.
+- The consuming compute action (F for a forward message, I or B for a gradient) waits for the
+  data. On gloo the host waits; on NCCL the compute stream does and the host runs on, but
+  ProcessGroupNCCL makes every later operation's stream wait for the compute stream's work
+  queued before it, so an operation posted after the consumer cannot start before the
+  consumer ran either: holding the host at the consumer, as this model does, gives the same
+  dependencies.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.runtime.lowering import channel_of, message_of, sender_and_receiver, with_comms
+
+Message = tuple[str, int, int]
+Lane = Callable[[Schedule, Message], Hashable]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One posted point-to-point operation."""
+
+    send: bool
+    part: str  # "meta" or "data"
+    message: Message
+    peer: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """``deadlock`` is empty when every rank ran to its end with every operation matched."""
+
+    deadlock: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.deadlock
+
+
+def posts_of(action: Action, first_step: bool) -> tuple[str, ...]:
+    """The parts DistTransport posts at a SEND or RECV action, in order (Note: [rendezvous
+    model]): a forward message's metadata first on the first step; the receiver posts the
+    data receive of such a message later, at its consumer."""
+    meta = first_step and action.kind in (Kind.SEND_F, Kind.RECV_F)
+    if action.kind is Kind.RECV_F and meta:
+        return ("meta",)
+    return ("meta", "data") if meta else ("data",)
+
+
+def _consumed(action: Action) -> Message | None:
+    """The received message a compute action needs, if it needs one."""
+    if action.kind is Kind.F:
+        return ("F", action.stage, action.microbatch)
+    if action.kind in (Kind.I, Kind.B):
+        return ("B", action.stage, action.microbatch)
+    return None
+
+
+def simulate(schedule: Schedule, lane: Lane = channel_of, per_pair: bool = False,
+             first_step: bool = False) -> Outcome:
+    """Run every rank's posting and waiting under the model; see Note: [rendezvous model]."""
+    lowered = with_comms(schedule)
+    ranks = lowered.num_ranks
+    queues: dict[tuple[Hashable, int], deque[Op]] = {}
+    received: list[dict[tuple[str, Message], bool]] = [{} for _ in range(ranks)]
+    deferred: list[dict[Message, Op]] = [{} for _ in range(ranks)]  # data receives to post
+    pointer = [0] * ranks
+
+    def comm(message: Message, rank: int, peer: int) -> Hashable:
+        group = lane(lowered, message)
+        return (group, min(rank, peer), max(rank, peer)) if per_pair else group
+
+    def post(rank: int, op: Op) -> None:
+        queues.setdefault((comm(op.message, rank, op.peer), rank), deque()).append(op)
+
+    def advance(rank: int) -> bool:
+        """Run rank's host as far as it can; True if it moved."""
+        moved = False
+        actions = lowered.ranks[rank]
+        while pointer[rank] < len(actions):
+            action = actions[pointer[rank]]
+            if action.kind.is_comm:
+                message = message_of(action)
+                sender, receiver = sender_and_receiver(lowered, message)
+                send = action.kind in (Kind.SEND_F, Kind.SEND_B)
+                peer = receiver if send else sender
+                parts = posts_of(action, first_step)
+                for part in parts:
+                    post(rank, Op(send, part, message, peer))
+                if not send:
+                    received[rank][("data", message)] = False
+                    if "data" not in parts:
+                        received[rank][("meta", message)] = False
+                        deferred[rank][message] = Op(False, "data", message, peer)
+            else:
+                needed = _consumed(action)
+                if needed is not None and ("data", needed) in received[rank]:
+                    later = deferred[rank].get(needed)
+                    if later is not None:
+                        if not received[rank][("meta", needed)]:
+                            return moved
+                        post(rank, deferred[rank].pop(needed))
+                        moved = True
+                    if not received[rank][("data", needed)]:
+                        return moved
+            pointer[rank] += 1
+            moved = True
+        return moved
+
+    def match() -> bool:
+        """Complete every pair of matching operations at the heads of their queues."""
+        fired_any = False
+        fired = True
+        while fired:
+            fired = False
+            for (key, rank), queue in queues.items():
+                if not queue:
+                    continue
+                op = queue[0]
+                other = queues.get((key, op.peer))
+                if not other:
+                    continue
+                head = other[0]
+                if (head.peer == rank and head.send != op.send and head.part == op.part
+                        and head.message == op.message):
+                    queue.popleft()
+                    other.popleft()
+                    receiver = op.peer if op.send else rank
+                    received[receiver][(op.part, op.message)] = True
+                    fired = fired_any = True
+        return fired_any
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(ranks):
+            progress |= advance(rank)
+        progress |= match()
+    stuck = [r for r in range(ranks) if pointer[r] < len(lowered.ranks[r])]
+    waiting = [(key, rank, queue[0]) for (key, rank), queue in queues.items() if queue]
+    if not stuck and not waiting:
+        return Outcome(())
+    lines = [f"rank {r} waits at action {lowered.ranks[r][pointer[r]]} (position {pointer[r]})"
+             for r in stuck]
+    lines += [f"rank {rank} on communicator {key}: "
+              f"{'send' if op.send else 'receive'} of {op.part} {op.message} "
+              f"{'to' if op.send else 'from'} rank {op.peer} waits for its match"
+              for key, rank, op in waiting[:6]]
+    return Outcome(tuple(lines))
