@@ -197,6 +197,7 @@ class Topology:
     pp_group: Any = None
     dp_group: Any = None
     backward_group: Any = None
+    channel_groups: Any = None  # NCCL: {lowering.Channel: group}, see Pipeline(channel_groups=)
 
     @classmethod
     def local(cls, pp: int, device: torch.device | str = "cpu") -> Topology:
@@ -235,10 +236,15 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
             env: Mapping[str, str] = os.environ) -> Topology:
     """Join the job torchrun (or ``launch``) started: init the default group from env://
-    (NCCL on GPUs, gloo on CPU; ``timeout_s`` for every collective) and create the pipeline
-    and data-parallel groups (see Note: [rank layout])."""
+    (NCCL on GPUs, gloo on CPU; ``timeout_s`` for every collective, and on NCCL the bound for a
+    hung receive: runtime/p2p.py Note: [NCCL posting]) and create the pipeline and
+    data-parallel groups (see Note: [rank layout]). On CUDA the group is bound to this
+    process's device (``device_id``: eager NCCL init, new groups split from it), and each
+    pipeline gets one communicator per lowering.Channel (Note: [NCCL channels])."""
     import torch
     import torch.distributed as dist
+
+    from pipeoffload.runtime.lowering import Channel
 
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if world != pp * dp:
@@ -249,17 +255,19 @@ def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
     if where.type == "cuda":
         torch.cuda.set_device(where)
     timeout = datetime.timedelta(seconds=timeout_s)
+    bound = {"device_id": where} if where.type == "cuda" else {}
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=timeout)
+                            timeout=timeout, **bound)
     topo = Topology(pp=pp, dp=dp, rank=rank, distributed=True, device=where)
     groups: dict[str, Any] = {}
     for d in range(dp):
         members = [topo.global_rank(p, d) for p in range(pp)]
         group = dist.new_group(members, timeout=timeout)
-        # NCCL matches messages by order: gradients get their own communicator.
-        backward = dist.new_group(members, timeout=timeout) if backend == "nccl" else None
+        # NCCL runs each communicator's P2P in posting order: one per channel.
+        channels = ({c: dist.new_group(members, timeout=timeout) for c in Channel}
+                    if backend == "nccl" else None)
         if d == topo.dp_index:
-            groups.update(pp_group=group, backward_group=backward)
+            groups.update(pp_group=group, channel_groups=channels)
     for p in range(pp):
         group = dist.new_group([topo.global_rank(p, d) for d in range(dp)],
                                timeout=timeout)

@@ -222,7 +222,8 @@ def train(config: TrainConfig, topology: Topology,
                             offload=OffloadConfig(min_offload_elements=config.min_offload_elements))
     meter = ActivationMeter()
     pipe = Pipeline(stages, schedule, lm_loss, group=topology.pp_group, config=runtime,
-                    device=topology.device, meter=meter, backward_group=topology.backward_group)
+                    device=topology.device, meter=meter, backward_group=topology.backward_group,
+                    channel_groups=topology.channel_groups)
     state = ckpt.TrainingState(stages, optimizers, dataset)
     identity = checkpoint_identity(config, schedule)
     if config.resume is not None:
@@ -380,7 +381,8 @@ def measure_without_offload(pipe: Pipeline, stages: Mapping[int, nn.Module],
     meter = ActivationMeter()
     bare = Pipeline(stages, pipe.schedule.without(*OFFLOAD_KINDS), lm_loss,
                     group=topology.pp_group, config=runtime, device=topology.device,
-                    meter=meter, backward_group=topology.backward_group)
+                    meter=meter, backward_group=topology.backward_group,
+                    channel_groups=topology.channel_groups)
     inputs, target = dataset.batch_at(dataset.step)
     loss = bare.step(inputs, target=target)
     for module in stages.values():

@@ -47,6 +47,7 @@ class RankExecutor:
         meter: ActivationMeter | None,
         clone_hand_off: bool,
         stream_offload: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         self.rank = rank
         self._schedule = schedule
@@ -56,6 +57,7 @@ class RankExecutor:
         self._meter = meter
         self._clone = clone_hand_off
         self._stream = stream_offload
+        self._device = device  # the pipeline's: a parameter-free stage cannot tell it
         self._offloaded = {(a.stage, a.microbatch) for a in schedule.ranks[rank]
                            if a.kind is Kind.OFFLOAD}
         self._recomputed = {(a.stage, a.microbatch) for a in schedule.ranks[rank]
@@ -136,7 +138,8 @@ class RankExecutor:
         if inputs is None or target is None:
             raise PipelineRuntimeError(f"rank {self.rank}: {action} runs twice in one step")
         if (stage, mb) in self._recomputed:
-            self._kept[(stage, mb)] = (inputs, target, RngState.capture(runner.device))
+            device = self._device if self._device is not None else runner.device
+            self._kept[(stage, mb)] = (inputs, target, RngState.capture(device))
             outputs = runner.forward_unrecorded(inputs, target)
         else:
             outputs = self._recorded_forward(runner, mb, inputs, target)

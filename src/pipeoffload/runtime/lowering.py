@@ -94,13 +94,18 @@ def sender_and_receiver(schedule: Schedule, message: tuple[str, int, int]) -> tu
     return schedule.rank_of(source), schedule.rank_of(stage)
 
 
-def channel_of(schedule: Schedule, message: tuple[str, int, int]) -> Channel:
-    """The communicator ``message`` uses (Note: [NCCL channels])."""
-    sender, receiver = sender_and_receiver(schedule, message)
+def channel_between(direction: str, sender: int, receiver: int) -> Channel:
+    """The communicator of a ``direction`` ("F" / "B") message from rank ``sender`` to rank
+    ``receiver`` (Note: [NCCL channels])."""
     up = receiver > sender
-    if message[0] == "F":
+    if direction == "F":
         return Channel.F_UP if up else Channel.F_DOWN
     return Channel.B_UP if up else Channel.B_DOWN
+
+
+def channel_of(schedule: Schedule, message: tuple[str, int, int]) -> Channel:
+    """The communicator ``message`` uses in ``schedule`` (Note: [NCCL channels])."""
+    return channel_between(message[0], *sender_and_receiver(schedule, message))
 
 
 def two_groups(schedule: Schedule, message: tuple[str, int, int]) -> Hashable:

@@ -3,14 +3,30 @@
 Two transports with one interface: ``LocalTransport`` (one process runs every rank: a mailbox)
 and ``DistTransport`` (torch.distributed point-to-point, any process group, gloo or NCCL).
 DistTransport learns tensor shapes and dtypes on the first step (each forward message is then
-preceded by a small metadata message), posts batched isend / irecv, matches messages by tag
-(gloo) or by order (NCCL: see lowering.order_conflicts), and turns a peer that died or never
-sends into a PipelineRuntimeError naming the action that waited, after ``timeout_s``.
+preceded by a small metadata message), and turns a peer that died or never sends into a
+PipelineRuntimeError naming the action that waited, after ``timeout_s``.
+
+Note: [NCCL posting] what makes the same code right on NCCL, where gloo forgives:
+- One posting style: every operation goes through ``dist.batch_isend_irecv`` (a batch per
+  message part, the same batches on both sides), so NCCL never puts a message's two halves on
+  different communicators (unbatched and batched P2P do without ``device_id``).
+- Messages travel on four communicators, forward / backward x towards a higher / lower rank
+  (lowering.py Note: [NCCL channels]); runtime/rendezvous.py checks that no schedule deadlocks.
+- No host wait on NCCL: a receive is waited for with ``work.wait()``, which makes the compute
+  stream wait; a timeout there would busy-wait the host. Hangs are bounded by the process
+  group's own timeout (``init_process_group(timeout=)``, NCCL's watchdog). Only the first
+  step's shape metadata is waited for by the host (it needs the values), polling
+  ``is_completed`` against ``timeout_s``. On gloo the host waits with ``timeout_s``.
+- A send's tensors are dropped as soon as its work is seen completed (checked whenever a
+  message is posted), not at the end of the step; on NCCL the process group keeps them safe
+  from the allocator until the send has run, so the end of a step waits for nothing there.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +34,7 @@ import torch.distributed as dist
 
 from pipeoffload.core.actions import Action
 from pipeoffload.errors import PipelineRuntimeError
+from pipeoffload.runtime.lowering import Channel, channel_between
 
 TensorTuple = tuple[torch.Tensor, ...]
 Meta = tuple[tuple[tuple[int, ...], torch.dtype], ...]
@@ -77,21 +94,42 @@ class LocalTransport:
             raise PipelineRuntimeError(f"messages sent but never received: {sorted(self._box)}")
 
 
+@dataclass
+class _Sent:
+    """A posted send (or metadata send): kept until its works complete."""
+
+    works: list[object]
+    tensors: TensorTuple
+    action: Action
+    peer: int
+
+
 class DistTransport:
-    """torch.distributed P2P for rank ``rank`` of ``group`` (None = the default group)."""
+    """torch.distributed P2P for rank ``rank`` of ``group`` (None = the default group).
+
+    ``channel_groups``: one process group over the same ranks per Channel (Note: [NCCL
+    posting]); without it forward messages use ``group`` and gradients ``backward_group`` (or
+    ``group``). ``nccl``: whether the backend is NCCL (default: asked of ``group``).
+    """
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
                  timeout_s: float, num_stages: int, microbatches: int,
-                 backward_group: dist.ProcessGroup | None = None) -> None:
+                 backward_group: dist.ProcessGroup | None = None,
+                 channel_groups: Mapping[Channel, dist.ProcessGroup] | None = None,
+                 nccl: bool | None = None) -> None:
         self._group = group
-        self._groups = {"F": group, "B": group if backward_group is None else backward_group}
+        backward = group if backward_group is None else backward_group
+        self._groups = {c: (backward if c.value.startswith("B") else group) for c in Channel}
+        if channel_groups is not None:
+            self._groups.update(channel_groups)
         self._rank = dist.get_rank(group)
+        self._nccl = dist.get_backend(group) == "nccl" if nccl is None else nccl
         self._device = device
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._stages = num_stages
         self._microbatches = microbatches
         self._learnt: dict[tuple[str, int], Meta] = {}  # (direction, receiving stage) -> meta
-        self._sends: list[tuple[list[object], TensorTuple, Action, int]] = []
+        self._sends: list[_Sent] = []
         self._step = 0
 
     def begin_step(self) -> None:
@@ -100,6 +138,11 @@ class DistTransport:
     @property
     def _first_step(self) -> bool:
         return self._step == 1
+
+    @property
+    def sends_in_flight(self) -> int:
+        """Sends posted and not yet seen completed (their tensors are still held)."""
+        return len(self._sends)
 
     def _global(self, peer: int) -> int:
         return peer if self._group is None else dist.get_global_rank(self._group, peer)
@@ -110,13 +153,15 @@ class DistTransport:
         return tag + (2 * self._stages * self._microbatches if meta else 0)
 
     def send(self, message: Message, tensors: TensorTuple, peer: int, action: Action) -> None:
+        self._drop_completed_sends()
         boundary = (message[0], message[1])
         meta = meta_of(tensors)
-        ops = []
         if message[0] == "F":
             if self._first_step:
-                ops.append(self._op(dist.isend, _encode(meta, action).to(self._device), peer,
-                                     message, True))
+                encoded = self._to_device(_encode(meta, action))
+                works = self._post([self._op(True, encoded, peer, message, True)],
+                                   action, peer, "shape metadata")
+                self._sends.append(_Sent(works, (encoded,), action, peer))
                 self._learnt.setdefault(boundary, meta)
             if self._learnt.get(boundary) != meta:
                 raise PipelineRuntimeError(
@@ -125,19 +170,20 @@ class DistTransport:
                     "have the first step's shapes (shapes must not change between steps)"
                 )
         payload = tuple(t.contiguous() for t in tensors)
-        ops.extend(self._op(dist.isend, t, peer, message) for t in payload)
-        works = self._post(ops, action, peer, "the send to start")
-        self._sends.append((works, payload, action, peer))
+        works = self._post([self._op(True, t, peer, message) for t in payload],
+                           action, peer, "the send to start")
+        self._sends.append(_Sent(works, payload, action, peer))
 
     def recv(self, message: Message, peer: int, meta: Meta | None, action: Action) -> Pending:
         """Post a receive. ``meta`` is known for gradients; forward shapes are learnt."""
+        self._drop_completed_sends()
         pending = Pending(message, peer, action)
         if meta is None:
             meta = self._learnt.get((message[0], message[1]))
         if meta is None or (message[0] == "F" and self._first_step):
             pending.meta_buffer = torch.zeros(_META_LEN, dtype=torch.int64, device=self._device)
             pending.works = self._post(
-                [self._op(dist.irecv, pending.meta_buffer, peer, message, True)],
+                [self._op(False, pending.meta_buffer, peer, message, True)],
                 action, peer, "shape metadata")
             return pending
         self._post_data(pending, meta)
@@ -146,46 +192,79 @@ class DistTransport:
     def _post_data(self, pending: Pending, meta: Meta) -> None:
         pending.buffers = tuple(torch.empty(shape, dtype=dtype, device=self._device)
                                 for shape, dtype in meta)
-        ops = [self._op(dist.irecv, b, pending.peer, pending.message) for b in pending.buffers]
+        ops = [self._op(False, b, pending.peer, pending.message) for b in pending.buffers]
         pending.works = self._post(ops, pending.action, pending.peer, "tensors")
 
     def wait(self, pending: Pending) -> TensorTuple:
+        """The received tensors; on NCCL the current stream waits for them, not the host."""
         if pending.meta_buffer is not None:
-            self._wait_all(pending.works, pending.action, pending.peer, "shape metadata")
+            self._host_wait(pending.works, pending.action, pending.peer, "shape metadata")
             meta = _decode(pending.meta_buffer)
             self._learnt.setdefault((pending.message[0], pending.message[1]), meta)
             pending.meta_buffer = None
             self._post_data(pending, meta)
-        self._wait_all(pending.works, pending.action, pending.peer, "tensors")
+        if self._nccl:
+            self._stream_wait(pending.works, pending.action, pending.peer)
+        else:
+            self._host_wait(pending.works, pending.action, pending.peer, "tensors")
         return pending.buffers
 
     def finish(self) -> None:
-        """Wait for every send of this step (so their buffers may be freed)."""
+        """End of step. Gloo: wait for every send (its buffers may then be freed). NCCL: wait
+        for none; the process group keeps unfinished sends' buffers (Note: [NCCL posting])."""
+        if self._nccl:
+            self._drop_completed_sends()
+            return
         sends, self._sends = self._sends, []
-        for works, _, action, peer in sends:
-            self._wait_all(works, action, peer, "the send to complete")
+        for sent in sends:
+            self._host_wait(sent.works, sent.action, sent.peer, "the send to complete")
 
     def abandon(self) -> None:
         """Forget a failed step's sends (they cannot be cancelled; the group is suspect now)."""
         self._sends = []
 
-    def _op(self, fn: object, tensor: torch.Tensor, peer: int, message: Message,
+    def _drop_completed_sends(self) -> None:
+        self._sends = [s for s in self._sends
+                       if not all(w.is_completed() for w in s.works)]  # type: ignore[attr-defined]
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device, without a pageable synchronous copy."""
+        if self._device.type != "cuda":
+            return host
+        return host.pin_memory().to(self._device, non_blocking=True)
+
+    def _op(self, send: bool, tensor: torch.Tensor, peer: int, message: Message,
             meta: bool = False) -> dist.P2POp:
-        return dist.P2POp(fn, tensor, self._global(peer), self._groups[message[0]],
-                          self._tag(message, meta))
+        ends = (self._rank, peer) if send else (peer, self._rank)
+        channel = channel_between(message[0], *ends)
+        return dist.P2POp(dist.isend if send else dist.irecv, tensor, self._global(peer),
+                          self._groups[channel], self._tag(message, meta))
 
     def _post(self, ops: list[dist.P2POp], action: Action, peer: int, what: str) -> list[object]:
         if not ops:
             return []
         try:
-            if len(ops) == 1:  # batching one op only adds overhead (NCCL coalesces several)
-                op = ops[0]
-                return [op.op(op.tensor, op.peer, op.group, op.tag)]
             return list(dist.batch_isend_irecv(ops))
         except Exception as error:
             raise self._failure(action, peer, what, repr(error)) from error
 
-    def _wait_all(self, works: list[object], action: Action, peer: int, what: str) -> None:
+    def _stream_wait(self, works: list[object], action: Action, peer: int) -> None:
+        for work in works:
+            try:
+                work.wait()  # type: ignore[attr-defined]
+            except Exception as error:
+                raise self._failure(action, peer, "tensors", repr(error)) from error
+
+    def _host_wait(self, works: list[object], action: Action, peer: int, what: str) -> None:
+        """Block the host until ``works`` complete, at most ``timeout_s``."""
+        if self._nccl:
+            deadline = time.monotonic() + self._timeout.total_seconds()
+            while not all(w.is_completed() for w in works):  # type: ignore[attr-defined]
+                if time.monotonic() > deadline:
+                    raise self._failure(action, peer, what, "timed out")
+                time.sleep(0.0002)
+            self._stream_wait(works, action, peer)
+            return
         for work in works:
             try:
                 completed = work.wait(self._timeout)  # type: ignore[attr-defined]

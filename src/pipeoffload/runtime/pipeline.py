@@ -3,7 +3,7 @@ or in one process (local mode)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,8 @@ from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError
 from pipeoffload.runtime.config import RuntimeConfig
 from pipeoffload.runtime.executor import RankExecutor, StepData
-from pipeoffload.runtime.lowering import order_conflicts, with_comms
+from pipeoffload.runtime import rendezvous
+from pipeoffload.runtime.lowering import Channel, channel_of, order_conflicts, with_comms
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.microbatch import as_tuple, check_same, signature, split
 from pipeoffload.runtime.offloader import ActivationOffloader
@@ -46,6 +47,11 @@ class Pipeline:
       that backends matching messages by order (NCCL) see each direction in a consistent order
       (V-shaped schedules interleave the two directions between a pair of ranks differently on
       the two sides). Gloo matches by tag and needs none.
+    - ``channel_groups``: on NCCL, one process group over the same ranks per
+      ``lowering.Channel`` (forward / backward x towards a higher / lower rank): with one F and
+      one B communicator some schedules deadlock on NCCL (Note: [NCCL channels]). On NCCL the
+      constructor runs runtime/rendezvous.py's model over this rank's view of the schedule and
+      refuses a layout that would deadlock or pair the wrong messages.
     """
 
     def __init__(
@@ -59,6 +65,7 @@ class Pipeline:
         meter: ActivationMeter | None = None,
         example_inputs: Tensors | None = None,
         backward_group: dist.ProcessGroup | None = None,
+        channel_groups: Mapping[Channel, dist.ProcessGroup] | None = None,
     ) -> None:
         self.config = config or RuntimeConfig()
         self.schedule = validate(schedule)
@@ -80,7 +87,8 @@ class Pipeline:
             self.ranks = tuple(range(schedule.num_ranks))
         self._check_stages(stages)
         modules = dict(stages)
-        self.device = torch.device(device) if device is not None else _device_of(modules)
+        nccl = self.distributed and dist.get_backend(group) == "nccl"
+        self.device = torch.device(device) if device is not None else _device_of(modules, nccl)
         last = schedule.num_stages - 1
         self._runners = {
             s: StageRunner(s, module, s == 0, s == last, loss_fn, schedule.microbatches)
@@ -94,11 +102,11 @@ class Pipeline:
             self._offloader = ActivationOffloader(self.device, self.config.offload, params, meter)
         self._lowered = with_comms(schedule)
         if self.distributed:
-            if dist.get_backend(group) == "nccl":
-                self._check_nccl_order(backward_group)
+            if nccl:
+                self._check_nccl_layout(group, backward_group, channel_groups)
             self._transport: LocalTransport | DistTransport = DistTransport(
                 group, self.device, self.config.p2p_timeout_s, schedule.num_stages,
-                schedule.microbatches, backward_group)
+                schedule.microbatches, backward_group, channel_groups, nccl)
         else:
             self._transport = LocalTransport()
         self._executors = {
@@ -106,7 +114,8 @@ class Pipeline:
                                {s: r for s, r in self._runners.items()
                                 if schedule.rank_of(s) == rank},
                                self._transport, self._offloader, meter,
-                               self.config.clone_hand_off, self.config.offload.stream)
+                               self.config.clone_hand_off, self.config.offload.stream,
+                               device=self.device)
             for rank in self.ranks
         }
         self._order = _interleave(self._lowered, self.ranks)
@@ -130,18 +139,33 @@ class Pipeline:
         if self._offloader is not None:
             self._offloader.abandon()
 
-    def _check_nccl_order(self, backward_group: dist.ProcessGroup | None) -> None:
-        problems = order_conflicts(self._lowered, per_direction=backward_group is not None)
-        if not problems:
-            return
-        fix = "use gloo, or reorder the SEND/RECV actions"
-        if backward_group is None and not order_conflicts(self._lowered, per_direction=True):
-            fix = ("pass backward_group=dist.new_group(<the same ranks>) so each direction has "
-                   "its own communicator")
-        raise ConfigError(
-            "NCCL matches messages between two ranks in the order they are posted, and this "
-            "schedule receives some in another order than it sends them: "
-            + "; ".join(problems[:3]) + f"; {fix}")
+    def _check_nccl_layout(self, group: dist.ProcessGroup | None,
+                           backward_group: dist.ProcessGroup | None,
+                           channel_groups: Mapping[Channel, dist.ProcessGroup] | None) -> None:
+        """Refuse communicators on which NCCL would pair the wrong messages or deadlock."""
+        backward = group if backward_group is None else backward_group
+        groups = {c: backward if c.value.startswith("B") else group for c in Channel}
+        groups.update(channel_groups or {})
+        ids = {c: id(g) for c, g in groups.items()}
+
+        def lane(schedule: Schedule, message: tuple[str, int, int]) -> Hashable:
+            return ids[channel_of(schedule, message)]
+
+        fix = ("pass channel_groups={c: dist.new_group(<the same ranks>) for c in "
+               "pipeoffload.runtime.lowering.Channel} (pipeoffload.app.launch.connect does)")
+        problems = order_conflicts(self._lowered, lane=lane)
+        if problems:
+            raise ConfigError(
+                "NCCL matches messages between two ranks in the order they are posted, and this "
+                "schedule receives some in another order than it sends them: "
+                + "; ".join(problems[:3]) + f"; {fix}")
+        for first_step in (True, False):
+            outcome = rendezvous.simulate(self._lowered, lane, first_step=first_step)
+            if not outcome.ok:
+                raise ConfigError(
+                    "on these communicators NCCL would deadlock (runtime/rendezvous.py's model, "
+                    f"{'first' if first_step else 'later'} steps): "
+                    + "; ".join(outcome.deadlock[:4]) + f"; {fix}")
 
     def _check_stages(self, stages: Mapping[int, nn.Module]) -> None:
         expected = sorted(s for r in self.ranks for s in self.schedule.stages_on_rank(r))
@@ -201,10 +225,14 @@ class Pipeline:
         return torch.stack(losses).mean()
 
 
-def _device_of(modules: Mapping[int, nn.Module]) -> torch.device:
+def _device_of(modules: Mapping[int, nn.Module], nccl: bool) -> torch.device:
+    """The device of the stages' parameters; for parameter-free stages the current CUDA device
+    on NCCL (its tensors must live there), else the CPU."""
     for module in modules.values():
         for tensor in module.parameters():
             return tensor.device
+    if nccl:
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

@@ -1,0 +1,194 @@
+"""The NCCL path on CPU, with torch.distributed mocked: what DistTransport posts and waits for,
+what Pipeline accepts on NCCL, and how connect() initialises the process group on CUDA
+(runtime/p2p.py Note: [NCCL posting])."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_runtime_support import token_loss, transformer_stages
+
+from pipeoffload.api import build_schedule
+from pipeoffload.app import launch
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.errors import ConfigError
+from pipeoffload.runtime.lowering import Channel
+from pipeoffload.runtime.p2p import DistTransport
+from pipeoffload.runtime.pipeline import Pipeline
+from pipeoffload.runtime.rendezvous import posts_of
+
+
+class FakeWork:
+    """A work object that says whether it completed and records how it was waited for."""
+
+    def __init__(self, polls_to_complete: int = 0) -> None:
+        self.polls_left = polls_to_complete
+        self.waits: list[tuple] = []
+        self.polls = 0
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        if self.polls_left > 0:
+            self.polls_left -= 1
+            return False
+        return True
+
+    def wait(self, *args: object) -> bool:
+        self.waits.append(args)
+        return True
+
+
+class FakeOp:
+    def __init__(self, op, tensor, peer, group, tag) -> None:
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+
+class FakeDist:
+    """Records every batch posted; hands out works made by ``make_work``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+        self.batches: list[list[FakeOp]] = []
+        self.works: list[FakeWork] = []
+        self.make_work = FakeWork
+        monkeypatch.setattr(dist, "P2POp", FakeOp)
+        monkeypatch.setattr(dist, "batch_isend_irecv", self._batch)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+
+        def unbatched(*args: object, **kwargs: object) -> None:
+            raise AssertionError("an unbatched isend / irecv was posted")
+
+        monkeypatch.setattr(dist, "isend", lambda *a, **k: unbatched())
+        monkeypatch.setattr(dist, "irecv", lambda *a, **k: unbatched())
+
+    def _batch(self, ops: list[FakeOp]) -> list[FakeWork]:
+        self.batches.append(ops)
+        work = self.make_work()
+        self.works.append(work)
+        return [work]
+
+    def parts(self) -> list[tuple[str, str]]:
+        """(send / recv, meta / data) of each batch."""
+        return [("send" if b[0].op is dist.isend else "recv",
+                 "meta" if b[0].tensor.dtype is torch.int64 and len(b) == 1
+                 and b[0].tensor.numel() == 64 else "data") for b in self.batches]
+
+
+CHANNELS = {c: f"group {c.value}" for c in Channel}
+META = (((2, 3), torch.float64),)
+
+
+def _transport(nccl: bool) -> DistTransport:
+    return DistTransport(None, torch.device("cpu"), 5.0, num_stages=4, microbatches=2,
+                         channel_groups=CHANNELS, nccl=nccl)
+
+
+def test_nccl_receive_makes_the_stream_wait_and_never_the_host(monkeypatch) -> None:
+    fake = FakeDist(monkeypatch, rank=1)
+    transport = _transport(nccl=True)
+    transport.begin_step()
+    transport.begin_step()  # a later step: shapes known, no metadata
+    transport._learnt[("F", 1)] = META
+    action = Action(1, Kind.RECV_F, 0)
+    pending = transport.recv(("F", 1, 0), 0, None, action)
+    (received,) = transport.wait(pending)
+    assert received.shape == (2, 3)
+    (work,) = fake.works
+    assert work.waits == [()]  # work.wait() with no timeout: a stream wait on NCCL
+    assert work.polls == 0  # and no host polling either
+    assert fake.batches[0][0].group == CHANNELS[Channel.F_UP]
+
+
+def test_gloo_receive_waits_on_the_host_with_the_timeout(monkeypatch) -> None:
+    fake = FakeDist(monkeypatch, rank=2)
+    transport = _transport(nccl=False)
+    transport.begin_step()
+    transport.begin_step()
+    pending = transport.recv(("B", 2, 1), 3, META, Action(2, Kind.RECV_B, 1))
+    transport.wait(pending)
+    assert fake.works[0].waits == [(datetime.timedelta(seconds=5.0),)]
+    assert fake.batches[0][0].group == CHANNELS[Channel.B_DOWN]
+
+
+def test_first_step_posts_as_the_rendezvous_model_says(monkeypatch) -> None:
+    fake = FakeDist(monkeypatch, rank=1)
+    fake.make_work = lambda: FakeWork(polls_to_complete=3)
+    transport = _transport(nccl=True)
+    transport.begin_step()
+    send, recv = Action(1, Kind.SEND_F, 0), Action(1, Kind.RECV_F, 0)
+    transport.send(("F", 2, 0), (torch.ones(2, 3, dtype=torch.float64),), 2, send)
+    assert [p for _, p in fake.parts()] == list(posts_of(send, first_step=True))
+    fake.batches.clear()
+    pending = transport.recv(("F", 1, 0), 0, None, recv)
+    assert [p for _, p in fake.parts()] == list(posts_of(recv, first_step=True))
+    meta_work = fake.works[-1]
+    assert meta_work.polls == 0  # posting never waits
+    transport._learnt.pop(("F", 1), None)
+    # The sender's metadata as it arrives in the receive buffer.
+    from pipeoffload.runtime.p2p import _encode
+
+    pending.meta_buffer.copy_(_encode(META, recv))
+    (received,) = transport.wait(pending)
+    assert meta_work.polls >= 4  # the host polled the metadata against its deadline
+    assert fake.parts()[-1] == ("recv", "data") and received.shape == (2, 3)
+    assert all(op.group == CHANNELS[Channel.F_UP] for b in fake.batches for op in b)
+
+
+def test_sends_are_dropped_once_complete_and_nccl_finish_waits_for_none(monkeypatch) -> None:
+    fake = FakeDist(monkeypatch, rank=0)
+    transport = _transport(nccl=True)
+    transport.begin_step()
+    transport.begin_step()
+    transport._learnt[("F", 1)] = (((4,), torch.float32),)
+    fake.make_work = lambda: FakeWork(polls_to_complete=10**9)
+    transport.send(("F", 1, 0), (torch.ones(4),), 1, Action(0, Kind.SEND_F, 0))
+    assert transport.sends_in_flight == 1
+    fake.works[0].polls_left = 0  # the send has run
+    fake.make_work = lambda: FakeWork(polls_to_complete=10**9)
+    transport.send(("F", 1, 1), (torch.ones(4),), 1, Action(0, Kind.SEND_F, 1))
+    assert transport.sends_in_flight == 1  # the first one's tensors are gone
+    transport.finish()
+    assert fake.works[1].waits == []  # NCCL: the end of the step does not wait for a send
+    assert transport.sends_in_flight == 1
+
+
+def _fake_nccl_world(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+
+
+def test_pipeline_on_nccl_refuses_communicators_that_deadlock(monkeypatch) -> None:
+    _fake_nccl_world(monkeypatch, rank=0, world=2)
+    schedule = build_schedule("zbv", pp=2, microbatches=4)
+    all_stages = transformer_stages(schedule.num_stages)
+    stages = {s: all_stages[s] for s in schedule.stages_on_rank(0)}
+    with pytest.raises(ConfigError, match="deadlock.*channel_groups"):
+        Pipeline(stages, schedule, token_loss, backward_group="the B group")
+    pipe = Pipeline(stages, schedule, token_loss, channel_groups=CHANNELS)
+    assert pipe.distributed
+
+
+def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> None:
+    calls: dict[str, dict] = {}
+    made: list[list[int]] = []
+    monkeypatch.setattr(launch, "resolve_device", lambda name, local: torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kw: calls.setdefault("init", dict(kw, backend=backend)))
+
+    def new_group(members: list[int], timeout: object = None) -> object:
+        made.append(list(members))
+        return object()
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    topology = launch.connect(pp=2, dp=1, device="cuda",
+                              env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    init = calls["init"]
+    assert init["backend"] == "nccl" and init["device_id"] == torch.device("cuda", 1)
+    assert set(topology.channel_groups) == set(Channel)
+    assert len({id(g) for g in topology.channel_groups.values()}) == 4
+    assert made.count([0, 1]) == 5  # the pipeline group and its four channels
