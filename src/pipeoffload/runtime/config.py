@@ -19,17 +19,26 @@ class OffloadConfig:
     - ``stream``: start each saved tensor's copy to host as autograd saves it, during the forward
       (what the simulator assumes, see offloader.py Note: [streaming offload]); False starts the
       copies at the OFFLOAD action instead, after the forward.
+    - ``max_pending_copy_bytes``: at most this many device bytes may wait for their copy to
+      host; beyond it the compute stream (never the host) waits for the oldest copies and their
+      memory is released in stream order (offloader.py Note: [release order]). None: released
+      only once a poll between actions sees the copy done, which can be late when the host runs
+      ahead of the GPU. Copies on CPU are synchronous and never wait.
     """
 
     min_offload_elements: int = 1024
     pin_memory: bool = True
     stream: bool = True
+    max_pending_copy_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.min_offload_elements < 0:
             raise ConfigError(
                 f"OffloadConfig.min_offload_elements must be >= 0, got {self.min_offload_elements}"
             )
+        if self.max_pending_copy_bytes is not None and self.max_pending_copy_bytes < 0:
+            raise ConfigError("OffloadConfig.max_pending_copy_bytes must be >= 0 or None, got "
+                              f"{self.max_pending_copy_bytes}")
 
 
 @dataclass(frozen=True)

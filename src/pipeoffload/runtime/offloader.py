@@ -12,10 +12,20 @@ OFFLOAD action then only marks the scope offloaded. With ``stream=False`` OFFLOA
 copies after the forward. Either way the device storage is released when its copy completes;
 RELOAD allocates device memory, starts the copy back, and the backward that needs it waits on it
 (``wait_reloaded``). On CUDA copies run on two side streams
-(device-to-host, host-to-device) ordered by events, into pinned pooled buffers, and completion is
-polled with ``event.query()`` between actions, so the host never blocks. On CPU the same code runs
-with synchronous copies: the host copy is a separate tensor and the original storage is released.
+(device-to-host, host-to-device) ordered by events, into pinned pooled buffers, and the host never
+blocks. On CPU the same code runs with synchronous copies: the host copy is a separate tensor and
+the original storage is released at once.
 Shapes may change between steps: records live for one forward/backward, buffers are pooled by size.
+
+Note: [release order] the device storage of a copy to host is released in one of two ways:
+- in host time: ``poll`` (between actions) releases the copies whose event has completed; copies
+  complete in the order they were queued on the one copy stream, so it pops a deque's head;
+- in stream order: the compute stream waits for a copy's event and the storage is released at
+  once, so whatever the allocator gives that memory to next is queued behind the copy. OFFLOAD_WAIT
+  does this for its scope, and so does the cap ``OffloadConfig.max_pending_copy_bytes`` for the
+  oldest copies whenever more device bytes than that wait for their copy: when the host runs
+  ahead of the GPU, host-time release alone would keep offloaded activations on the device long
+  after their copy (a peak above the plan's).
 
 Note: [fetch on use] (shared with the simulator, sim/simulator.py) FETCH is the alternative to
 RELOAD: it only marks the scope, and from then on every backward pass (I, W or B) reads each
@@ -31,7 +41,9 @@ autograd runs the node on waits for it (never the host).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+import warnings
+from collections import deque
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -39,6 +51,7 @@ import torch
 
 from pipeoffload.errors import PipelineRuntimeError
 from pipeoffload.runtime.config import OffloadConfig
+from pipeoffload.runtime.copies import CopyEngine, CudaCopies, HostCopies
 from pipeoffload.runtime.meter import ActivationMeter, ResidentToken, is_plain, storage_key
 from pipeoffload.runtime.pool import HostBufferPool
 
@@ -56,6 +69,15 @@ class _Storage:
     copied: object | None = None  # CUDA: event of its copy to host
     read: object | None = None  # CUDA: event of the last fetch-on-use read of ``host``
     fetched: weakref.ref | None = None  # the storage of the live fetched copy, if any
+    pending: bool = False  # on the device, its copy to host queued and not seen complete
+
+
+@dataclass(eq=False)
+class _Copy:
+    """Copies to host queued together, in queue order (Note: [release order])."""
+
+    event: object
+    storages: list[_Storage]
 
 
 @dataclass(eq=False)
@@ -81,6 +103,15 @@ class _Saved:
     offset: int
 
 
+_VIEW_NODES = frozenset({"TBackward0", "ViewBackward0", "TransposeBackward0",
+                         "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0"})
+
+
+def _only_next(node: object) -> object | None:
+    nexts = [n for n, _ in node.next_functions if n is not None]  # type: ignore[attr-defined]
+    return nexts[0] if len(nexts) == 1 else None
+
+
 class ActivationOffloader:
     """Offloads the saved activations of scopes (keys such as (stage, microbatch))."""
 
@@ -90,21 +121,33 @@ class ActivationOffloader:
         config: OffloadConfig,
         parameters: list[torch.Tensor],
         meter: ActivationMeter | None = None,
+        copies: CopyEngine | None = None,
     ) -> None:
+        """``copies``: how copies to host run (default: CUDA side streams on a CUDA device,
+        plain copies elsewhere; tests give engines whose copies finish late)."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda" and not config.pin_memory:
+            warnings.warn("OffloadConfig.pin_memory=False on CUDA: every copy to and from "
+                          "pageable host memory blocks the host until it completes, so offload "
+                          "no longer overlaps compute; set pin_memory=True", stacklevel=2)
         self._device = device
         self._config = config
         self._meter = meter
         self._params = {storage_key(p) for p in parameters if p.untyped_storage().nbytes()}
+        self._param_ids = {id(p) for p in parameters}
         self._scopes: dict[Hashable, _Scope] = {}
         self._cuda = device.type == "cuda"
         self._pool = HostBufferPool(pin_memory=self._cuda and config.pin_memory)
-        self._pending: list[tuple[object, list[_Storage]]] = []  # (D2H event, storages to free)
+        self._pending: deque[_Copy] = deque()
+        self._pending_bytes = 0
+        self.max_pending_bytes_seen = 0
         self._fetched_bytes = 0
-        if self._cuda:
-            self._d2h = torch.cuda.Stream(device)
-            self._h2d = torch.cuda.Stream(device)
+        if copies is None:
+            copies = CudaCopies(device) if self._cuda else HostCopies()
+        self._copies = copies
+        if isinstance(copies, CudaCopies):
+            self._d2h, self._h2d = copies.d2h, copies.h2d
 
     @property
     def host_pool_bytes(self) -> int:
@@ -147,6 +190,11 @@ class ActivationOffloader:
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
 
+    @property
+    def pending_copy_bytes(self) -> int:
+        """Device bytes whose copy to host is queued and not yet seen complete."""
+        return self._pending_bytes
+
     def _pack(self, scope: _Scope, tensor: torch.Tensor) -> object:
         keep = (
             not is_plain(tensor)
@@ -155,10 +203,13 @@ class ActivationOffloader:
             or isinstance(tensor, torch.nn.Parameter)
             or tensor.numel() <= self._config.min_offload_elements
             or storage_key(tensor) in self._params
+            or self._derived_from_parameter(tensor)
         )
         if keep:
             token = self._meter.track(tensor, scope.owner) if self._meter is not None else None
-            return tensor if token is None else token
+            # Detached: a saved output returned live would hold its own grad_fn, a reference
+            # cycle through autograd that keeps the whole graph of a retained backward alive.
+            return tensor.detach() if token is None else token
         key = storage_key(tensor)
         raw = tensor.untyped_storage()
         storage = scope.storages.get(key)
@@ -238,19 +289,42 @@ class ActivationOffloader:
             storage.token = self._meter.track(storage.on_device, scope.owner)  # type: ignore[arg-type]
         self._copy_out([storage])
 
+    def _derived_from_parameter(self, tensor: torch.Tensor) -> bool:
+        """A cast of a parameter, or a view of one (autocast's cached low-precision weight): it is
+        not an activation, and offloading it would copy the weight out and back per
+        microbatch. Only casts and views count: an embedding lookup is an activation."""
+        node = tensor.grad_fn
+        while node is not None and type(node).__name__ in _VIEW_NODES:
+            node = _only_next(node)
+        if node is None or type(node).__name__ != "ToCopyBackward0":
+            return False
+        source = _only_next(node)
+        return id(getattr(source, "variable", None)) in self._param_ids
+
     def _copy_out(self, storages: list[_Storage]) -> None:
-        """CUDA: copy on the D2H stream after what the compute stream has queued so far."""
-        produced = torch.cuda.Event()
-        produced.record(torch.cuda.current_stream(self._device))
-        self._d2h.wait_event(produced)
-        with torch.cuda.stream(self._d2h):
-            for storage in storages:
-                storage.host.copy_(storage.on_device, non_blocking=True)  # type: ignore[union-attr]
-        copied = torch.cuda.Event()
-        copied.record(self._d2h)
+        """Queue copies to host after the compute stream's work (Note: [release order])."""
+        copied = self._copies.copy_out([(s.host, s.on_device) for s in storages])  # type: ignore[misc]
         for storage in storages:
             storage.copied = copied
-        self._pending.append((copied, storages))
+            storage.pending = True
+            self._pending_bytes += storage.nbytes
+        self._pending.append(_Copy(copied, storages))
+        self.max_pending_bytes_seen = max(self.max_pending_bytes_seen, self._pending_bytes)
+        self._enforce_cap()
+
+    def _enforce_cap(self) -> None:
+        """Release the oldest copies in stream order until at most the cap waits."""
+        cap = self._config.max_pending_copy_bytes
+        if cap is None or self._pending_bytes <= cap:
+            return
+        self.poll()
+        count, waiting = 0, self._pending_bytes
+        for copy in self._pending:
+            if waiting <= cap:
+                break
+            count += 1
+            waiting -= sum(s.nbytes for s in copy.storages if s.pending)
+        self._release_in_stream_order(count)
 
     def offload(self, key: Hashable) -> None:
         """Start copying ``key``'s storages to host (unless streamed already); device memory is
@@ -265,7 +339,7 @@ class ActivationOffloader:
         storages = list(scope.storages.values())
         for storage in storages:
             storage.host = self._pool.take(storage.nbytes)
-        if not self._cuda:
+        if self._copies.synchronous:
             for storage in storages:
                 storage.host.copy_(storage.on_device)  # type: ignore[union-attr]
                 self._release_device(storage)
@@ -284,7 +358,9 @@ class ActivationOffloader:
         scope.offloaded = False
         if not self._cuda:
             for storage in scope.storages.values():
-                self._to_device(scope, storage, storage.host.clone())  # type: ignore[union-attr]
+                if storage.on_device is None:
+                    self._to_device(scope, storage, storage.host.clone())  # type: ignore[union-attr]
+                self._keep_on_device(storage)
                 self._pool.give_back(storage.host)  # type: ignore[arg-type]
                 storage.host = None
             return
@@ -295,6 +371,7 @@ class ActivationOffloader:
         for storage in scope.storages.values():
             if storage.on_device is not None:
                 # The D2H copy has not been seen to finish: the device bytes are still there.
+                self._keep_on_device(storage)
                 self._pool.give_back(storage.host, storage.copied)  # type: ignore[arg-type]
                 storage.host = None
                 continue
@@ -328,18 +405,23 @@ class ActivationOffloader:
         host are done, and its device memory is released now: whatever reuses it is queued
         behind that wait. On CPU the copies are already done."""
         scope = self._scope_of(key, "OFFLOAD_WAIT")
-        if not self._cuda:
-            return
-        compute = torch.cuda.current_stream(self._device)
         mine = {id(storage) for storage in scope.storages.values()}
+        last = max((i for i, copy in enumerate(self._pending)
+                    if any(id(s) in mine for s in copy.storages)), default=None)
+        if last is not None:
+            self._release_in_stream_order(last + 1)
 
-        def waited(event: object, storages: list[_Storage]) -> bool:
-            if not any(id(storage) in mine for storage in storages):
-                return False
-            compute.wait_event(event)  # type: ignore[arg-type]
-            return True
-
-        self._release_where(waited)
+    def _release_in_stream_order(self, count: int) -> None:
+        """The compute stream waits for the ``count`` oldest queued copies, then their device
+        storages are released (Note: [release order]): copies complete in queue order, so
+        waiting for the last of them covers all."""
+        if count == 0:
+            return
+        copies = [self._pending.popleft() for _ in range(count)]
+        self._copies.compute_wait(copies[-1].event)
+        for copy in copies:
+            for storage in copy.storages:
+                self._release_copied(storage)
 
     def wait_reloaded(self, key: Hashable) -> None:
         """Make the compute stream (never the host) wait for ``key``'s RELOAD copies."""
@@ -359,25 +441,15 @@ class ActivationOffloader:
                 ready = storage.read if storage.read is not None else storage.copied
                 self._pool.give_back(storage.host, ready)
                 storage.host = None
-            storage.on_device = None
-            storage.token = None
+            self._release_device(storage)
             storage.fetched = None
 
     def poll(self) -> None:
-        """Release device memory of offloads whose copy has completed (never blocks)."""
-        self._release_where(lambda event, _: event.query())  # type: ignore[attr-defined]
-
-    def _release_where(self, finished: Callable[[object, list[_Storage]], bool]) -> None:
-        """Release the device copies of the pending offloads for which ``finished`` holds."""
-        still = []
-        for event, storages in self._pending:
-            if finished(event, storages):
-                for storage in storages:
-                    if storage.host is not None:
-                        self._release_device(storage)
-            else:
-                still.append((event, storages))
-        self._pending = still
+        """Release device memory of offloads whose copy has completed (never blocks; Note:
+        [release order])."""
+        while self._pending and self._copies.done(self._pending[0].event):
+            for storage in self._pending.popleft().storages:
+                self._release_copied(storage)
 
     def finish(self) -> None:
         """End of a step: every scope must have been discarded by its backward.
@@ -385,7 +457,7 @@ class ActivationOffloader:
         Copies still in flight then only matter to the host pool, whose buffers carry their
         events, so nothing here waits for them.
         """
-        self._pending = []
+        self._forget_pending()
         if self._scopes:
             left = ", ".join(str(k) for k in self._scopes)
             self._scopes.clear()
@@ -395,9 +467,30 @@ class ActivationOffloader:
         """Forget a failed step's scopes; host buffers return to the pool when their copies end."""
         for key in list(self._scopes):
             self.discard(key)
-        self._pending = []
+        self._forget_pending()
+
+    def _forget_pending(self) -> None:
+        for copy in self._pending:
+            for storage in copy.storages:
+                self._keep_on_device(storage)
+        self._pending.clear()
+
+    def _keep_on_device(self, storage: _Storage) -> None:
+        """No longer count ``storage`` as waiting for its copy (it stays, or is gone)."""
+        if storage.pending:
+            storage.pending = False
+            self._pending_bytes -= storage.nbytes
+
+    def _release_copied(self, storage: _Storage) -> None:
+        """Release a storage whose copy to host is complete (or waited for), unless it stopped
+        waiting for it meanwhile (reloaded or discarded)."""
+        if storage.pending:
+            self._release_device(storage)
 
     def _release_device(self, storage: _Storage) -> None:
+        """Drop the device reference: its bytes return to the allocator (Note: [release
+        order] says when that is safe)."""
+        self._keep_on_device(storage)
         storage.on_device = None
         storage.token = None
 
