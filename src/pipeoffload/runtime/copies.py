@@ -2,7 +2,7 @@
 
 ``CudaCopies`` queues the copies on a device-to-host side stream after what the compute stream
 has queued so far and returns the event of their completion; ``HostCopies`` (CPU) copies at
-once. The offloader asks an engine only these four things, so tests can give it one whose
+once. The offloader asks an engine only these few things, so tests can give it one whose
 copies finish late (tests/test_runtime_release.py) and check, on CPU, the release order that
 CUDA streams would give.
 """
@@ -31,6 +31,10 @@ class CopyEngine(Protocol):
     def compute_wait(self, event: object) -> None:
         """Make the compute stream (never the host) wait for ``event``."""
 
+    def retire(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is dropped while a queued copy may still read it: keep the allocator from
+        handing its memory out before the copy ran."""
+
 
 class HostCopies:
     """CPU: plain copies, complete on return."""
@@ -46,6 +50,9 @@ class HostCopies:
         return True
 
     def compute_wait(self, event: object) -> None:
+        return None
+
+    def retire(self, tensor: torch.Tensor) -> None:
         return None
 
 
@@ -75,3 +82,6 @@ class CudaCopies:
 
     def compute_wait(self, event: object) -> None:
         torch.cuda.current_stream(self._device).wait_event(event)  # type: ignore[arg-type]
+
+    def retire(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(self.d2h)

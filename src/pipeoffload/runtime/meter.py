@@ -137,6 +137,10 @@ class ActivationMeter:
             return
         self._holders.pop(slot, None)
         self._resident[owner] = self._resident.get(owner, 0) - self._sizes.pop(slot, 0)
+        if self._scope is not None and self._scope[0] == owner:
+            # Released inside the scope (an offloader's release during the forward): a storage
+            # at this address later is another one and counts again.
+            self._scope_storages.get(self._scope[1], set()).discard(key)
 
     @contextmanager
     def scope(self, owner: Hashable, key: Hashable) -> Iterator[None]:

@@ -141,7 +141,7 @@ class ActivationOffloader:
         self._pool = HostBufferPool(pin_memory=self._cuda and config.pin_memory)
         self._pending: deque[_Copy] = deque()
         self._pending_bytes = 0
-        self.max_pending_bytes_seen = 0
+        self.max_pending_bytes_seen = 0  # the most pending_copy_bytes seen after a cap applied
         self._fetched_bytes = 0
         if copies is None:
             copies = CudaCopies(device) if self._cuda else HostCopies()
@@ -279,7 +279,7 @@ class ActivationOffloader:
     def _stream_out(self, scope: _Scope, storage: _Storage) -> None:
         """Start copying one storage to host during the forward."""
         storage.host = self._pool.take(storage.nbytes)
-        if not self._cuda:
+        if self._copies.synchronous:
             storage.host.copy_(storage.on_device)  # type: ignore[arg-type]
             if self._meter is not None:
                 self._meter.note(storage.on_device, scope.owner)  # type: ignore[arg-type]
@@ -309,8 +309,8 @@ class ActivationOffloader:
             storage.pending = True
             self._pending_bytes += storage.nbytes
         self._pending.append(_Copy(copied, storages))
-        self.max_pending_bytes_seen = max(self.max_pending_bytes_seen, self._pending_bytes)
         self._enforce_cap()
+        self.max_pending_bytes_seen = max(self.max_pending_bytes_seen, self._pending_bytes)
 
     def _enforce_cap(self) -> None:
         """Release the oldest copies in stream order until at most the cap waits."""
@@ -441,6 +441,9 @@ class ActivationOffloader:
                 ready = storage.read if storage.read is not None else storage.copied
                 self._pool.give_back(storage.host, ready)
                 storage.host = None
+            if (storage.on_device is not None and storage.copied is not None
+                    and not self._copies.done(storage.copied)):
+                self._copies.retire(storage.on_device)  # its copy out may still read it
             self._release_device(storage)
             storage.fetched = None
 

@@ -3,7 +3,7 @@
 On CUDA the buffers are pinned (so copies are asynchronous) and a buffer returns to the pool
 with the event of the last copy that reads or writes it; it is handed out again only once that
 event has completed, so the host never waits. Sizes may change between steps: a request takes the
-smallest free buffer that is large enough, else a new one is allocated.
+smallest free and ready buffer that is large enough, else a new one is allocated.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ class HostBufferPool:
         self.allocated_bytes = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
-        # Steady state asks for the sizes it gave back, so try an exact fit first.
-        sizes = [nbytes] if self._free.get(nbytes) else sorted(
-            size for size, slots in self._free.items() if size > nbytes and slots)
+        # Steady state asks for the sizes it gave back, so try an exact fit first, then the
+        # smallest larger buffer whose last copy is done, before allocating a new one.
+        sizes = sorted(size for size, slots in self._free.items() if size >= nbytes and slots)
         buffer = None
         for size in sizes:
             slots = self._free[size]
