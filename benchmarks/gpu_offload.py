@@ -19,9 +19,11 @@ Run: python benchmarks/gpu_offload.py [--quick]          (one CUDA GPU, under 8 
    pipeline has: the overhead measured here is an upper bound for rank 0.
 4. Reports step time and overhead vs no offload, activation memory (CUDA: peak allocated
    minus what was allocated at the start of the step, i.e. parameters, gradients and buffers;
-   everywhere: the runtime's ActivationMeter peak), bytes moved, achieved copy bandwidth and
-   overlap of copies with compute (from a torch.profiler trace), and the simulator's
-   prediction from the measured costs.
+   this includes the backward's temporaries, so it is not the simulator's quantity: the
+   runtime's ActivationMeter peak is, and it is printed next to the simulator's), bytes moved,
+   achieved copy bandwidth and overlap of copies with compute (from a torch.profiler trace).
+   The metered replay runs after the timed one's offloader and pinned pool are freed, so one
+   pool exists at a time, the one the fit check counts.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class GpuBenchConfig:
     time_budget_s: float = 420.0
     memory_fraction: float = 0.85
     tiny: bool = False
+    variants: tuple[str, ...] = VARIANTS
+    max_pending_copy_bytes: int | None = None
 
     @property
     def cuda(self) -> bool:
@@ -205,7 +209,8 @@ class CountingOffloader(ActivationOffloader):
         self.d2h_bytes += self.host_bytes(key)
 
     def reload(self, key: Hashable) -> None:
-        self.h2d_bytes += self.host_bytes(key)
+        # Storages whose copy out was not seen complete stay on the device: nothing comes back.
+        self.h2d_bytes += self.host_bytes(key) - self.device_bytes(key)
         super().reload(key)
 
 
@@ -298,8 +303,10 @@ class Replay:
             meter.exclude(params)
         offloader = None
         if self.plan.report.offloaded:
-            offloader = CountingOffloader(torch.device(self.cfg.device), OffloadConfig(),
-                                          params, meter)
+            offloader = CountingOffloader(
+                torch.device(self.cfg.device),
+                OffloadConfig(max_pending_copy_bytes=self.cfg.max_pending_copy_bytes),
+                params, meter)
         executor = RankExecutor(0, self.actions, runners, self.transport, offloader,  # type: ignore[arg-type]
                                 meter, True, True)
         return executor, offloader
@@ -377,6 +384,9 @@ def run_variant(cfg: GpuBenchConfig, size: Size, name: str, plan: OffloadPlan,
         row["alloc_peak"] = torch.cuda.max_memory_allocated(cfg.device) - base
         if offloader is not None:
             row.update(profile_copies(replay, executor, offloader))
+            row["max_pending_bytes"] = offloader.max_pending_bytes_seen
+    del executor, offloader
+    _release(cfg)  # one pinned pool at a time: the metered replay builds its own
     meter = ActivationMeter()
     metered, metered_offloader = replay.executor(meter)
     replay.step(metered, metered_offloader)
@@ -423,7 +433,7 @@ def bench_size(cfg: GpuBenchConfig, size: Size, links: Links,
           f"{unit_name}; "
           f"one-way copy / (F+I+W) = {chunk.chunk_bytes / links.d2h / chunk_s:.2f}", flush=True)
     rows, records, base = [], [], None
-    for name in VARIANTS:
+    for name in cfg.variants:
         plan = planned[name]
         sim = plan.result
         sim_busy = sim.compute_time[0] + sim.stall_time[0]
@@ -475,7 +485,7 @@ def _release(cfg: GpuBenchConfig) -> None:
 
 
 HEADERS = ["size", "offload", "offloaded fraction", "step s median (min-max)", "vs none",
-           "act. peak (allocator)", "act. peak (meter)", "sim peak", "D2H per step",
+           "alloc. peak (incl. temporaries)", "act. peak (meter)", "sim peak", "D2H per step",
            "D2H GB/s achieved", "H2D GB/s achieved", "copy overlap", "sim rank-0 busy s",
            "sim busy vs none", "sim makespan vs none"]
 
@@ -498,6 +508,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[GpuBenchConfig, str | Non
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--time-budget-s", type=float, default=420.0)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma separated, among {', '.join(VARIANTS)} (none is the "
+                        "baseline of the 'vs none' columns and always runs)")
+    parser.add_argument("--max-pending-copy-mib", type=float, default=None,
+                        help="OffloadConfig.max_pending_copy_bytes, in MiB (default: no cap)")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the raw numbers (bytes, seconds) as JSON")
     args = parser.parse_args(argv)
@@ -516,12 +531,40 @@ def parse_args(argv: list[str] | None = None) -> tuple[GpuBenchConfig, str | Non
         sizes = TINY_SIZES if args.tiny else QUICK_SIZES if args.quick else DEFAULT_SIZES
     tiny = dict(dtype=torch.float32, vocab_size=256, copy_bytes=1 << 22, matmul_size=256,
                 layers_per_chunk=2) if args.tiny else {}
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants {unknown}: choose among {', '.join(VARIANTS)}")
+    variants = ("none",) + tuple(v for v in VARIANTS[1:] if v in variants)
+    cap = None if args.max_pending_copy_mib is None else int(args.max_pending_copy_mib * MIB)
     cfg = GpuBenchConfig(device=device, sizes=sizes, steps=args.steps, warmup=args.warmup,
                          microbatches_per_rank=args.microbatches_per_rank,
-                         time_budget_s=args.time_budget_s, tiny=args.tiny, **tiny)
+                         time_budget_s=args.time_budget_s, tiny=args.tiny, variants=variants,
+                         max_pending_copy_bytes=cap, **tiny)
     if args.layers_per_chunk is not None:
         cfg = dataclasses.replace(cfg, layers_per_chunk=args.layers_per_chunk)
     return cfg, args.json
+
+
+def summary(records: list[dict]) -> str:
+    """One line per offloading variant of the first size that ran: step-time overhead and
+    activation cut vs none, copy overlap, meter vs simulated peak (for gpu_check.sh)."""
+    ran = [r for r in records if "step_s" in r]
+    if not ran:
+        return "nothing ran"
+    size = ran[0]["size"]
+    base = next((r for r in ran if r["size"] == size and r["variant"] == "none"), None)
+    parts = []
+    for r in ran:
+        if r["size"] != size or r["variant"] == "none" or base is None:
+            continue
+        cut = 1 - r["meter_peak"] / base["meter_peak"] if base["meter_peak"] else float("nan")
+        overlap = f"{r['overlap']:.0%}" if "overlap" in r else "n/a"
+        sim = r.get("sim_peak_bytes")
+        parts.append(f"{r['variant']} step {r['step_s'] / base['step_s'] - 1:+.1%}, "
+                     f"activations -{cut:.0%}, overlap {overlap}, meter/sim peak "
+                     + (f"{r['meter_peak'] / sim:.2f}" if sim else "n/a"))
+    return "; ".join(parts) or "no offloading variant ran"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory columns in {cfg.unit[1]}; copy columns need CUDA (profiler trace)")
     print(format_table(HEADERS, rows))
     print(f"total {time.perf_counter() - started:.0f} s")
+    print("RESULT: " + summary(records))
     if json_path:
         with open(json_path, "w") as out:
             json.dump({"links": dataclasses.asdict(links), "rows": records}, out, indent=1)
