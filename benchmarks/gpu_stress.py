@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, back: Kind | None, cap: int | None) -> dict:
         pipeline_module.ActivationOffloader = ActivationOffloader  # type: ignore[misc]
     x = torch.randn(args.microbatches, args.seq, args.width, device=device)
     row: dict = {}
-    for step in range(2):
+    for _ in range(2):
         for module in stages.values():
             module.zero_grad(set_to_none=True)
         if cuda:

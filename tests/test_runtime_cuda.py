@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from test_runtime_support import token_batch, token_loss, transformer_stages, with_offload
+from torch import nn
 
 from pipeoffload.api import build_schedule
 from pipeoffload.core.actions import Action, Kind

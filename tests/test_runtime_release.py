@@ -11,8 +11,8 @@ from functools import partial
 
 import pytest
 import torch
-from torch import nn
 from test_runtime_support import token_batch, token_loss, transformer_stages, with_offload
+from torch import nn
 
 from pipeoffload.api import build_schedule
 from pipeoffload.core.actions import Action, Kind
@@ -204,8 +204,11 @@ def test_pool_reuses_a_larger_ready_buffer_before_allocating() -> None:
 def test_recompute_captures_the_rng_of_the_pipelines_device(monkeypatch) -> None:
     seen = []
     real = RngState.capture
-    monkeypatch.setattr(RngState, "capture",
-                        staticmethod(lambda device: seen.append(device) or real(torch.device("cpu"))))
+    def capture(device: torch.device) -> RngState:
+        seen.append(device)
+        return real(torch.device("cpu"))
+
+    monkeypatch.setattr(RngState, "capture", staticmethod(capture))
     sched = build_schedule("gpipe", pp=1, microbatches=1)
     lowered = with_comms(sched.with_ranks([[Action(0, Kind.F, 0), Action(0, Kind.RECOMPUTE, 0),
                                             Action(0, Kind.B, 0)]]))

@@ -9,7 +9,13 @@ import pytest
 from pipeoffload.api import build_schedule
 from pipeoffload.core.actions import Kind
 from pipeoffload.core.registry import FAMILIES
-from pipeoffload.runtime.lowering import channel_of, one_group, order_conflicts, two_groups, with_comms
+from pipeoffload.runtime.lowering import (
+    channel_of,
+    one_group,
+    order_conflicts,
+    two_groups,
+    with_comms,
+)
 from pipeoffload.runtime.rendezvous import posts_of, simulate
 
 ZOO = [*FAMILIES, "po-h", "po-f"]

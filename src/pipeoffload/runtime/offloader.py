@@ -40,8 +40,8 @@ autograd runs the node on waits for it (never the host).
 
 from __future__ import annotations
 
-import weakref
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager

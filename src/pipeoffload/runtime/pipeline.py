@@ -14,9 +14,9 @@ from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError
+from pipeoffload.runtime import rendezvous
 from pipeoffload.runtime.config import RuntimeConfig
 from pipeoffload.runtime.executor import RankExecutor, StepData
-from pipeoffload.runtime import rendezvous
 from pipeoffload.runtime.lowering import Channel, channel_of, order_conflicts, with_comms
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.microbatch import as_tuple, check_same, signature, split
