@@ -20,6 +20,10 @@ Note: [rendezvous model]
   queued before it, so an operation posted after the consumer cannot start before the
   consumer ran either: holding the host at the consumer, as this model does, gives the same
   dependencies.
+- A batch (one message's tensors, posted together) is one operation. Small messages that NCCL
+  buffers (the metadata) are treated as rendezvous too, which can only add deadlocks: the model
+  errs on the safe side. tests/test_runtime_nccl.py checks DistTransport posts what
+  ``posts_of`` says.
 """
 
 from __future__ import annotations
