@@ -15,10 +15,10 @@ from pipeoffload.api import build_schedule
 from pipeoffload.app import launch
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.errors import ConfigError
-from pipeoffload.runtime.lowering import Channel
-from pipeoffload.runtime.p2p import DistTransport
+from pipeoffload.runtime.lowering import Channel, channel_of, message_of, peer_of, with_comms
+from pipeoffload.runtime.p2p import DistTransport, _encode
 from pipeoffload.runtime.pipeline import Pipeline
-from pipeoffload.runtime.rendezvous import posts_of
+from pipeoffload.runtime.rendezvous import host_program, posts_of
 
 
 class FakeWork:
@@ -65,6 +65,9 @@ class FakeDist:
 
     def _batch(self, ops: list[FakeOp]) -> list[FakeWork]:
         self.batches.append(ops)
+        for op in ops:  # a metadata receive gets what a sender of META would send
+            if op.op is dist.irecv and op.tensor.dtype is torch.int64 and op.tensor.numel() == 64:
+                op.tensor.copy_(_encode(META, None))
         work = self.make_work()
         self.works.append(work)
         return [work]
@@ -126,10 +129,6 @@ def test_first_step_posts_as_the_rendezvous_model_says(monkeypatch) -> None:
     meta_work = fake.works[-1]
     assert meta_work.polls == 0  # posting never waits
     transport._learnt.pop(("F", 1), None)
-    # The sender's metadata as it arrives in the receive buffer.
-    from pipeoffload.runtime.p2p import _encode
-
-    pending.meta_buffer.copy_(_encode(META, recv))
     (received,) = transport.wait(pending)
     assert meta_work.polls >= 4  # the host polled the metadata against its deadline
     assert fake.parts()[-1] == ("recv", "data") and received.shape == (2, 3)
@@ -192,3 +191,47 @@ def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> N
     assert set(topology.channel_groups) == set(Channel)
     assert len({id(g) for g in topology.channel_groups.values()}) == 4
     assert made.count([0, 1]) == 5  # the pipeline group and its four channels
+
+
+def _consumed(action: Action) -> tuple[str, int, int] | None:
+    """The received message the executor takes at a compute action (RankExecutor._take)."""
+    if action.kind is Kind.F:
+        return ("F", action.stage, action.microbatch)
+    if action.kind.is_backward:
+        return ("B", action.stage, action.microbatch)
+    return None
+
+
+@pytest.mark.parametrize(("name", "pp"), [("zbv", 2), ("zbv", 4), ("interleaved-1f1b", 2),
+                                          ("v-half", 4), ("po-f", 4), ("1f1b", 4)])
+def test_the_transport_posts_what_the_rendezvous_model_runs(monkeypatch, name: str,
+                                                             pp: int) -> None:
+    """Drive the real DistTransport as the executor does, rank by rank, over a whole lowered
+    schedule (first step and a later one): its batches are the model's posts, in order, on
+    the model's channels."""
+    lowered = with_comms(build_schedule(name, pp=pp, microbatches=2 * pp))
+    for rank in range(pp):
+        fake = FakeDist(monkeypatch, rank)
+        transport = DistTransport(None, torch.device("cpu"), 5.0, lowered.num_stages,
+                                  lowered.microbatches, channel_groups=CHANNELS, nccl=True)
+        for first_step in (True, False):
+            transport.begin_step()
+            fake.batches.clear()
+            pending = {}
+            for action in lowered.ranks[rank]:
+                if action.kind in (Kind.SEND_F, Kind.SEND_B):
+                    transport.send(message_of(action), (torch.ones(2, 3, dtype=torch.float64),),
+                                   peer_of(lowered, action), action)
+                elif action.kind in (Kind.RECV_F, Kind.RECV_B):
+                    message = message_of(action)
+                    pending[message] = transport.recv(message, peer_of(lowered, action),
+                                                      META if message[0] == "B" else None, action)
+                elif _consumed(action) in pending:
+                    transport.wait(pending.pop(_consumed(action)))
+            assert not pending
+            posted = [(b[0].op is dist.isend, b[0].group, b[0].tag, b[0].peer)
+                      for b in fake.batches]
+            expected = [(s.op.send, CHANNELS[channel_of(lowered, s.op.message)],
+                         transport._tag(s.op.message, s.op.part == "meta"), s.op.peer)
+                        for s in host_program(lowered, rank, first_step) if s.op is not None]
+            assert posted == expected

@@ -80,53 +80,69 @@ def _consumed(action: Action) -> Message | None:
     return None
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step of a host's program: post ``op``, or wait for (``part``, ``message``)."""
+
+    op: Op | None = None
+    part: str = ""
+    message: Message | None = None
+    action: Action | None = None  # the action the host is at
+
+
+def host_program(lowered: Schedule, rank: int, first_step: bool) -> list[Step]:
+    """What DistTransport (driven by the executor) does on ``rank``, in order: the posts of each
+    SEND / RECV, and at each consuming compute action the waits (and, on the first step, the
+    data receive posted once the metadata arrived). See Note: [rendezvous model]."""
+    program: list[Step] = []
+    received: dict[Message, bool] = {}  # message -> whether its data receive is deferred
+    for action in lowered.ranks[rank]:
+        if action.kind.is_comm:
+            message = message_of(action)
+            sender, receiver = sender_and_receiver(lowered, message)
+            send = action.kind in (Kind.SEND_F, Kind.SEND_B)
+            parts = posts_of(action, first_step)
+            program += [Step(Op(send, part, message, receiver if send else sender),
+                             action=action) for part in parts]
+            if not send:
+                received[message] = "data" not in parts
+            continue
+        needed = _consumed(action)
+        if needed is None or needed not in received:
+            continue
+        if received.pop(needed):
+            sender, _ = sender_and_receiver(lowered, needed)
+            program.append(Step(part="meta", message=needed, action=action))
+            program.append(Step(Op(False, "data", needed, sender), action=action))
+        program.append(Step(part="data", message=needed, action=action))
+    return program
+
+
 def simulate(schedule: Schedule, lane: Lane = channel_of, per_pair: bool = False,
              first_step: bool = False) -> Outcome:
     """Run every rank's posting and waiting under the model; see Note: [rendezvous model]."""
     lowered = with_comms(schedule)
     ranks = lowered.num_ranks
+    programs = [host_program(lowered, r, first_step) for r in range(ranks)]
     queues: dict[tuple[Hashable, int], deque[Op]] = {}
-    received: list[dict[tuple[str, Message], bool]] = [{} for _ in range(ranks)]
-    deferred: list[dict[Message, Op]] = [{} for _ in range(ranks)]  # data receives to post
+    received: list[set[tuple[str, Message]]] = [set() for _ in range(ranks)]
     pointer = [0] * ranks
 
     def comm(message: Message, rank: int, peer: int) -> Hashable:
         group = lane(lowered, message)
         return (group, min(rank, peer), max(rank, peer)) if per_pair else group
 
-    def post(rank: int, op: Op) -> None:
-        queues.setdefault((comm(op.message, rank, op.peer), rank), deque()).append(op)
-
     def advance(rank: int) -> bool:
         """Run rank's host as far as it can; True if it moved."""
         moved = False
-        actions = lowered.ranks[rank]
-        while pointer[rank] < len(actions):
-            action = actions[pointer[rank]]
-            if action.kind.is_comm:
-                message = message_of(action)
-                sender, receiver = sender_and_receiver(lowered, message)
-                send = action.kind in (Kind.SEND_F, Kind.SEND_B)
-                peer = receiver if send else sender
-                parts = posts_of(action, first_step)
-                for part in parts:
-                    post(rank, Op(send, part, message, peer))
-                if not send:
-                    received[rank][("data", message)] = False
-                    if "data" not in parts:
-                        received[rank][("meta", message)] = False
-                        deferred[rank][message] = Op(False, "data", message, peer)
-            else:
-                needed = _consumed(action)
-                if needed is not None and ("data", needed) in received[rank]:
-                    later = deferred[rank].get(needed)
-                    if later is not None:
-                        if not received[rank][("meta", needed)]:
-                            return moved
-                        post(rank, deferred[rank].pop(needed))
-                        moved = True
-                    if not received[rank][("data", needed)]:
-                        return moved
+        program = programs[rank]
+        while pointer[rank] < len(program):
+            step = program[pointer[rank]]
+            if step.op is not None:
+                key = (comm(step.op.message, rank, step.op.peer), rank)
+                queues.setdefault(key, deque()).append(step.op)
+            elif (step.part, step.message) not in received[rank]:
+                return moved
             pointer[rank] += 1
             moved = True
         return moved
@@ -150,7 +166,7 @@ def simulate(schedule: Schedule, lane: Lane = channel_of, per_pair: bool = False
                     queue.popleft()
                     other.popleft()
                     receiver = op.peer if op.send else rank
-                    received[receiver][(op.part, op.message)] = True
+                    received[receiver].add((op.part, op.message))
                     fired = fired_any = True
         return fired_any
 
@@ -160,11 +176,12 @@ def simulate(schedule: Schedule, lane: Lane = channel_of, per_pair: bool = False
         for rank in range(ranks):
             progress |= advance(rank)
         progress |= match()
-    stuck = [r for r in range(ranks) if pointer[r] < len(lowered.ranks[r])]
+    stuck = [r for r in range(ranks) if pointer[r] < len(programs[r])]
     waiting = [(key, rank, queue[0]) for (key, rank), queue in queues.items() if queue]
     if not stuck and not waiting:
         return Outcome(())
-    lines = [f"rank {r} waits at action {lowered.ranks[r][pointer[r]]} (position {pointer[r]})"
+    lines = [f"rank {r} waits at action {programs[r][pointer[r]].action} for "
+             f"{programs[r][pointer[r]].part} {programs[r][pointer[r]].message}"
              for r in stuck]
     lines += [f"rank {rank} on communicator {key}: "
               f"{'send' if op.send else 'receive'} of {op.part} {op.message} "
