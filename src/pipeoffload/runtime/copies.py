@@ -1,4 +1,5 @@
-"""How the offloader copies saved storages to host: the seam between its bookkeeping and CUDA.
+"""How the offloader copies saved storages to host: the seam between its bookkeeping and CUDA,
+and the queue of copies whose device memory waits for them (offloader.py Note: [release order]).
 
 ``CudaCopies`` queues the copies on a device-to-host side stream after what the compute stream
 has queued so far and returns the event of their completion; ``HostCopies`` (CPU) copies at
@@ -9,8 +10,9 @@ CUDA streams would give.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -85,3 +87,79 @@ class CudaCopies:
 
     def retire(self, tensor: torch.Tensor) -> None:
         tensor.record_stream(self.d2h)
+
+
+class CopyQueue:
+    """Copies to host in queue order, and the device bytes that wait for them.
+
+    Items are the offloader's storages (``nbytes``, ``pending``); ``release(item)`` drops an
+    item's device memory. Copies complete in the order they were queued (one copy stream), so
+    ``poll`` pops completed ones from the head, and waiting for one copy covers all before it.
+    ``cap_bytes``: beyond it, ``add`` releases the oldest copies in stream order.
+    """
+
+    def __init__(self, engine: CopyEngine, cap_bytes: int | None,
+                 release: Callable[[Any], None]) -> None:
+        self._engine = engine
+        self._cap = cap_bytes
+        self._release = release
+        self._queue: deque[tuple[object, list[Any]]] = deque()
+        self.waiting_bytes = 0
+        self.max_waiting_bytes = 0  # the most seen after the cap applied
+
+    def add(self, event: object, items: list[Any]) -> None:
+        for item in items:
+            item.pending = True
+            self.waiting_bytes += item.nbytes
+        self._queue.append((event, items))
+        if self._cap is not None and self.waiting_bytes > self._cap:
+            self.poll()
+            count, waiting = 0, self.waiting_bytes
+            for _, queued in self._queue:
+                if waiting <= self._cap:
+                    break
+                count += 1
+                waiting -= sum(i.nbytes for i in queued if i.pending)
+            self.release_oldest(count)
+        self.max_waiting_bytes = max(self.max_waiting_bytes, self.waiting_bytes)
+
+    def stop_waiting(self, item: Any) -> None:
+        """``item`` no longer waits for its copy (released, reloaded, or gone)."""
+        if item.pending:
+            item.pending = False
+            self.waiting_bytes -= item.nbytes
+
+    def poll(self) -> None:
+        """Release the items whose copy has completed, in host time (never blocks)."""
+        while self._queue and self._engine.done(self._queue[0][0]):
+            self._done(self._queue.popleft()[1])
+
+    def release_oldest(self, count: int) -> None:
+        """In stream order: the compute stream waits for the ``count`` oldest copies, then
+        their items are released."""
+        if count == 0:
+            return
+        popped = [self._queue.popleft() for _ in range(count)]
+        self._engine.compute_wait(popped[-1][0])
+        for _, items in popped:
+            self._done(items)
+
+    def release_through(self, items: list[Any]) -> None:
+        """Release in stream order every copy up to the last one of ``items``."""
+        mine = {id(item) for item in items}
+        last = max((i for i, (_, queued) in enumerate(self._queue)
+                    if any(id(q) in mine for q in queued)), default=None)
+        if last is not None:
+            self.release_oldest(last + 1)
+
+    def forget(self) -> None:
+        """End of a step: nothing waits any more (in-flight copies only matter to the pool)."""
+        for _, items in self._queue:
+            for item in items:
+                self.stop_waiting(item)
+        self._queue.clear()
+
+    def _done(self, items: list[Any]) -> None:
+        for item in items:
+            if item.pending:  # else it stopped waiting meanwhile (reloaded or discarded)
+                self._release(item)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ import torch
 
 from pipeoffload.errors import PipelineRuntimeError
 from pipeoffload.runtime.config import OffloadConfig
-from pipeoffload.runtime.copies import CopyEngine, CudaCopies, HostCopies
+from pipeoffload.runtime.copies import CopyEngine, CopyQueue, CudaCopies, HostCopies
 from pipeoffload.runtime.meter import ActivationMeter, ResidentToken, is_plain, storage_key
 from pipeoffload.runtime.pool import HostBufferPool
 
@@ -70,14 +69,6 @@ class _Storage:
     read: object | None = None  # CUDA: event of the last fetch-on-use read of ``host``
     fetched: weakref.ref | None = None  # the storage of the live fetched copy, if any
     pending: bool = False  # on the device, its copy to host queued and not seen complete
-
-
-@dataclass(eq=False)
-class _Copy:
-    """Copies to host queued together, in queue order (Note: [release order])."""
-
-    event: object
-    storages: list[_Storage]
 
 
 @dataclass(eq=False)
@@ -139,13 +130,11 @@ class ActivationOffloader:
         self._scopes: dict[Hashable, _Scope] = {}
         self._cuda = device.type == "cuda"
         self._pool = HostBufferPool(pin_memory=self._cuda and config.pin_memory)
-        self._pending: deque[_Copy] = deque()
-        self._pending_bytes = 0
-        self.max_pending_bytes_seen = 0  # the most pending_copy_bytes seen after a cap applied
         self._fetched_bytes = 0
         if copies is None:
             copies = CudaCopies(device) if self._cuda else HostCopies()
         self._copies = copies
+        self._waiting = CopyQueue(copies, config.max_pending_copy_bytes, self._release_device)
         if isinstance(copies, CudaCopies):
             self._d2h, self._h2d = copies.d2h, copies.h2d
 
@@ -193,7 +182,12 @@ class ActivationOffloader:
     @property
     def pending_copy_bytes(self) -> int:
         """Device bytes whose copy to host is queued and not yet seen complete."""
-        return self._pending_bytes
+        return self._waiting.waiting_bytes
+
+    @property
+    def max_pending_bytes_seen(self) -> int:
+        """The most ``pending_copy_bytes`` seen (after the cap applied), since construction."""
+        return self._waiting.max_waiting_bytes
 
     def _pack(self, scope: _Scope, tensor: torch.Tensor) -> object:
         keep = (
@@ -306,25 +300,7 @@ class ActivationOffloader:
         copied = self._copies.copy_out([(s.host, s.on_device) for s in storages])  # type: ignore[misc]
         for storage in storages:
             storage.copied = copied
-            storage.pending = True
-            self._pending_bytes += storage.nbytes
-        self._pending.append(_Copy(copied, storages))
-        self._enforce_cap()
-        self.max_pending_bytes_seen = max(self.max_pending_bytes_seen, self._pending_bytes)
-
-    def _enforce_cap(self) -> None:
-        """Release the oldest copies in stream order until at most the cap waits."""
-        cap = self._config.max_pending_copy_bytes
-        if cap is None or self._pending_bytes <= cap:
-            return
-        self.poll()
-        count, waiting = 0, self._pending_bytes
-        for copy in self._pending:
-            if waiting <= cap:
-                break
-            count += 1
-            waiting -= sum(s.nbytes for s in copy.storages if s.pending)
-        self._release_in_stream_order(count)
+        self._waiting.add(copied, storages)
 
     def offload(self, key: Hashable) -> None:
         """Start copying ``key``'s storages to host (unless streamed already); device memory is
@@ -360,7 +336,7 @@ class ActivationOffloader:
             for storage in scope.storages.values():
                 if storage.on_device is None:
                     self._to_device(scope, storage, storage.host.clone())  # type: ignore[union-attr]
-                self._keep_on_device(storage)
+                self._waiting.stop_waiting(storage)
                 self._pool.give_back(storage.host)  # type: ignore[arg-type]
                 storage.host = None
             return
@@ -371,7 +347,7 @@ class ActivationOffloader:
         for storage in scope.storages.values():
             if storage.on_device is not None:
                 # The D2H copy has not been seen to finish: the device bytes are still there.
-                self._keep_on_device(storage)
+                self._waiting.stop_waiting(storage)
                 self._pool.give_back(storage.host, storage.copied)  # type: ignore[arg-type]
                 storage.host = None
                 continue
@@ -405,23 +381,7 @@ class ActivationOffloader:
         host are done, and its device memory is released now: whatever reuses it is queued
         behind that wait. On CPU the copies are already done."""
         scope = self._scope_of(key, "OFFLOAD_WAIT")
-        mine = {id(storage) for storage in scope.storages.values()}
-        last = max((i for i, copy in enumerate(self._pending)
-                    if any(id(s) in mine for s in copy.storages)), default=None)
-        if last is not None:
-            self._release_in_stream_order(last + 1)
-
-    def _release_in_stream_order(self, count: int) -> None:
-        """The compute stream waits for the ``count`` oldest queued copies, then their device
-        storages are released (Note: [release order]): copies complete in queue order, so
-        waiting for the last of them covers all."""
-        if count == 0:
-            return
-        copies = [self._pending.popleft() for _ in range(count)]
-        self._copies.compute_wait(copies[-1].event)
-        for copy in copies:
-            for storage in copy.storages:
-                self._release_copied(storage)
+        self._waiting.release_through(list(scope.storages.values()))
 
     def wait_reloaded(self, key: Hashable) -> None:
         """Make the compute stream (never the host) wait for ``key``'s RELOAD copies."""
@@ -450,9 +410,7 @@ class ActivationOffloader:
     def poll(self) -> None:
         """Release device memory of offloads whose copy has completed (never blocks; Note:
         [release order])."""
-        while self._pending and self._copies.done(self._pending[0].event):
-            for storage in self._pending.popleft().storages:
-                self._release_copied(storage)
+        self._waiting.poll()
 
     def finish(self) -> None:
         """End of a step: every scope must have been discarded by its backward.
@@ -460,7 +418,7 @@ class ActivationOffloader:
         Copies still in flight then only matter to the host pool, whose buffers carry their
         events, so nothing here waits for them.
         """
-        self._forget_pending()
+        self._waiting.forget()
         if self._scopes:
             left = ", ".join(str(k) for k in self._scopes)
             self._scopes.clear()
@@ -470,30 +428,12 @@ class ActivationOffloader:
         """Forget a failed step's scopes; host buffers return to the pool when their copies end."""
         for key in list(self._scopes):
             self.discard(key)
-        self._forget_pending()
-
-    def _forget_pending(self) -> None:
-        for copy in self._pending:
-            for storage in copy.storages:
-                self._keep_on_device(storage)
-        self._pending.clear()
-
-    def _keep_on_device(self, storage: _Storage) -> None:
-        """No longer count ``storage`` as waiting for its copy (it stays, or is gone)."""
-        if storage.pending:
-            storage.pending = False
-            self._pending_bytes -= storage.nbytes
-
-    def _release_copied(self, storage: _Storage) -> None:
-        """Release a storage whose copy to host is complete (or waited for), unless it stopped
-        waiting for it meanwhile (reloaded or discarded)."""
-        if storage.pending:
-            self._release_device(storage)
+        self._waiting.forget()
 
     def _release_device(self, storage: _Storage) -> None:
         """Drop the device reference: its bytes return to the allocator (Note: [release
         order] says when that is safe)."""
-        self._keep_on_device(storage)
+        self._waiting.stop_waiting(storage)
         storage.on_device = None
         storage.token = None
 
