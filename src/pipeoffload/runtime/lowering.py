@@ -80,11 +80,13 @@ class Channel(str, Enum):
 # Note: [NCCL channels]
 # NCCL runs the point-to-point operations of one communicator in posting order on one stream,
 # and a large send completes only together with its receive, so two messages on one
-# communicator can wait for each other across ranks. With one communicator for forward and one
-# for backward messages, zbv and v-half deadlock at p = 2 and 4 and interleaved-1f1b at p = 2
-# (runtime/rendezvous.py shows it). Splitting each direction again by whether the receiver's
-# rank is higher or lower than the sender's gives four communicators on which every zoo
-# schedule runs, with and without offload, at p = 2, 4, 8 (tests/test_runtime_rendezvous.py).
+# communicator can wait for each other across ranks. In runtime/rendezvous.py's model (m = 2p,
+# one communicator per group), one communicator deadlocks every zoo schedule but gpipe, and one
+# for forward plus one for backward messages still deadlocks zbv, v-half and interleaved-1f1b at
+# p = 2, 4, 8 and v-min at p = 4, 8 (docs/runtime.md). Splitting each direction again by whether
+# the receiver's rank is higher or lower than the sender's gives four communicators on which
+# every zoo schedule runs, with and without offload, at p = 2, 4, 8
+# (tests/test_runtime_rendezvous.py).
 
 
 def sender_and_receiver(schedule: Schedule, message: tuple[str, int, int]) -> tuple[int, int]:
