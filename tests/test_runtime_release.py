@@ -219,3 +219,11 @@ def test_recompute_captures_the_rng_of_the_pipelines_device(monkeypatch) -> None
                             device=device)
     executor.run(Action(0, Kind.F, 0), StepData([(torch.ones(4, requires_grad=True),)], [()]))
     assert seen == [device]
+
+
+def test_pageable_host_memory_on_cuda_warns() -> None:
+    from pipeoffload.runtime.copies import HostCopies
+
+    with pytest.warns(UserWarning, match="pin_memory=False on CUDA"):
+        ActivationOffloader(torch.device("cuda", 0), OffloadConfig(pin_memory=False), [],
+                            copies=HostCopies())
