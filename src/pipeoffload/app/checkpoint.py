@@ -33,6 +33,7 @@ from torch import nn
 
 from pipeoffload.app.data import TextDataset
 from pipeoffload.errors import PipeoffloadError
+from pipeoffload.runtime.shards import ShardLayout, is_dtensor, local_shard
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -66,8 +67,10 @@ def step_folder(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def stage_file(stage: int) -> str:
-    return f"stage_{stage:03d}.pt"
+def stage_file(stage: int, tp_index: int | None = None) -> str:
+    """Stage ``stage``'s file; with tensor parallelism one per tensor-parallel rank (its
+    shards, Note: [sharded checkpoint])."""
+    return f"stage_{stage:03d}.pt" if tp_index is None else f"stage_{stage:03d}_tp{tp_index}.pt"
 
 
 def rank_file(rank: int) -> str:
@@ -259,6 +262,7 @@ class TrainingState:
     stages: Mapping[int, nn.Module]
     optimizers: Mapping[int, torch.optim.Optimizer]
     dataset: TextDataset
+    masters: Mapping[int, list[torch.Tensor]] | None = None  # what the optimizers update
 
 
 def _world(where: Placement) -> int:
@@ -296,9 +300,12 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
     _barrier(where)
     records = []
     if where.dp_index == 0:
+        tp_index = _tp_index(where)
         for s, module in sorted(state.stages.items()):
-            records.append(save_object(folder, stage_file(s), {
-                "model": module.state_dict(), "optimizer": state.optimizers[s].state_dict()}))
+            payload = {"model": module.state_dict(), "optimizer": state.optimizers[s].state_dict()}
+            if state.masters is not None:
+                payload["masters"] = list(state.masters[s])
+            records.append(save_object(folder, stage_file(s, tp_index), _local(payload)))
     records.append(save_object(folder, rank_file(where.rank), rng_state(where.device)))
     if where.distributed:
         parts: list[Any] = [None] * dist.get_world_size()
@@ -317,13 +324,20 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
     step it continues from. Raises CheckpointError if it is missing, corrupt or foreign."""
     manifest = read_manifest(find_checkpoint(resume, root), verify_files=False)
     check_compatible(manifest, {**identity, "processes": _world(where)})
+    tp_index = _tp_index(where)
     for s, module in sorted(state.stages.items()):
-        saved = load_object(manifest, stage_file(s), where.device)
+        name = stage_file(s, tp_index)
+        saved = load_object(manifest, name, where.device)
         try:
-            module.load_state_dict(saved["model"])
-            state.optimizers[s].load_state_dict(saved["optimizer"])
+            _load_tensors(module.state_dict(), saved["model"])
+            optimizer = state.optimizers[s]
+            optimizer.load_state_dict(saved["optimizer"])
+            _shard_optimizer_state(optimizer)
+            if state.masters is not None:
+                _load_tensors(dict(enumerate(state.masters[s])),
+                              dict(enumerate(saved["masters"])))
         except (KeyError, RuntimeError, ValueError) as error:
-            raise CheckpointError(f"{manifest.folder / stage_file(s)} does not fit stage {s} "
+            raise CheckpointError(f"{manifest.folder / name} does not fit stage {s} "
                                   f"({error}); resume with the model it was saved with") from None
     set_rng_state(load_object(manifest, rank_file(where.rank)), where.device)
     data = manifest.info.get("data")
@@ -332,3 +346,56 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
                               f"{data!r} does not match step {manifest.step}")
     state.dataset.load_state_dict(data)
     return manifest.step
+
+
+# Note: [sharded checkpoint] Under tensor parallelism parameters, master weights and AdamW
+# moments are DTensors. Each tensor-parallel rank of replica 0 writes its local shards as plain
+# tensors to its own stage file (``stage_file(s, tp_index)``), and loads them back into the
+# shards of the same layout; a checkpoint therefore only resumes with the same tp (the
+# manifest records it and check_compatible refuses another; no resharding).
+
+
+def _tp_index(where: Placement) -> int | None:
+    tp = getattr(where, "tp", 1)
+    return getattr(where, "tp_index", 0) if tp > 1 else None
+
+
+def _local(value: Any) -> Any:
+    """``value`` with every DTensor replaced by its local shard (plain tensors save and load
+    with ``weights_only``)."""
+    if isinstance(value, torch.Tensor):
+        return local_shard(value).detach()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local(v) for v in value)
+    return value
+
+
+@torch.no_grad()
+def _load_tensors(targets: Mapping[Any, torch.Tensor], saved: Mapping[Any, Any]) -> None:
+    """Copy ``saved`` (plain tensors) into ``targets`` (tensors or DTensors, by their local
+    shards); the names and shapes must match."""
+    if set(targets) != set(saved):
+        missing, extra = set(targets) - set(saved), set(saved) - set(targets)
+        raise KeyError(f"names differ: missing {sorted(map(str, missing))[:3]}, unexpected "
+                       f"{sorted(map(str, extra))[:3]}")
+    for key, target in targets.items():
+        local = local_shard(target)
+        value = saved[key]
+        if tuple(local.shape) != tuple(value.shape):
+            raise ValueError(f"{key}: shape {list(value.shape)} saved, {list(local.shape)} here")
+        local.copy_(value)
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict``: wrap the moments of DTensor parameters back into DTensors of
+    the parameter's layout (they were saved as local shards)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not is_dtensor(param):
+                continue
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and not is_dtensor(value) and value.dim():
+                    state[key] = ShardLayout.of(param).rebuild(value)

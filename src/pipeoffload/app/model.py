@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import skip_init
 
+from pipeoffload.app.layer_recompute import recomputed
 from pipeoffload.errors import ConfigError
 
 
@@ -170,17 +171,29 @@ class Attention(nn.Module):
         self.wv = _linear(config.dim, kv_dim)
         self.wo = _linear(config.dim, config.dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V projections of the normed input (this rank's heads under tensor parallelism)."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotary embeddings, causal attention and the output projection.
+
+        Heads are counted from the projections' widths ([batch, seq, heads * head_dim]), so the
+        same code runs the local heads of a tensor-parallel shard.
+        """
+        batch, seq = q.shape[:2]
+        q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = self.n_heads // self.n_kv_heads
-        if group > 1:  # [batch, n_kv_heads, seq, hd] -> [batch, n_heads, seq, hd]
+        group = q.shape[1] // k.shape[1]
+        if group > 1:  # [batch, kv heads, seq, hd] -> [batch, heads, seq, hd]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self.attend(*self.project(x), cos, sin)
 
 
 class FeedForward(nn.Module):
@@ -193,11 +206,27 @@ class FeedForward(nn.Module):
         self.w2 = _linear(config.ffn_hidden, config.dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.down(*self.up(x))
+
+    def up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The gate and up projections (w1 x, w3 x)."""
+        return self.w1(x), self.w3(x)
+
+    def down(self, gate: Tensor, up: Tensor) -> Tensor:
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(.)).
+
+    ``recompute`` "lgd" (set with ``set_layer_recompute``) keeps what the planner's LGD keeps
+    (planner/transformer.py, docs/planner-model.md): the norm inputs, Q, K, V, the attention
+    output and the MLP's gate and up projections; the norm outputs (the projections' input) and
+    silu(gate) * up (the down projection's input) are recomputed in the backward
+    (app/layer_recompute.py). The values are the same as "none", bit for bit.
+    """
+
+    recompute: str = "none"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -207,8 +236,31 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if self.recompute != "lgd":
+            x = x + self.attention(self.attention_norm(x), cos, sin)
+            return x + self.feed_forward(self.ffn_norm(x))
+        attention, mlp = self.attention, self.feed_forward
+        q, k, v = recomputed(lambda h: attention.project(self.attention_norm(h)),
+                             (self.attention_norm, attention.wq, attention.wk, attention.wv), x)
+        x = x + attention.attend(q, k, v, cos, sin)
+        gate, up = recomputed(lambda h: mlp.up(self.ffn_norm(h)), (self.ffn_norm, mlp.w1, mlp.w3),
+                              x)
+        (down,) = recomputed(lambda g, u: (mlp.down(g, u),), (mlp.w2,), gate, up)
+        return x + down
+
+
+RECOMPUTE_MODES = ("none", "lgd", "full")
+
+
+def set_layer_recompute(module: nn.Module, mode: str) -> None:
+    """Set every TransformerBlock of ``module`` to keep ("none") or recompute ("lgd") its norm
+    and activation-function outputs. "full" is stage-level (RECOMPUTE actions in the schedule,
+    runtime/executor.py) and leaves the blocks as "none"."""
+    if mode not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute {mode!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+    for block in module.modules():
+        if isinstance(block, TransformerBlock):
+            block.recompute = "lgd" if mode == "lgd" else "none"
 
 
 class Transformer(nn.Module):

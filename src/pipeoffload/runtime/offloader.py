@@ -17,6 +17,12 @@ polled with ``event.query()`` between actions, so the host never blocks. On CPU 
 with synchronous copies: the host copy is a separate tensor and the original storage is released.
 Shapes may change between steps: records live for one forward/backward, buffers are pooled by size.
 
+Note: [kept on device] a saved DTensor (tensor parallelism) is moved as its local shard and
+rebuilt around the returned shard when autograd unpacks it (runtime/shards.py). What stays on
+the device is summed by reason in ``kept_bytes``: parameters, tensors of at most
+``min_offload_elements`` elements, tensors on another device, and what is not a dense tensor
+(sparse, meta, other tensor subclasses), which the offloader cannot rebuild.
+
 Note: [fetch on use] (shared with the simulator, sim/simulator.py) FETCH is the alternative to
 RELOAD: it only marks the scope, and from then on every backward pass (I, W or B) reads each
 saved storage back from its host copy when autograd unpacks it (``_unpack``). The offloader keeps
@@ -41,6 +47,7 @@ from pipeoffload.errors import PipelineRuntimeError
 from pipeoffload.runtime.config import OffloadConfig
 from pipeoffload.runtime.meter import ActivationMeter, ResidentToken, is_plain, storage_key
 from pipeoffload.runtime.pool import HostBufferPool
+from pipeoffload.runtime.shards import SavedShard, ShardLayout, is_dtensor, local_shards
 
 
 @dataclass(eq=False)
@@ -96,7 +103,9 @@ class ActivationOffloader:
         self._device = device
         self._config = config
         self._meter = meter
-        self._params = {storage_key(p) for p in parameters if p.untyped_storage().nbytes()}
+        self._params = {storage_key(p) for p in local_shards(parameters)
+                        if p.untyped_storage().nbytes()}
+        self._kept: dict[str, int] = {}
         self._scopes: dict[Hashable, _Scope] = {}
         self._cuda = device.type == "cuda"
         self._pool = HostBufferPool(pin_memory=self._cuda and config.pin_memory)
@@ -116,6 +125,14 @@ class ActivationOffloader:
         """Bytes copied back to the device by fetch-on-use reads so far (each read copies a
         whole storage; see Note: [fetch on use])."""
         return self._fetched_bytes
+
+    @property
+    def kept_bytes(self) -> dict[str, int]:
+        """Bytes of saved tensors left on the device, by reason (Note: [kept on device]):
+        "parameter", "small" (<= min_offload_elements), "other device", "not dense" (sparse,
+        meta, a tensor subclass other than DTensor). Each save counts, so a tensor saved by two
+        operations counts twice; DTensors count their local shard."""
+        return dict(self._kept)
 
     def device_bytes(self, key: Hashable) -> int:
         """Bytes of ``key``'s recorded storages currently held on the device by the offloader."""
@@ -148,15 +165,14 @@ class ActivationOffloader:
             yield
 
     def _pack(self, scope: _Scope, tensor: torch.Tensor) -> object:
-        keep = (
-            not is_plain(tensor)
-            or tensor.device.type != self._device.type
-            or tensor.device.index != self._device.index
-            or isinstance(tensor, torch.nn.Parameter)
-            or tensor.numel() <= self._config.min_offload_elements
-            or storage_key(tensor) in self._params
-        )
-        if keep:
+        if is_dtensor(tensor) and not isinstance(tensor, torch.nn.Parameter):
+            # This rank's shard is the memory: move it, rebuild the DTensor on unpack.
+            [shard] = local_shards([tensor])
+            return SavedShard(self._pack(scope, shard), ShardLayout.of(tensor))
+        reason = self._keep_reason(tensor)
+        if reason is not None:
+            [local] = local_shards([tensor])
+            self._kept[reason] = self._kept.get(reason, 0) + local.numel() * local.element_size()
             token = self._meter.track(tensor, scope.owner) if self._meter is not None else None
             return tensor if token is None else token
         key = storage_key(tensor)
@@ -179,7 +195,22 @@ class ActivationOffloader:
         return _Saved(scope, storage, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                       tensor.storage_offset())
 
+    def _keep_reason(self, tensor: torch.Tensor) -> str | None:
+        """Why a saved tensor stays on the device (Note: [kept on device]), None to move it."""
+        if isinstance(tensor, torch.nn.Parameter) or (
+                is_plain(tensor) and storage_key(tensor) in self._params):
+            return "parameter"
+        if not is_plain(tensor):
+            return "not dense"
+        if tensor.device.type != self._device.type or tensor.device.index != self._device.index:
+            return "other device"
+        if tensor.numel() <= self._config.min_offload_elements:
+            return "small"
+        return None
+
     def _unpack(self, packed: object) -> torch.Tensor:
+        if isinstance(packed, SavedShard):
+            return packed.layout.rebuild(self._unpack(packed.inner))
         if isinstance(packed, ResidentToken):
             return packed.tensor
         if not isinstance(packed, _Saved):
