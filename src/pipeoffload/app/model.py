@@ -129,18 +129,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate feature pairs (2i, 2i+1) of x [..., seq, head_dim] by the angles of rope_angles.
 
     A query at position m and a key at position n then have a dot product that depends on
-    m - n only, which is what makes the encoding relative. Half precision rotates in float32.
+    m - n only, which is what makes the encoding relative. The rotation runs in x's dtype (half
+    precision too, as Hugging Face's Llama does), so what it saves (cos and sin) is in x's dtype.
     """
-    work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    cos, sin = cos.to(work), sin.to(work)
-    pairs = x.to(work).unflatten(-1, (-1, 2))  # [..., seq, head_dim/2, 2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    pairs = x.unflatten(-1, (-1, 2))  # [..., seq, head_dim/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    return rotated.flatten(-2)
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in at least float32."""
+    """x / rms(x) * weight, computed in at least float32.
+
+    In half precision the backward keeps only x (half precision) and recomputes the float32
+    work (app/layer_recompute.py), as fused norm kernels do; otherwise autograd would keep a
+    float32 copy of x, and bf16 activations would not be half the bytes of fp32 ones.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -148,6 +153,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return recomputed(lambda h: (self._normalize(h),), (self,), x)[0]
+        return self._normalize(x)
+
+    def _normalize(self, x: Tensor) -> Tensor:
         h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return h.to(x.dtype) * self.weight
