@@ -249,7 +249,6 @@ def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
     Note: [rank layout])."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if world != pp * dp * tp:
@@ -262,6 +261,18 @@ def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=timeout)
+    return mesh_topology(pp, dp, tp, where, timeout_s)
+
+
+def mesh_topology(pp: int, dp: int, tp: int, where: torch.device,
+                  timeout_s: float = 300.0) -> Topology:
+    """In a process whose default group (of pp * dp * tp ranks) is initialised: build the
+    (pp, dp, tp) device mesh and this process's Topology (Note: [rank layout])."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, backend = dist.get_rank(), dist.get_backend()
+    timeout = datetime.timedelta(seconds=timeout_s)
     names = ("pp", "dp", "tp")
     mesh = init_device_mesh(where.type, (pp, dp, tp), mesh_dim_names=names,
                             backend_override={n: (backend, _options(backend, timeout))

@@ -47,7 +47,13 @@ from pipeoffload.errors import PipelineRuntimeError
 from pipeoffload.runtime.config import OffloadConfig
 from pipeoffload.runtime.meter import ActivationMeter, ResidentToken, is_plain, storage_key
 from pipeoffload.runtime.pool import HostBufferPool
-from pipeoffload.runtime.shards import SavedShard, ShardLayout, is_dtensor, local_shards
+from pipeoffload.runtime.shards import (
+    SavedShard,
+    ShardLayout,
+    is_dtensor,
+    is_pending_collective,
+    local_shards,
+)
 
 
 @dataclass(eq=False)
@@ -169,6 +175,8 @@ class ActivationOffloader:
             # This rank's shard is the memory: move it, rebuild the DTensor on unpack.
             [shard] = local_shards([tensor])
             return SavedShard(self._pack(scope, shard), ShardLayout.of(tensor))
+        if is_pending_collective(tensor):
+            return self._pack(scope, local_shards([tensor])[0])
         reason = self._keep_reason(tensor)
         if reason is not None:
             [local] = local_shards([tensor])

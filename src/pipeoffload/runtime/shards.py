@@ -4,7 +4,10 @@ Under tensor parallelism (torch.distributed.tensor) autograd saves DTensors, wra
 with no storage of their own; each holds this rank's shard as a plain tensor. The memory is the
 shard's, so the meter counts the shard's storage and the offloader moves the shard and rebuilds
 the DTensor around the reloaded shard (same mesh, placements, global shape and stride) when
-autograd unpacks it. Other tensor subclasses are left alone (kept on the device, reported).
+autograd unpacks it. A tensor-parallel style's plain output can be an AsyncCollectiveTensor
+(the result of a collective not yet waited for); its memory is its waited inner tensor, which
+is what is counted, moved and given back. Other tensor subclasses are left alone (kept on the
+device, reported).
 """
 
 from __future__ import annotations
@@ -16,21 +19,30 @@ from typing import Any
 import torch
 
 try:  # torch.distributed may be built without DTensor (e.g. some macOS wheels)
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - depends on the torch build
-    DTensor = None  # type: ignore[assignment, misc]
+    DTensor = AsyncCollectiveTensor = None  # type: ignore[assignment, misc]
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
     return DTensor is not None and isinstance(tensor, DTensor)
 
 
+def is_pending_collective(tensor: torch.Tensor) -> bool:
+    """An AsyncCollectiveTensor: a plain tensor's value once its collective is waited for."""
+    return AsyncCollectiveTensor is not None and isinstance(tensor, AsyncCollectiveTensor)
+
+
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """The plain tensor that holds ``tensor``'s memory on this rank (itself unless a DTensor)."""
-    if not is_dtensor(tensor):
-        return tensor
-    with torch.no_grad():
-        return tensor.to_local()
+    """The plain tensor that holds ``tensor``'s memory on this rank (itself unless a DTensor or
+    an AsyncCollectiveTensor, whose collective this waits for)."""
+    if is_dtensor(tensor):
+        with torch.no_grad():
+            tensor = tensor.to_local()
+    if is_pending_collective(tensor):
+        tensor = tensor.trigger_wait()
+    return tensor
 
 
 def local_shards(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
