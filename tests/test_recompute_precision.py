@@ -1,0 +1,96 @@
+"""`train --recompute` and `--dtype`: recompute changes memory, never values; bf16 halves the
+activation bytes (except what stays float32 by design) and still learns. Inline runs (one
+process, Pipeline's local mode) on the tiny model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pipeoffload.app.data import DataConfig  # noqa: E402
+from pipeoffload.app.launch import Topology  # noqa: E402
+from pipeoffload.app.model import model_preset  # noqa: E402
+from pipeoffload.app.train import TrainConfig, build_plan, train  # noqa: E402
+from pipeoffload.core.actions import Kind  # noqa: E402
+from pipeoffload.errors import ConfigError  # noqa: E402
+
+TINY = model_preset("tiny")
+
+
+def _config(**changes) -> TrainConfig:
+    base = TrainConfig(model=TINY, data=DataConfig(seq_len=32, batch_size=8, max_bytes=1 << 16),
+                       pp=2, schedule="1f1b", steps=5, measure_baseline=False)
+    return dataclasses.replace(base, **changes)
+
+
+def _run(config: TrainConfig):
+    return train(config, Topology.local(config.pp))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "po-f"])
+def test_recompute_keeps_losses_bitwise_and_lowers_peaks_as_simulated(schedule: str) -> None:
+    runs = {mode: _run(_config(schedule=schedule, recompute=mode))
+            for mode in (("none", "lgd", "full") if schedule == "1f1b" else ("none", "lgd"))}
+    none = runs["none"]
+    for mode, result in runs.items():
+        assert result.losses == none.losses, mode  # bitwise, all 5 steps
+        assert result.peak_bytes == tuple(int(b) for b in result.predicted_bytes), mode
+    lgd = runs["lgd"]
+    assert all(a < b for a, b in zip(lgd.peak_bytes, none.peak_bytes))
+    assert all(a < b for a, b in zip(lgd.stage_bytes, none.stage_bytes))
+    if "full" in runs:
+        full = runs["full"]
+        assert full.plan.schedule.has_kind(Kind.RECOMPUTE)
+        # Each rank holds one microbatch at a time: 1F1B's last rank already did.
+        assert full.peak_bytes[0] < none.peak_bytes[0]
+        assert all(a <= b for a, b in zip(full.peak_bytes, none.peak_bytes))
+        assert full.peak_bytes == tuple(full.stage_bytes)
+
+
+def test_full_recompute_with_an_offloading_schedule_is_refused() -> None:
+    with pytest.raises(ConfigError, match="nothing to offload"):
+        build_plan(_config(schedule="po-f", recompute="full"))
+    with pytest.raises(ConfigError, match="nothing to offload"):
+        build_plan(_config(offload="all", recompute="full"))
+    assert not build_plan(_config(recompute="full")).schedule.has_kind(Kind.OFFLOAD)
+
+
+def test_bf16_halves_activation_bytes_except_float32_statistics() -> None:
+    """Per middle-stage layer, fp32 keeps what bf16 keeps at twice the bytes, plus two norms'
+    float32 work (normalised x and 1/rms) that bf16 recomputes, minus nothing for attention's
+    log-sum-exp, which is float32 in both (b * heads * s * 4 bytes)."""
+    runs = {d: _run(_config(schedule="po-f", steps=1, dtype=d)) for d in ("fp32", "bf16")}
+    b, s = 8 // (2 * 2), 32  # batch / microbatches (2 * pp), seq
+    extra_fp32 = 2 * (b * s * TINY.dim * 4 + b * s * 4)
+    lse = b * TINY.n_heads * s * 4
+    layers_per_stage = TINY.n_layers // 4  # po-f at pp=2: 4 stages
+    for stage in (1, 2):  # no embedding ids, no float32 loss
+        fp32, bf16 = runs["fp32"].stage_bytes[stage], runs["bf16"].stage_bytes[stage]
+        assert fp32 - 2 * bf16 == layers_per_stage * (extra_fp32 - lse), (fp32, bf16)
+    for result in runs.values():  # the simulator, given the sizes, predicts what was measured
+        assert result.peak_bytes == tuple(int(v) for v in result.predicted_bytes)
+    assert runs["bf16"].peak_bytes[0] < runs["fp32"].peak_bytes[0] / 2
+
+
+def test_bf16_trains_bf16_weights_from_float32_masters_and_learns() -> None:
+    result = _run(_config(dtype="bf16", steps=30))
+    assert result.losses[-1] <= 0.7 * result.losses[0], result.losses
+
+
+def test_bf16_keeps_float32_masters_and_optimizer_state() -> None:
+    from pipeoffload.app.precision import MasterWeights
+
+    module = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    masters = MasterWeights({0: module}, mixed=True)
+    assert all(m.dtype == torch.float32 for m in masters.params[0])
+    module(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+    masters.take_grads()
+    assert module.weight.grad is None and masters.params[0][0].grad.dtype == torch.float32
+    with torch.no_grad():
+        masters.params[0][0].add_(1e-3)  # below bf16's resolution near the weights
+    masters.write_back()
+    assert module.weight.dtype == torch.bfloat16
+    assert torch.equal(module.weight, masters.params[0][0].to(torch.bfloat16))
