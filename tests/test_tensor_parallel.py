@@ -137,3 +137,36 @@ def test_pp2_tp2_equals_the_unsplit_model_and_the_meter_equals_the_simulator(tmp
         whole = _single_process_sizes(name, options, recompute)
         for (stage, mb), nbytes in whole.items():
             assert sizes[stage] < nbytes, (name, stage)
+
+
+def _cli(argv: list[str], cwd) -> tuple[int, str, str]:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pipeoffload.app.train_cli", "train", *argv],
+                          cwd=cwd, capture_output=True, text=True, timeout=240)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_tp_bf16_checkpoint_resumes_bitwise_and_refuses_another_tp(tmp_path) -> None:
+    import json
+
+    common = ["--model", "tiny", "--pp", "1", "--tp", "2", "--schedule", "1f1b", "--steps", "3",
+              "--batch-size", "4", "--dtype", "bf16", "--no-png", "--json", "--p2p-timeout",
+              "30", "--checkpoint-dir", "ck"]
+    code, out, err = _cli([*common, "--checkpoint-every", "2"], tmp_path)
+    assert code == 0, err
+    straight = json.loads(out.splitlines()[-1])
+    assert (straight["tp"], straight["dtype"]) == (2, "bf16")
+    assert sorted(p.name for p in (tmp_path / "ck" / "step_00000002").iterdir()) == [
+        "manifest.json", "rank_00000.pt", "rank_00001.pt", "stage_000_tp0.pt",
+        "stage_000_tp1.pt"]
+    manifest = json.loads((tmp_path / "ck" / "step_00000002" / "manifest.json").read_text())
+    assert (manifest["info"]["tp"], manifest["info"]["dtype"]) == (2, "bf16")
+    code, out, err = _cli([*common, "--resume", "ck/step_00000002"], tmp_path)
+    assert code == 0, err
+    assert json.loads(out.splitlines()[-1])["losses"] == straight["losses"][2:]  # bitwise
+    code, out, err = _cli([*common, "--tp", "1", "--resume", "ck/step_00000002"], tmp_path)
+    assert code == 2
+    assert "tp: checkpoint 2, now 1" in err and "not resharded" in err
+    assert "Traceback" not in err

@@ -238,9 +238,13 @@ def check_compatible(manifest: Manifest, expected: dict[str, Any]) -> None:
     diffs = [f"{key}: checkpoint {manifest.info.get(key)!r}, now {value!r}"
              for key, value in expected.items() if manifest.info.get(key) != value]
     if diffs:
+        shards = ("; it holds each tensor-parallel rank's shards and is not resharded, so "
+                  f"resume with --tp {manifest.info.get('tp')}"
+                  if manifest.info.get("tp") != expected.get("tp", manifest.info.get("tp"))
+                  else "")
         raise CheckpointError(
             f"checkpoint {manifest.folder} was written for another configuration ("
-            + "; ".join(diffs) + "); resume with the options it was saved with")
+            + "; ".join(diffs) + f"){shards}; resume with the options it was saved with")
 
 
 class Placement(Protocol):
