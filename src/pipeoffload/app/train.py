@@ -33,10 +33,9 @@ from pipeoffload.app.precision import MasterWeights, sync_gradients, torch_dtype
 from pipeoffload.app.split import build_stage_modules, lm_loss, stage_layer_ranges
 from pipeoffload.app.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
-from pipeoffload.offload.plan import add_offload
-from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
-from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
+from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
+from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
