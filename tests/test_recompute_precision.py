@@ -30,7 +30,7 @@ def _run(config: TrainConfig):
     return train(config, Topology.local(config.pp))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "po-f"])
+@pytest.mark.parametrize("schedule", ["1f1b", "po-f", "zbv"])  # B; offload; I/W split
 def test_recompute_keeps_losses_bitwise_and_lowers_peaks_as_simulated(schedule: str) -> None:
     runs = {mode: _run(_config(schedule=schedule, recompute=mode))
             for mode in (("none", "lgd", "full") if schedule == "1f1b" else ("none", "lgd"))}
