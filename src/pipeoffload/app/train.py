@@ -162,7 +162,7 @@ def build_plan(config: TrainConfig) -> OffloadPlan:
                              config.offload, policy=policy, **options)
     bare = plan_schedule(config.schedule, config.pp, config.num_microbatches, "none",
                          **options)
-    if config.offload not in (None, "none") or config.schedule.lower() in ("po-h", "po-f"):
+    if config.offload not in (None, "none") or bare.schedule.name in ("po-h", "po-f"):
         raise ConfigError(
             f"--recompute full recomputes every activation, so {config.schedule} with offload "
             f"{config.offload or 'its default'} would have nothing to offload; use "
