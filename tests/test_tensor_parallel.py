@@ -17,7 +17,6 @@ from pipeoffload.api import build_schedule  # noqa: E402
 from pipeoffload.app.model import model_preset, set_layer_recompute  # noqa: E402
 from pipeoffload.app.split import build_full_model, build_stage_modules, lm_loss  # noqa: E402
 from pipeoffload.core.actions import Kind  # noqa: E402
-from pipeoffload.offload.recompute import add_recompute  # noqa: E402
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig  # noqa: E402
 from pipeoffload.runtime.meter import ActivationMeter  # noqa: E402
 from pipeoffload.runtime.pipeline import Pipeline  # noqa: E402
@@ -29,7 +28,7 @@ pytestmark = pytest.mark.slow
 MODEL = model_preset("tiny")  # 4 layers, 4 heads, 2 kv heads: splits over tp=2
 MICROBATCHES = 4
 CASES = (("1f1b", {}, "none"), ("zbv", {}, "none"), ("po-f", {"offload_ratio": 0.25}, "none"),
-         ("po-f", {"offload_ratio": 0.25}, "lgd"), ("1f1b", {}, "full"))
+         ("po-f", {"offload_ratio": 0.25}, "lgd"), ("zbv", {}, "full"))
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,9 +37,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _schedule(name: str, options: dict, recompute: str = "none"):
-    schedule = build_schedule(name, pp=2, microbatches=MICROBATCHES, **options)
-    return add_recompute(schedule).schedule if recompute == "full" else schedule
+def _schedule(name: str, options: dict):
+    return build_schedule(name, pp=2, microbatches=MICROBATCHES, **options)
 
 
 def _stages(schedule, stage_ids, recompute: str, mesh=None) -> dict:
@@ -73,7 +71,7 @@ def _tp_cases(rank: int, world: int) -> list[dict]:
     ids, target = _batch()
     report = []
     for name, options, recompute in CASES:
-        schedule = _schedule(name, options, recompute)
+        schedule = _schedule(name, options)
         mine = schedule.stages_on_rank(topology.pp_rank)
         stages = _stages(schedule, mine, recompute, topology.tp_mesh)
         meter = ActivationMeter()
@@ -99,7 +97,7 @@ def _tp_cases(rank: int, world: int) -> list[dict]:
 
 
 def _single_process_sizes(name: str, options: dict, recompute: str) -> dict:
-    schedule = _schedule(name, options, recompute)
+    schedule = _schedule(name, options)
     stages = _stages(schedule, range(schedule.num_stages), recompute)
     meter = ActivationMeter()
     config = RuntimeConfig(offload=OffloadConfig(min_offload_elements=0))
@@ -114,7 +112,7 @@ def test_pp2_tp2_equals_the_unsplit_model_and_the_meter_equals_the_simulator(tmp
     for outcome in results.values():
         assert "ok" in outcome, outcome.get("trace")
     for index, (name, options, recompute) in enumerate(CASES):
-        schedule = _schedule(name, options, recompute)
+        schedule = _schedule(name, options)
         rows = {rank: results[rank]["ok"][index] for rank in range(4)}
         for rank, row in rows.items():
             assert row["grad_error"] <= 1e-10, (name, recompute, rank, row["grad_error"])

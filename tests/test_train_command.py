@@ -28,13 +28,14 @@ def test_tp_recompute_and_bf16_are_flags_of_the_command() -> None:
     for flag in ("--pp 4", "--dp 2", "--tp 2", "--schedule po-f", "--recompute lgd",
                  "--dtype bf16", "--batch-size 16", f"--kv-heads {spec.kv_heads}"):
         assert flag in command.argv
+    full = train_command(dataclasses.replace(BASE, recompute=Recompute.FULL), spec)
+    assert "--recompute full" in full.argv  # mixed with po-f's offload, per layer
     fp32 = dataclasses.replace(spec, activation_bytes=4)
     assert "--dtype" not in train_command(BASE, fp32).argv
 
 
 @pytest.mark.parametrize(("change", "spec_change", "reason"), [
     ({"offload": RECOMPUTE_AND_OFFLOAD}, {}, "recomputes each rank's longest-lived chunk"),
-    ({"recompute": Recompute.FULL}, {}, "--recompute full with offload all"),
     ({"tp": 16}, {}, "tp=16 does not divide kv_heads=8"),
     ({}, {"activation_bytes": 1}, "1 bytes per element"),
 ])

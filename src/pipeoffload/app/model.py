@@ -233,7 +233,9 @@ class TransformerBlock(nn.Module):
     (planner/transformer.py, docs/planner-model.md): the norm inputs, Q, K, V, the attention
     output and the MLP's gate and up projections; the norm outputs (the projections' input) and
     silu(gate) * up (the down projection's input) are recomputed in the backward
-    (app/layer_recompute.py). The values are the same as "none", bit for bit.
+    (app/layer_recompute.py). "full" keeps only the block's input and re-runs the whole block
+    before its backward (the planner's FULL, Megatron's full recompute). The values are the
+    same as "none", bit for bit.
     """
 
     recompute: str = "none"
@@ -246,9 +248,17 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        if self.recompute != "lgd":
-            x = x + self.attention(self.attention_norm(x), cos, sin)
-            return x + self.feed_forward(self.ffn_norm(x))
+        if self.recompute == "full":
+            return recomputed(lambda h: (self._kept(h, cos, sin),), (self,), x)[0]
+        if self.recompute == "lgd":
+            return self._lgd(x, cos, sin)
+        return self._kept(x, cos, sin)
+
+    def _kept(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def _lgd(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         attention, mlp = self.attention, self.feed_forward
         q, k, v = recomputed(lambda h: attention.project(self.attention_norm(h)),
                              (self.attention_norm, attention.wq, attention.wk, attention.wv), x)
@@ -263,14 +273,14 @@ RECOMPUTE_MODES = ("none", "lgd", "full")
 
 
 def set_layer_recompute(module: nn.Module, mode: str) -> None:
-    """Set every TransformerBlock of ``module`` to keep ("none") or recompute ("lgd") its norm
-    and activation-function outputs. "full" is stage-level (RECOMPUTE actions in the schedule,
-    runtime/executor.py) and leaves the blocks as "none"."""
+    """Set what every TransformerBlock of ``module`` keeps for its backward: everything
+    ("none"), all but its norm and activation-function outputs ("lgd"), or its input ("full").
+    The embedding and the head are not recomputed (as in Megatron and the planner's model)."""
     if mode not in RECOMPUTE_MODES:
         raise ConfigError(f"recompute {mode!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
     for block in module.modules():
         if isinstance(block, TransformerBlock):
-            block.recompute = "lgd" if mode == "lgd" else "none"
+            block.recompute = mode
 
 
 class Transformer(nn.Module):

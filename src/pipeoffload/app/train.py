@@ -2,7 +2,7 @@
 (planned) schedule, trained with AdamW on byte-level text, PP x DP x TP over torch.distributed
 (tensor parallelism inside each stage with torch DTensor, app/tensor_parallel.py), in fp32,
 fp64 or bf16 with float32 master weights (app/precision.py Note: [mixed precision]), with
-recompute none, lgd (inside each layer, app/layer_recompute.py) or full (RECOMPUTE actions).
+recompute none, lgd or full inside each layer (app/model.py, app/layer_recompute.py).
 
 Processes and groups: see launch.py's Note: [rank layout].
 
@@ -34,8 +34,7 @@ from pipeoffload.app.split import build_stage_modules, lm_loss, stage_layer_rang
 from pipeoffload.app.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
-from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
-from pipeoffload.offload.recompute import add_recompute
+from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
@@ -149,27 +148,12 @@ class TrainConfig:
 
 
 def build_plan(config: TrainConfig) -> OffloadPlan:
-    """The schedule (recompute and offload planned in) and the planner's report.
-
-    ``--recompute full`` recomputes every (stage, microbatch) (RECOMPUTE actions), so nothing is
-    left to offload, and an offload target other than none is refused rather than ignored.
-    """
+    """The schedule (offload planned in) and the planner's report. Recompute (``lgd`` /
+    ``full``) happens inside each layer (app/model.py), so it mixes with any offload."""
     options = {k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
                if v is not None}
-    policy = OffloadPolicy(fetch_on_use=config.fetch_on_use)
-    if config.recompute != "full":
-        return plan_schedule(config.schedule, config.pp, config.num_microbatches,
-                             config.offload, policy=policy, **options)
-    bare = plan_schedule(config.schedule, config.pp, config.num_microbatches, "none",
-                         **options)
-    if config.offload not in (None, "none") or bare.schedule.name in ("po-h", "po-f"):
-        raise ConfigError(
-            f"--recompute full recomputes every activation, so {config.schedule} with offload "
-            f"{config.offload or 'its default'} would have nothing to offload; use "
-            "--offload none with a schedule that does not offload by itself (po-h / po-f do), "
-            "or --recompute lgd")
-    recomputed = add_recompute(bare.schedule, target="all").schedule
-    return add_offload(recomputed, target="none", policy=policy)
+    return plan_schedule(config.schedule, config.pp, config.num_microbatches, config.offload,
+                         policy=OffloadPolicy(fetch_on_use=config.fetch_on_use), **options)
 
 
 def preflight(config: TrainConfig, processes: int) -> OffloadPlan:

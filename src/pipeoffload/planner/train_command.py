@@ -5,9 +5,8 @@ What train accepts (app/train_cli.py, docs/training.md): ``--pp --dp --tp``, ``-
 ``--chunks`` / ``--group-size`` where the schedule takes them, ``--microbatches``,
 ``--batch-size`` (global), ``--offload``, ``--recompute none|lgd|full``, ``--dtype fp32|bf16``
 and the reference model's shape. What it refuses, so the printer refuses too:
-- per-chunk recompute mixed with offload (the planner's RECOMPUTE_AND_OFFLOAD option);
-- ``--recompute full`` with any offload (train's full recompute is stage-level: every
-  (stage, microbatch) is recomputed, so there is nothing left to offload);
+- per-chunk recompute mixed with offload (the planner's RECOMPUTE_AND_OFFLOAD option: whole
+  chunks recomputed by RECOMPUTE actions, the rest offloaded; train recomputes per layer);
 - a tensor-parallel degree that does not divide the heads, key/value heads, MLP width or the
   reference model's byte vocabulary;
 - activations of other than 2 (bf16) or 4 (fp32) bytes.
@@ -77,12 +76,8 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None) -> 
 def _refusal(c: Candidate, spec: TransformerSpec | None) -> str | None:
     if c.offload == _MIXED:
         return ("it recomputes each rank's longest-lived chunk and offloads the rest, and "
-                "train recomputes all stages or none (--recompute full); search with "
-                "--offload none,chunks:1,all for a plan train runs")
-    if c.recompute.value == "full" and c.offload != "none":
-        return (f"--recompute full with offload {c.offload}: train's full recompute is "
-                "stage-level, so nothing is left to offload; search with --recompute none,lgd "
-                "or --offload none")
+                "train recomputes per layer (--recompute lgd|full), not per chunk; search "
+                "with --offload none,chunks:1,all for a plan train runs")
     if spec is None:
         return None
     if spec.activation_bytes not in DTYPE_FLAGS:
