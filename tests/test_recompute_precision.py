@@ -10,6 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_runtime_support import one_thread  # noqa: E402, F401 - autouse fixture
+
 from pipeoffload.app.data import DataConfig  # noqa: E402
 from pipeoffload.app.launch import Topology  # noqa: E402
 from pipeoffload.app.model import model_preset  # noqa: E402

@@ -11,7 +11,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from test_runtime_support import launch  # noqa: E402
+from test_runtime_support import launch, one_thread  # noqa: E402, F401 - autouse fixture
 
 from pipeoffload.api import build_schedule  # noqa: E402
 from pipeoffload.app.model import model_preset, set_layer_recompute  # noqa: E402
