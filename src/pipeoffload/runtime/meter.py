@@ -91,7 +91,8 @@ class ActivationMeter:
         """Count ``tensor``'s storage for ``owner`` while the returned token lives.
 
         Returns None for what is not an activation (parameters, empty or non-dense tensors).
-        A DTensor counts its local shard's storage (the token keeps the DTensor).
+        A DTensor counts its local shard's storage, an AsyncCollectiveTensor its waited result
+        (runtime/shards.py); the token keeps the tensor as given.
         """
         if isinstance(tensor, torch.nn.Parameter):
             return None

@@ -18,7 +18,8 @@ with synchronous copies: the host copy is a separate tensor and the original sto
 Shapes may change between steps: records live for one forward/backward, buffers are pooled by size.
 
 Note: [kept on device] a saved DTensor (tensor parallelism) is moved as its local shard and
-rebuilt around the returned shard when autograd unpacks it (runtime/shards.py). What stays on
+rebuilt around the returned shard when autograd unpacks it, and an AsyncCollectiveTensor as
+the tensor its collective produced (runtime/shards.py). What stays on
 the device is summed by reason in ``kept_bytes``: parameters, tensors of at most
 ``min_offload_elements`` elements, tensors on another device, and what is not a dense tensor
 (sparse, meta, other tensor subclasses), which the offloader cannot rebuild.

@@ -52,7 +52,7 @@ def local_shards(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 @dataclass(frozen=True, eq=False)
 class ShardLayout:
     """How to rebuild a DTensor around its local shard: mesh, placements, global shape and
-    stride, and whether it required grad."""
+    stride."""
 
     mesh: Any
     placements: tuple[Any, ...]
