@@ -1,5 +1,7 @@
-"""Selective recompute inside a layer ("lgd", the paper authors' --recompute-lgd): a region's
-outputs are not saved for the backward; only its inputs are, and the backward re-runs it.
+"""Recompute regions inside a layer: a region's outputs and intermediates are not saved for
+the backward; only its inputs are, and the backward re-runs it. app/model.py uses it for
+``--recompute lgd`` (the paper authors' --recompute-lgd: norm and activation-function outputs),
+``--recompute full`` (a whole block) and for half-precision norms (their float32 work).
 
 Unlike torch.utils.checkpoint's non-reentrant mode, whose inputs never pass through the
 saved-tensor hooks, the region here saves its inputs with ``ctx.save_for_backward``, so the

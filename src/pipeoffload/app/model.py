@@ -173,7 +173,6 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
         self.head_dim = config.head_dim
         kv_dim = config.n_kv_heads * config.head_dim
         self.wq = _linear(config.dim, config.dim)
