@@ -153,7 +153,17 @@ def _cli(argv: list[str], cwd) -> tuple[int, str, str]:
 
 
 def test_tp_bf16_checkpoint_resumes_bitwise_and_refuses_another_tp(tmp_path) -> None:
+    import argparse
     import json
+
+    from pipeoffload.app.checkpoint import CheckpointError
+    from pipeoffload.app.train import preflight
+    from pipeoffload.app.train_cli import add_train_parser, config_from_args
+
+    def parse(argv: list[str]) -> argparse.Namespace:
+        parser = argparse.ArgumentParser(prog="pipeoffload")
+        add_train_parser(parser.add_subparsers(dest="command", required=True))
+        return parser.parse_args(["train", *argv])
 
     common = ["--model", "tiny", "--pp", "1", "--tp", "2", "--schedule", "1f1b", "--steps", "3",
               "--batch-size", "4", "--dtype", "bf16", "--no-png", "--json", "--p2p-timeout",
@@ -170,7 +180,7 @@ def test_tp_bf16_checkpoint_resumes_bitwise_and_refuses_another_tp(tmp_path) -> 
     code, out, err = _cli([*common, "--resume", "ck/step_00000002"], tmp_path)
     assert code == 0, err
     assert json.loads(out.splitlines()[-1])["losses"] == straight["losses"][2:]  # bitwise
-    code, out, err = _cli([*common, "--tp", "1", "--resume", "ck/step_00000002"], tmp_path)
-    assert code == 2
-    assert "tp: checkpoint 2, now 1" in err and "not resharded" in err
-    assert "Traceback" not in err
+    config, _ = config_from_args(parse([*common, "--tp", "1", "--resume",
+                                        str(tmp_path / "ck" / "step_00000002")]))
+    with pytest.raises(CheckpointError, match="tp: checkpoint 2, now 1.*not resharded"):
+        preflight(config, processes=1)
