@@ -51,6 +51,18 @@ def test_recompute_keeps_losses_bitwise_and_lowers_peaks_as_simulated(schedule: 
     assert not any(r.plan.schedule.has_kind(Kind.RECOMPUTE) for r in runs.values())
 
 
+def test_the_planners_per_chunk_recompute_and_offload_mix_runs_exactly() -> None:
+    from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
+
+    grouped = {"schedule": "grouped-interleaved", "chunks": 2, "steps": 2}
+    offload = _run(_config(offload="all", **grouped))
+    mixed = _run(_config(offload=RECOMPUTE_AND_OFFLOAD, **grouped))
+    assert mixed.plan.schedule.has_kind(Kind.RECOMPUTE)
+    assert mixed.plan.schedule.has_kind(Kind.OFFLOAD)
+    assert mixed.losses == offload.losses
+    assert mixed.peak_bytes == tuple(int(b) for b in mixed.predicted_bytes)
+
+
 def test_bf16_halves_activation_bytes_except_float32_statistics() -> None:
     """Per middle-stage layer, fp32 keeps what bf16 keeps at twice the bytes, plus two norms'
     float32 work (normalised x and 1/rms) that bf16 recomputes, minus nothing for attention's

@@ -10,15 +10,11 @@ import pytest
 
 from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD, Candidate
 from pipeoffload.planner.presets import model_preset as model_spec
-from pipeoffload.planner.train_command import _MIXED, train_command
+from pipeoffload.planner.train_command import train_command
 from pipeoffload.planner.transformer import Recompute
 
 BASE = Candidate("grouped-interleaved", dp=2, tp=2, pp=4, chunks=2, micro_batch=1,
                  microbatches=8, recompute=Recompute.LGD, offload="all", group_size=2)
-
-
-def test_the_mixed_option_name_matches_the_planner() -> None:
-    assert _MIXED == RECOMPUTE_AND_OFFLOAD
 
 
 def test_tp_recompute_and_bf16_are_flags_of_the_command() -> None:
@@ -28,6 +24,8 @@ def test_tp_recompute_and_bf16_are_flags_of_the_command() -> None:
     for flag in ("--pp 4", "--dp 2", "--tp 2", "--schedule po-f", "--recompute lgd",
                  "--dtype bf16", "--batch-size 16", f"--kv-heads {spec.kv_heads}"):
         assert flag in command.argv
+    mixed = train_command(dataclasses.replace(BASE, offload=RECOMPUTE_AND_OFFLOAD), spec)
+    assert f"--offload {RECOMPUTE_AND_OFFLOAD}" in mixed.argv
     full = train_command(dataclasses.replace(BASE, recompute=Recompute.FULL), spec)
     assert "--recompute full" in full.argv  # mixed with po-f's offload, per layer
     fp32 = dataclasses.replace(spec, activation_bytes=4)
@@ -35,7 +33,6 @@ def test_tp_recompute_and_bf16_are_flags_of_the_command() -> None:
 
 
 @pytest.mark.parametrize(("change", "spec_change", "reason"), [
-    ({"offload": RECOMPUTE_AND_OFFLOAD}, {}, "recomputes each rank's longest-lived chunk"),
     ({"tp": 16}, {}, "tp=16 does not divide kv_heads=8"),
     ({}, {"activation_bytes": 1}, "1 bytes per element"),
 ])

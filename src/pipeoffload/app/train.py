@@ -34,7 +34,9 @@ from pipeoffload.app.split import build_stage_modules, lm_loss, stage_layer_rang
 from pipeoffload.app.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
-from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
+from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
+from pipeoffload.offload.recompute import add_recompute
+from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
@@ -149,11 +151,21 @@ class TrainConfig:
 
 def build_plan(config: TrainConfig) -> OffloadPlan:
     """The schedule (offload planned in) and the planner's report. Recompute (``lgd`` /
-    ``full``) happens inside each layer (app/model.py), so it mixes with any offload."""
+    ``full``) happens inside each layer (app/model.py), so it mixes with any offload.
+
+    ``--offload recompute-chunks:1+all`` is the planner's per-chunk mix (planner/evaluate.py
+    RECOMPUTE_AND_OFFLOAD): each rank's longest-lived chunk recomputed by RECOMPUTE actions
+    (offload/recompute.py), every other activation offloaded.
+    """
     options = {k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
                if v is not None}
-    return plan_schedule(config.schedule, config.pp, config.num_microbatches, config.offload,
-                         policy=OffloadPolicy(fetch_on_use=config.fetch_on_use), **options)
+    policy = OffloadPolicy(fetch_on_use=config.fetch_on_use)
+    if config.offload != RECOMPUTE_AND_OFFLOAD:
+        return plan_schedule(config.schedule, config.pp, config.num_microbatches,
+                             config.offload, policy=policy, **options)
+    bare = plan_schedule(config.schedule, config.pp, config.num_microbatches, "none", **options)
+    recomputed = add_recompute(bare.schedule, target="chunks:1").schedule
+    return add_offload(recomputed, target="all", policy=policy)
 
 
 def preflight(config: TrainConfig, processes: int) -> OffloadPlan:

@@ -56,7 +56,8 @@ def add_train_parser(subparsers: Any) -> None:
     g.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per replica and step (default 2 * pp)")
     g.add_argument("--offload", default=None, metavar="SPEC",
-                   help="none | all | chunks:K | fraction:X | limit:X (po-h/po-f: own default)")
+                   help="none | all | chunks:K | fraction:X | limit:X | recompute-chunks:1+all "
+                   "(po-h/po-f: own default)")
     g.add_argument("--fetch-on-use", action="store_true",
                    help="backward passes read offloaded activations from host memory as they "
                    "use them (FETCH) instead of a whole RELOAD: lower peaks, more reads")

@@ -4,9 +4,9 @@ why train cannot run it (a refusal, never a command with the unsupported part le
 What train accepts (app/train_cli.py, docs/training.md): ``--pp --dp --tp``, ``--schedule``,
 ``--chunks`` / ``--group-size`` where the schedule takes them, ``--microbatches``,
 ``--batch-size`` (global), ``--offload``, ``--recompute none|lgd|full``, ``--dtype fp32|bf16``
-and the reference model's shape. What it refuses, so the printer refuses too:
-- per-chunk recompute mixed with offload (the planner's RECOMPUTE_AND_OFFLOAD option: whole
-  chunks recomputed by RECOMPUTE actions, the rest offloaded; train recomputes per layer);
+and the reference model's shape; ``--offload recompute-chunks:1+all`` is the planner's
+per-chunk mix of recompute and offload (RECOMPUTE_AND_OFFLOAD). What train refuses, so the
+printer refuses too:
 - a tensor-parallel degree that does not divide the heads, key/value heads, MLP width or the
   reference model's byte vocabulary;
 - activations of other than 2 (bf16) or 4 (fp32) bytes.
@@ -25,11 +25,6 @@ if TYPE_CHECKING:
 TRAIN_VOCAB = 256
 #: Bytes per activation element -> train's --dtype (None: train's default, fp32).
 DTYPE_FLAGS = {2: "bf16", 4: None}
-#: The offload option that recomputes each rank's longest-lived chunk and offloads the rest
-#: (planner/evaluate.py RECOMPUTE_AND_OFFLOAD).
-_MIXED = "recompute-chunks:1+all"
-
-
 @dataclass(frozen=True)
 class TrainCommand:
     """Either ``argv`` (the command, as one line) or ``refused`` (why train cannot run it)."""
@@ -74,10 +69,6 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None) -> 
 
 
 def _refusal(c: Candidate, spec: TransformerSpec | None) -> str | None:
-    if c.offload == _MIXED:
-        return ("it recomputes each rank's longest-lived chunk and offloads the rest, and "
-                "train recomputes per layer (--recompute lgd|full), not per chunk; search "
-                "with --offload none,chunks:1,all for a plan train runs")
     if spec is None:
         return None
     if spec.activation_bytes not in DTYPE_FLAGS:
