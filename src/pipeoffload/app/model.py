@@ -292,6 +292,10 @@ class Transformer(nn.Module):
     which also initialise the weights; the constructor leaves them uninitialised.
     """
 
+    #: Sequence-parallel degree: hidden states are [batch, seq / sequence_shards, dim] shards
+    #: (set by app/tensor_parallel.py); rotary positions count the whole sequence.
+    sequence_shards: int = 1
+
     def __init__(
         self, config: ModelConfig, layer_ids: Iterable[int], *, embedding: bool, head: bool
     ) -> None:
@@ -329,13 +333,14 @@ class Transformer(nn.Module):
                 f"stage with layers {list(self.layer_ids)} takes hidden states "
                 f"[batch, seq, {self.config.dim}], got {list(x.shape)}"
             )
-        if x.shape[1] > self.config.max_seq_len:
+        seq = x.shape[1] * self.sequence_shards  # x is a sequence shard under TP (+ SP)
+        if seq > self.config.max_seq_len:
             raise ConfigError(
-                f"sequence length {x.shape[1]} exceeds max_seq_len={self.config.max_seq_len}; "
+                f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}; "
                 "use shorter sequences or a config with a larger max_seq_len"
             )
         if self.layers:
-            positions = torch.arange(x.shape[1], device=x.device)
+            positions = torch.arange(seq, device=x.device)
             cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
             for layer in self.layers.values():
                 x = layer(x, cos, sin)

@@ -91,7 +91,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)
-        check_tensor_parallel(self.model, self.tp)
+        check_tensor_parallel(self.model, self.tp, self.data.seq_len)
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"--recompute {self.recompute!r}: choose one of "
                               f"{', '.join(RECOMPUTE_MODES)}")
