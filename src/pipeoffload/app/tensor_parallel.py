@@ -85,10 +85,3 @@ def apply_tensor_parallel(module: Transformer, mesh: Any) -> Transformer:
         parallelize_module(norm, mesh, gather)
     module.sequence_shards = mesh.size()
     return module
-
-
-def sharded_parameters(module: nn.Module) -> list[str]:
-    """Names of ``module``'s parameters that are DTensors (sharded or replicated by a style)."""
-    from pipeoffload.runtime.shards import is_dtensor
-
-    return [name for name, p in module.named_parameters() if is_dtensor(p)]
