@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.app.data import TextDataset
+from pipeoffload.app.sharded_state import load_tensors, local_state, shard_optimizer_state
 from pipeoffload.errors import PipeoffloadError
-from pipeoffload.runtime.shards import ShardLayout, is_dtensor, local_shard
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -69,7 +69,7 @@ def step_folder(root: str | Path, step: int) -> Path:
 
 def stage_file(stage: int, tp_index: int | None = None) -> str:
     """Stage ``stage``'s file; with tensor parallelism one per tensor-parallel rank (its
-    shards, Note: [sharded checkpoint])."""
+    shards, app/sharded_state.py Note: [sharded checkpoint])."""
     return f"stage_{stage:03d}.pt" if tp_index is None else f"stage_{stage:03d}_tp{tp_index}.pt"
 
 
@@ -309,7 +309,7 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
             payload = {"model": module.state_dict(), "optimizer": state.optimizers[s].state_dict()}
             if state.masters is not None:
                 payload["masters"] = list(state.masters[s])
-            records.append(save_object(folder, stage_file(s, tp_index), _local(payload)))
+            records.append(save_object(folder, stage_file(s, tp_index), local_state(payload)))
     records.append(save_object(folder, rank_file(where.rank), rng_state(where.device)))
     if where.distributed:
         parts: list[Any] = [None] * dist.get_world_size()
@@ -333,12 +333,12 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
         name = stage_file(s, tp_index)
         saved = load_object(manifest, name, where.device)
         try:
-            _load_tensors(module.state_dict(), saved["model"])
+            load_tensors(module.state_dict(), saved["model"])
             optimizer = state.optimizers[s]
             optimizer.load_state_dict(saved["optimizer"])
-            _shard_optimizer_state(optimizer)
+            shard_optimizer_state(optimizer)
             if state.masters is not None:
-                _load_tensors(dict(enumerate(state.masters[s])),
+                load_tensors(dict(enumerate(state.masters[s])),
                               dict(enumerate(saved["masters"])))
         except (KeyError, RuntimeError, ValueError) as error:
             raise CheckpointError(f"{manifest.folder / name} does not fit stage {s} "
@@ -352,54 +352,6 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
     return manifest.step
 
 
-# Note: [sharded checkpoint] Under tensor parallelism parameters, master weights and AdamW
-# moments are DTensors. Each tensor-parallel rank of replica 0 writes its local shards as plain
-# tensors to its own stage file (``stage_file(s, tp_index)``), and loads them back into the
-# shards of the same layout; a checkpoint therefore only resumes with the same tp (the
-# manifest records it and check_compatible refuses another; no resharding).
-
-
 def _tp_index(where: Placement) -> int | None:
     tp = getattr(where, "tp", 1)
     return getattr(where, "tp_index", 0) if tp > 1 else None
-
-
-def _local(value: Any) -> Any:
-    """``value`` with every DTensor replaced by its local shard (plain tensors save and load
-    with ``weights_only``)."""
-    if isinstance(value, torch.Tensor):
-        return local_shard(value).detach()
-    if isinstance(value, dict):
-        return {k: _local(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_local(v) for v in value)
-    return value
-
-
-@torch.no_grad()
-def _load_tensors(targets: Mapping[Any, torch.Tensor], saved: Mapping[Any, Any]) -> None:
-    """Copy ``saved`` (plain tensors) into ``targets`` (tensors or DTensors, by their local
-    shards); the names and shapes must match."""
-    if set(targets) != set(saved):
-        missing, extra = set(targets) - set(saved), set(saved) - set(targets)
-        raise KeyError(f"names differ: missing {sorted(map(str, missing))[:3]}, unexpected "
-                       f"{sorted(map(str, extra))[:3]}")
-    for key, target in targets.items():
-        local = local_shard(target)
-        value = saved[key]
-        if tuple(local.shape) != tuple(value.shape):
-            raise ValueError(f"{key}: shape {list(value.shape)} saved, {list(local.shape)} here")
-        local.copy_(value)
-
-
-def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """After ``load_state_dict``: wrap the moments of DTensor parameters back into DTensors of
-    the parameter's layout (they were saved as local shards)."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not is_dtensor(param):
-                continue
-            state = optimizer.state.get(param, {})
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and not is_dtensor(value) and value.dim():
-                    state[key] = ShardLayout.of(param).rebuild(value)
