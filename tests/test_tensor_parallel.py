@@ -17,6 +17,7 @@ from pipeoffload.api import build_schedule  # noqa: E402
 from pipeoffload.app.model import model_preset, set_layer_recompute  # noqa: E402
 from pipeoffload.app.split import build_full_model, build_stage_modules, lm_loss  # noqa: E402
 from pipeoffload.core.actions import Kind  # noqa: E402
+from pipeoffload.offload.plan import OffloadPolicy  # noqa: E402
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig  # noqa: E402
 from pipeoffload.runtime.meter import ActivationMeter  # noqa: E402
 from pipeoffload.runtime.pipeline import Pipeline  # noqa: E402
@@ -28,7 +29,8 @@ pytestmark = pytest.mark.slow
 MODEL = model_preset("tiny")  # 4 layers, 4 heads, 2 kv heads: splits over tp=2
 MICROBATCHES = 4
 CASES = (("1f1b", {}, "none"), ("zbv", {}, "none"), ("po-f", {"offload_ratio": 0.25}, "none"),
-         ("po-f", {"offload_ratio": 0.25}, "lgd"), ("zbv", {}, "full"))
+         ("po-f", {"offload_ratio": 0.25}, "lgd"), ("zbv", {}, "full"),
+         ("po-f", {"offload_ratio": 0.25, "policy": OffloadPolicy(fetch_on_use=True)}, "none"))
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +116,7 @@ def test_pp2_tp2_equals_the_unsplit_model_and_the_meter_equals_the_simulator(tmp
     for index, (name, options, recompute) in enumerate(CASES):
         schedule = _schedule(name, options)
         rows = {rank: results[rank]["ok"][index] for rank in range(4)}
+        assert schedule.has_kind(Kind.FETCH) == ("policy" in options)
         for rank, row in rows.items():
             assert row["grad_error"] <= 1e-10, (name, recompute, rank, row["grad_error"])
             assert row["sharded"] > 0  # DTensor parameters really were sharded
