@@ -142,9 +142,10 @@ def test_plan_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
         for flag in (f"--pp {plan['pp']}", f"--dp {plan['dp']}",
                      f"--microbatches {plan['microbatches']}"):
             assert flag in plan["command"]
-        # train has no TP or per-layer recompute: the plan names them after the command.
-        assert (f"tp={plan['tp']}" in plan["command"]) == (plan["tp"] > 1)
-        assert (f"recompute={plan['recompute']}" in plan["command"]) == (
+        # train runs TP and recompute: they are flags of the command, nothing is left out.
+        assert plan["command_refused"] is None and "#" not in plan["command"]
+        assert (f"--tp {plan['tp']}" in plan["command"]) == (plan["tp"] > 1)
+        assert (f"--recompute {plan['recompute']}" in plan["command"]) == (
             plan["recompute"] != "none")
     assert data["best"] == data["candidates"][0]
     assert 0 < data["k"] < 10
@@ -240,4 +241,4 @@ def test_recompute_and_offload_mix_per_chunk() -> None:
     mixed = evaluator.evaluate(dataclasses.replace(base, offload=RECOMPUTE_AND_OFFLOAD))
     assert mixed.memory.activations < offload_only.memory.activations
     assert mixed.step_time > offload_only.step_time
-    assert "recomputed" in mixed.candidate.command()
+    assert f"--offload {RECOMPUTE_AND_OFFLOAD}" in mixed.candidate.command()

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.app.data import TextDataset
+from pipeoffload.app.sharded_state import load_tensors, local_state, shard_optimizer_state
 from pipeoffload.errors import PipeoffloadError
 
 FORMAT_VERSION = 1
@@ -66,8 +67,10 @@ def step_folder(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def stage_file(stage: int) -> str:
-    return f"stage_{stage:03d}.pt"
+def stage_file(stage: int, tp_index: int | None = None) -> str:
+    """Stage ``stage``'s file; with tensor parallelism one per tensor-parallel rank (its
+    shards, app/sharded_state.py Note: [sharded checkpoint])."""
+    return f"stage_{stage:03d}.pt" if tp_index is None else f"stage_{stage:03d}_tp{tp_index}.pt"
 
 
 def rank_file(rank: int) -> str:
@@ -235,9 +238,13 @@ def check_compatible(manifest: Manifest, expected: dict[str, Any]) -> None:
     diffs = [f"{key}: checkpoint {manifest.info.get(key)!r}, now {value!r}"
              for key, value in expected.items() if manifest.info.get(key) != value]
     if diffs:
+        shards = ("; it holds each tensor-parallel rank's shards and is not resharded, so "
+                  f"resume with --tp {manifest.info.get('tp')}"
+                  if manifest.info.get("tp") != expected.get("tp", manifest.info.get("tp"))
+                  else "")
         raise CheckpointError(
             f"checkpoint {manifest.folder} was written for another configuration ("
-            + "; ".join(diffs) + "); resume with the options it was saved with")
+            + "; ".join(diffs) + f"){shards}; resume with the options it was saved with")
 
 
 class Placement(Protocol):
@@ -259,6 +266,7 @@ class TrainingState:
     stages: Mapping[int, nn.Module]
     optimizers: Mapping[int, torch.optim.Optimizer]
     dataset: TextDataset
+    masters: Mapping[int, list[torch.Tensor]] | None = None  # what the optimizers update
 
 
 def _world(where: Placement) -> int:
@@ -296,9 +304,12 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
     _barrier(where)
     records = []
     if where.dp_index == 0:
+        tp_index = _tp_index(where)
         for s, module in sorted(state.stages.items()):
-            records.append(save_object(folder, stage_file(s), {
-                "model": module.state_dict(), "optimizer": state.optimizers[s].state_dict()}))
+            payload = {"model": module.state_dict(), "optimizer": state.optimizers[s].state_dict()}
+            if state.masters is not None:
+                payload["masters"] = list(state.masters[s])
+            records.append(save_object(folder, stage_file(s, tp_index), local_state(payload)))
     records.append(save_object(folder, rank_file(where.rank), rng_state(where.device)))
     if where.distributed:
         parts: list[Any] = [None] * dist.get_world_size()
@@ -317,13 +328,20 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
     step it continues from. Raises CheckpointError if it is missing, corrupt or foreign."""
     manifest = read_manifest(find_checkpoint(resume, root), verify_files=False)
     check_compatible(manifest, {**identity, "processes": _world(where)})
+    tp_index = _tp_index(where)
     for s, module in sorted(state.stages.items()):
-        saved = load_object(manifest, stage_file(s), where.device)
+        name = stage_file(s, tp_index)
+        saved = load_object(manifest, name, where.device)
         try:
-            module.load_state_dict(saved["model"])
-            state.optimizers[s].load_state_dict(saved["optimizer"])
+            load_tensors(module.state_dict(), saved["model"])
+            optimizer = state.optimizers[s]
+            optimizer.load_state_dict(saved["optimizer"])
+            shard_optimizer_state(optimizer)
+            if state.masters is not None:
+                load_tensors(dict(enumerate(state.masters[s])),
+                              dict(enumerate(saved["masters"])))
         except (KeyError, RuntimeError, ValueError) as error:
-            raise CheckpointError(f"{manifest.folder / stage_file(s)} does not fit stage {s} "
+            raise CheckpointError(f"{manifest.folder / name} does not fit stage {s} "
                                   f"({error}); resume with the model it was saved with") from None
     set_rng_state(load_object(manifest, rank_file(where.rank)), where.device)
     data = manifest.info.get("data")
@@ -332,3 +350,8 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
                               f"{data!r} does not match step {manifest.step}")
     state.dataset.load_state_dict(data)
     return manifest.step
+
+
+def _tp_index(where: Placement) -> int | None:
+    tp = getattr(where, "tp", 1)
+    return getattr(where, "tp_index", 0) if tp > 1 else None

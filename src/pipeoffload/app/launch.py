@@ -9,12 +9,15 @@ the first failure's exit code and says which rank failed and how.
 
 Each process then joins the job with ``connect`` (torchrun's processes too).
 
-Note: [rank layout] Global rank g is pipeline rank ``g // dp`` of data-parallel replica
-``g % dp``: the replicas of one pipeline rank are neighbours, so with torchrun's node-major
-numbering the gradient all-reduce (the heavy traffic) stays inside a node where it can and the
-pipeline's point-to-point hops (light) cross nodes. Each replica has its own pipeline group and
-each pipeline rank its own data-parallel group; every process creates every group, in the
-same order, as torch.distributed.new_group requires.
+Note: [rank layout] The processes form a device mesh of shape (pp, dp, tp), dims named
+"pp", "dp", "tp" (``init_device_mesh``): global rank g is tensor-parallel rank ``g % tp`` of
+data-parallel replica ``(g // tp) % dp`` of pipeline rank ``g // (dp * tp)``. Tensor-parallel
+peers (the heaviest traffic, collectives in every layer) are neighbours, then the replicas of
+one pipeline rank (the gradient all-reduce), so with torchrun's node-major numbering both stay
+inside a node where they can and the pipeline's point-to-point hops (light) cross nodes. Each
+(replica, tensor-parallel rank) has its own pipeline group, each (pipeline rank,
+tensor-parallel rank) its own data-parallel group; with tp = 1 this is the layout of earlier
+versions (g = pp_rank * dp + replica).
 """
 
 from __future__ import annotations
@@ -196,8 +199,9 @@ class Topology:
     device: torch.device | None = None
     pp_group: Any = None
     dp_group: Any = None
-    backward_group: Any = None
     channel_groups: Any = None  # NCCL: {lowering.Channel: group}, see Pipeline(channel_groups=)
+    tp: int = 1
+    tp_mesh: Any = None  # the 1-D DeviceMesh of this process's tensor-parallel group (tp > 1)
 
     @classmethod
     def local(cls, pp: int, device: torch.device | str = "cpu") -> Topology:
@@ -207,19 +211,23 @@ class Topology:
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // self.dp
+        return self.rank // (self.dp * self.tp)
 
     @property
     def dp_index(self) -> int:
-        return self.rank % self.dp
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def tp_index(self) -> int:
+        return self.rank % self.tp
 
     @property
     def pipeline_ranks(self) -> tuple[int, ...]:
         """The pipeline ranks this process runs."""
         return (self.pp_rank,) if self.distributed else tuple(range(self.pp))
 
-    def global_rank(self, pp_rank: int, dp_index: int) -> int:
-        return pp_rank * self.dp + dp_index
+    def global_rank(self, pp_rank: int, dp_index: int, tp_index: int = 0) -> int:
+        return (pp_rank * self.dp + dp_index) * self.tp + tp_index
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -234,22 +242,21 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
-            env: Mapping[str, str] = os.environ) -> Topology:
+            env: Mapping[str, str] = os.environ, tp: int = 1) -> Topology:
     """Join the job torchrun (or ``launch``) started: init the default group from env://
     (NCCL on GPUs, gloo on CPU; ``timeout_s`` for every collective, and on NCCL the bound for a
-    hung receive: runtime/p2p.py Note: [NCCL posting]) and create the pipeline and
-    data-parallel groups (see Note: [rank layout]). On CUDA the group is bound to this
-    process's device (``device_id``: eager NCCL init, new groups split from it), and each
-    pipeline gets one communicator per lowering.Channel (Note: [NCCL channels])."""
+    hung receive: runtime/p2p.py Note: [NCCL posting]), build the (pp, dp, tp) device mesh and
+    take the pipeline, data-parallel and tensor-parallel groups from it (see Note: [rank
+    layout]). On CUDA the group is bound to this process's device (``device_id``: eager NCCL
+    init, new groups split from it), and each pipeline gets one communicator per
+    lowering.Channel (Note: [NCCL channels])."""
     import torch
     import torch.distributed as dist
 
-    from pipeoffload.runtime.lowering import Channel
-
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    if world != pp * dp:
+    if world != pp * dp * tp:
         raise ConfigError(f"the job has WORLD_SIZE={world} processes but --pp {pp} x --dp {dp} "
-                          f"= {pp * dp}; start pp*dp processes")
+                          f"x --tp {tp} = {pp * dp * tp}; start pp*dp*tp processes")
     where = resolve_device(device, int(env.get("LOCAL_RANK", "0")))
     backend = "nccl" if where.type == "cuda" else "gloo"
     if where.type == "cuda":
@@ -258,22 +265,48 @@ def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
     bound = {"device_id": where} if where.type == "cuda" else {}
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=timeout, **bound)
-    topo = Topology(pp=pp, dp=dp, rank=rank, distributed=True, device=where)
-    groups: dict[str, Any] = {}
+    return mesh_topology(pp, dp, tp, where, timeout_s)
+
+
+def mesh_topology(pp: int, dp: int, tp: int, where: torch.device,
+                  timeout_s: float = 300.0) -> Topology:
+    """In a process whose default group (of pp * dp * tp ranks) is initialised: build the
+    (pp, dp, tp) device mesh and this process's Topology (Note: [rank layout])."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeoffload.runtime.lowering import Channel
+
+    rank, backend = dist.get_rank(), dist.get_backend()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    names = ("pp", "dp", "tp")
+    mesh = init_device_mesh(where.type, (pp, dp, tp), mesh_dim_names=names,
+                            backend_override={n: (backend, _options(backend, timeout))
+                                              for n in names})
+    topo = Topology(pp=pp, dp=dp, tp=tp, rank=rank, distributed=True, device=where,
+                    pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
+                    tp_mesh=mesh["tp"] if tp > 1 else None)
+    if backend != "nccl":
+        return topo
+    # NCCL runs each communicator's P2P in posting order: one per channel and pipeline.
+    channels = None
     for d in range(dp):
-        members = [topo.global_rank(p, d) for p in range(pp)]
-        group = dist.new_group(members, timeout=timeout)
-        # NCCL runs each communicator's P2P in posting order: one per channel.
-        channels = ({c: dist.new_group(members, timeout=timeout) for c in Channel}
-                    if backend == "nccl" else None)
-        if d == topo.dp_index:
-            groups.update(pp_group=group, channel_groups=channels)
-    for p in range(pp):
-        group = dist.new_group([topo.global_rank(p, d) for d in range(dp)],
-                               timeout=timeout)
-        if p == topo.pp_rank:
-            groups["dp_group"] = group
-    return dataclasses.replace(topo, **groups)
+        for t in range(tp):
+            members = [topo.global_rank(p, d, t) for p in range(pp)]
+            groups = {c: dist.new_group(members, timeout=timeout) for c in Channel}
+            if (d, t) == (topo.dp_index, topo.tp_index):
+                channels = groups
+    return dataclasses.replace(topo, channel_groups=channels)
+
+
+def _options(backend: str, timeout: datetime.timedelta) -> Any:
+    """Backend options carrying ``timeout``, so the mesh's groups fail as the default one."""
+    import torch.distributed as dist
+
+    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
+               else dist.ProcessGroupGloo._Options())
+    options._timeout = timeout
+    return options
 
 
 def disconnect(topology: Topology) -> None:

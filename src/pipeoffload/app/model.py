@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import skip_init
 
+from pipeoffload.app.layer_recompute import recomputed
 from pipeoffload.errors import ConfigError
 
 
@@ -128,18 +129,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate feature pairs (2i, 2i+1) of x [..., seq, head_dim] by the angles of rope_angles.
 
     A query at position m and a key at position n then have a dot product that depends on
-    m - n only, which is what makes the encoding relative. Half precision rotates in float32.
+    m - n only, which is what makes the encoding relative. The rotation runs in x's dtype (half
+    precision too, as Hugging Face's Llama does), so what it saves (cos and sin) is in x's dtype.
     """
-    work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    cos, sin = cos.to(work), sin.to(work)
-    pairs = x.to(work).unflatten(-1, (-1, 2))  # [..., seq, head_dim/2, 2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    pairs = x.unflatten(-1, (-1, 2))  # [..., seq, head_dim/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    return rotated.flatten(-2)
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in at least float32."""
+    """x / rms(x) * weight, computed in at least float32.
+
+    In half precision the backward keeps only x (half precision) and recomputes the float32
+    work (app/layer_recompute.py), as fused norm kernels do; otherwise autograd would keep a
+    float32 copy of x, and bf16 activations would not be half the bytes of fp32 ones.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -147,6 +153,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return recomputed(lambda h: (self._normalize(h),), (self,), x)[0]
+        return self._normalize(x)
+
+    def _normalize(self, x: Tensor) -> Tensor:
         h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return h.to(x.dtype) * self.weight
@@ -162,7 +173,6 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
         self.head_dim = config.head_dim
         kv_dim = config.n_kv_heads * config.head_dim
         self.wq = _linear(config.dim, config.dim)
@@ -170,17 +180,29 @@ class Attention(nn.Module):
         self.wv = _linear(config.dim, kv_dim)
         self.wo = _linear(config.dim, config.dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V projections of the normed input (this rank's heads under tensor parallelism)."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotary embeddings, causal attention and the output projection.
+
+        Heads are counted from the projections' widths ([batch, seq, heads * head_dim]), so the
+        same code runs the local heads of a tensor-parallel shard.
+        """
+        batch, seq = q.shape[:2]
+        q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = self.n_heads // self.n_kv_heads
-        if group > 1:  # [batch, n_kv_heads, seq, hd] -> [batch, n_heads, seq, hd]
+        group = q.shape[1] // k.shape[1]
+        if group > 1:  # [batch, kv heads, seq, hd] -> [batch, heads, seq, hd]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self.attend(*self.project(x), cos, sin)
 
 
 class FeedForward(nn.Module):
@@ -193,11 +215,29 @@ class FeedForward(nn.Module):
         self.w2 = _linear(config.ffn_hidden, config.dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.down(*self.up(x))
+
+    def up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The gate and up projections (w1 x, w3 x)."""
+        return self.w1(x), self.w3(x)
+
+    def down(self, gate: Tensor, up: Tensor) -> Tensor:
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(.)).
+
+    ``recompute`` "lgd" (set with ``set_layer_recompute``) keeps what the planner's LGD keeps
+    (planner/transformer.py, docs/planner-model.md): the norm inputs, Q, K, V, the attention
+    output and the MLP's gate and up projections; the norm outputs (the projections' input) and
+    silu(gate) * up (the down projection's input) are recomputed in the backward
+    (app/layer_recompute.py). "full" keeps only the block's input and re-runs the whole block
+    before its backward (the planner's FULL, Megatron's full recompute). The values are the
+    same as "none", bit for bit.
+    """
+
+    recompute: str = "none"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -207,8 +247,39 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.recompute == "full":
+            return recomputed(lambda h: (self._kept(h, cos, sin),), (self,), x)[0]
+        if self.recompute == "lgd":
+            return self._lgd(x, cos, sin)
+        return self._kept(x, cos, sin)
+
+    def _kept(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
+
+    def _lgd(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        attention, mlp = self.attention, self.feed_forward
+        q, k, v = recomputed(lambda h: attention.project(self.attention_norm(h)),
+                             (self.attention_norm, attention.wq, attention.wk, attention.wv), x)
+        x = x + attention.attend(q, k, v, cos, sin)
+        gate, up = recomputed(lambda h: mlp.up(self.ffn_norm(h)), (self.ffn_norm, mlp.w1, mlp.w3),
+                              x)
+        (down,) = recomputed(lambda g, u: (mlp.down(g, u),), (mlp.w2,), gate, up)
+        return x + down
+
+
+RECOMPUTE_MODES = ("none", "lgd", "full")
+
+
+def set_layer_recompute(module: nn.Module, mode: str) -> None:
+    """Set what every TransformerBlock of ``module`` keeps for its backward: everything
+    ("none"), all but its norm and activation-function outputs ("lgd"), or its input ("full").
+    The embedding and the head are not recomputed (as in Megatron and the planner's model)."""
+    if mode not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute {mode!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+    for block in module.modules():
+        if isinstance(block, TransformerBlock):
+            block.recompute = mode
 
 
 class Transformer(nn.Module):
@@ -220,6 +291,10 @@ class Transformer(nn.Module):
     Build it through ``build_full_model`` / ``build_stage_modules`` (pipeoffload.app.split),
     which also initialise the weights; the constructor leaves them uninitialised.
     """
+
+    #: Sequence-parallel degree: hidden states are [batch, seq / sequence_shards, dim] shards
+    #: (set by app/tensor_parallel.py); rotary positions count the whole sequence.
+    sequence_shards: int = 1
 
     def __init__(
         self, config: ModelConfig, layer_ids: Iterable[int], *, embedding: bool, head: bool
@@ -258,13 +333,14 @@ class Transformer(nn.Module):
                 f"stage with layers {list(self.layer_ids)} takes hidden states "
                 f"[batch, seq, {self.config.dim}], got {list(x.shape)}"
             )
-        if x.shape[1] > self.config.max_seq_len:
+        seq = x.shape[1] * self.sequence_shards  # x is a sequence shard under TP (+ SP)
+        if seq > self.config.max_seq_len:
             raise ConfigError(
-                f"sequence length {x.shape[1]} exceeds max_seq_len={self.config.max_seq_len}; "
+                f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}; "
                 "use shorter sequences or a config with a larger max_seq_len"
             )
         if self.layers:
-            positions = torch.arange(x.shape[1], device=x.device)
+            positions = torch.arange(seq, device=x.device)
             cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
             for layer in self.layers.values():
                 x = layer(x, cos, sin)

@@ -1,5 +1,8 @@
 """The training loop of `pipeoffload train`: the reference transformer, cut into the stages of a
-(planned) schedule, trained with AdamW on byte-level text, DP x PP over torch.distributed.
+(planned) schedule, trained with AdamW on byte-level text, PP x DP x TP over torch.distributed
+(tensor parallelism inside each stage with torch DTensor, app/tensor_parallel.py), in fp32,
+fp64 or bf16 with float32 master weights (app/precision.py Note: [mixed precision]), with
+recompute none, lgd or full inside each layer (app/model.py, app/layer_recompute.py).
 
 Processes and groups: see launch.py's Note: [rank layout].
 
@@ -25,11 +28,15 @@ from pipeoffload.api import plan_schedule
 from pipeoffload.app import checkpoint as ckpt
 from pipeoffload.app.data import DataConfig, TextDataset
 from pipeoffload.app.launch import Topology
-from pipeoffload.app.model import ModelConfig, model_preset
+from pipeoffload.app.model import RECOMPUTE_MODES, ModelConfig, model_preset, set_layer_recompute
+from pipeoffload.app.precision import MasterWeights, sync_gradients, torch_dtype
 from pipeoffload.app.split import build_stage_modules, lm_loss, stage_layer_ranges
+from pipeoffload.app.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
-from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
+from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
+from pipeoffload.offload.recompute import add_recompute
+from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
@@ -78,8 +85,16 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: str | None = None
     measure_baseline: bool = True
+    tp: int = 1
+    dtype: str = "fp32"
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
+        torch_dtype(self.dtype)
+        check_tensor_parallel(self.model, self.tp, self.data.seq_len)
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"--recompute {self.recompute!r}: choose one of "
+                              f"{', '.join(RECOMPUTE_MODES)}")
         for name in ("pp", "dp", "steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -135,11 +150,22 @@ class TrainConfig:
 
 
 def build_plan(config: TrainConfig) -> OffloadPlan:
-    """The schedule (offload planned in) and the planner's report."""
+    """The schedule (offload planned in) and the planner's report. Recompute (``lgd`` /
+    ``full``) happens inside each layer (app/model.py), so it mixes with any offload.
+
+    ``--offload recompute-chunks:1+all`` is the planner's per-chunk mix (planner/evaluate.py
+    RECOMPUTE_AND_OFFLOAD): each rank's longest-lived chunk recomputed by RECOMPUTE actions
+    (offload/recompute.py), every other activation offloaded.
+    """
     options = {k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
                if v is not None}
-    return plan_schedule(config.schedule, config.pp, config.num_microbatches, config.offload,
-                         policy=OffloadPolicy(fetch_on_use=config.fetch_on_use), **options)
+    policy = OffloadPolicy(fetch_on_use=config.fetch_on_use)
+    if config.offload != RECOMPUTE_AND_OFFLOAD:
+        return plan_schedule(config.schedule, config.pp, config.num_microbatches,
+                             config.offload, policy=policy, **options)
+    bare = plan_schedule(config.schedule, config.pp, config.num_microbatches, "none", **options)
+    recomputed = add_recompute(bare.schedule, target="chunks:1").schedule
+    return add_offload(recomputed, target="all", policy=policy)
 
 
 def preflight(config: TrainConfig, processes: int) -> OffloadPlan:
@@ -206,25 +232,28 @@ class TrainResult:
 def train(config: TrainConfig, topology: Topology,
           on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
     """Train from step 0 (or the checkpoint ``config.resume`` names) up to ``config.steps``."""
+    if topology.tp != config.tp:
+        raise ConfigError(f"--tp {config.tp} runs one process per tensor-parallel rank, but this "
+                          f"topology has tp={topology.tp}; start pp*dp*tp processes (drop "
+                          "--inline)")
     plan = build_plan(config)
     schedule = plan.schedule
     last_rank = schedule.rank_of(schedule.num_stages - 1)
     reporter = not topology.distributed or topology.rank == topology.global_rank(last_rank, 0)
     mine = sorted(s for r in topology.pipeline_ranks for s in schedule.stages_on_rank(r))
-    stages = build_stage_modules(config.model, schedule.num_stages, mine, config.seed,
-                                 device=topology.device)
-    optimizers = {s: torch.optim.AdamW(m.parameters(), lr=config.lr, betas=config.betas,
+    stages = build_stages(config, schedule.num_stages, mine, topology)
+    masters = MasterWeights(stages, mixed=config.dtype == "bf16")
+    optimizers = {s: torch.optim.AdamW(masters.params[s], lr=config.lr, betas=config.betas,
                                        weight_decay=config.weight_decay)
-                  for s, m in stages.items()}
+                  for s in stages}
     dataset = TextDataset.from_config(config.data, dp_rank=topology.dp_index,
                                       dp_size=topology.dp)
     runtime = RuntimeConfig(p2p_timeout_s=config.p2p_timeout_s,
                             offload=OffloadConfig(min_offload_elements=config.min_offload_elements))
     meter = ActivationMeter()
     pipe = Pipeline(stages, schedule, lm_loss, group=topology.pp_group, config=runtime,
-                    device=topology.device, meter=meter, backward_group=topology.backward_group,
-                    channel_groups=topology.channel_groups)
-    state = ckpt.TrainingState(stages, optimizers, dataset)
+                    device=topology.device, meter=meter, channel_groups=topology.channel_groups)
+    state = ckpt.TrainingState(stages, optimizers, dataset, masters.params)
     identity = checkpoint_identity(config, schedule)
     if config.resume is not None:
         ckpt.restore(state, config.resume, config.checkpoint_dir, identity, topology)
@@ -244,12 +273,14 @@ def train(config: TrainConfig, topology: Topology,
         meter.reset()
         with _peer_failures(topology, f"step {step + 1}"):
             loss = pipe.step(inputs, target=target)
-            sync_gradients(stages, topology, config.grad_clip)
+            masters.take_grads()
+            sync_gradients(masters.params, topology, config.grad_clip)
             for optimizer in optimizers.values():
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            masters.write_back()
             mean_loss, step_peaks = gather_step(topology, loss, meter, last_rank)
         elapsed = time.perf_counter() - began
         busy_s += elapsed
@@ -298,35 +329,25 @@ def _peer_failures(topology: Topology, what: str) -> Iterator[None]:
 
 
 def checkpoint_identity(config: TrainConfig, schedule: Any) -> dict[str, Any]:
-    """What a checkpoint is only valid with (its manifest's ``info``, compared on resume)."""
-    return {"pp": config.pp, "dp": config.dp, "schedule": schedule.name,
-            "stage_to_rank": list(schedule.stage_to_rank),
+    """What a checkpoint is only valid with (its manifest's ``info``, compared on resume):
+    a checkpoint holds each tensor-parallel rank's shards, so another ``tp`` is refused (not
+    resharded), and another ``dtype``, whose weights and optimizer state differ, too."""
+    return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "dtype": config.dtype,
+            "schedule": schedule.name, "stage_to_rank": list(schedule.stage_to_rank),
             "model": dataclasses.asdict(config.model)}
 
 
-def sync_gradients(stages: Mapping[int, nn.Module], topology: Topology,
-                   clip: float | None) -> None:
-    """Average gradients over data-parallel replicas, then clip by the global norm."""
-    params = {s: [p for p in m.parameters() if p.grad is not None] for s, m in stages.items()}
-    if topology.distributed and topology.dp > 1:
-        for group in params.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
-            dist.all_reduce(flat, group=topology.dp_group)
-            flat /= topology.dp
-            offset = 0
-            for p in group:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-    if clip is None:
-        return
-    grads = [p.grad for s in sorted(params) for p in params[s]]
-    squares = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
-    if topology.distributed and topology.pp > 1:
-        dist.all_reduce(squares, group=topology.pp_group)
-    scale = clip / (squares.sqrt().item() + 1e-6)
-    if scale < 1:
-        for g in grads:
-            g.mul_(scale)
+def build_stages(config: TrainConfig, num_stages: int, mine: list[int],
+                 topology: Topology) -> dict[int, nn.Module]:
+    """This process's stage modules: initialised in full, in the run's dtype, sharded over the
+    tensor-parallel group, with the layers' recompute mode set."""
+    stages = build_stage_modules(config.model, num_stages, mine, config.seed,
+                                 dtype=torch_dtype(config.dtype), device=topology.device)
+    for module in stages.values():
+        if topology.tp > 1:
+            apply_tensor_parallel(module, topology.tp_mesh)  # type: ignore[arg-type]
+        set_layer_recompute(module, config.recompute)
+    return stages
 
 
 def _gather(topology: Topology, values: list[float]) -> list[list[float]]:
@@ -381,8 +402,7 @@ def measure_without_offload(pipe: Pipeline, stages: Mapping[int, nn.Module],
     meter = ActivationMeter()
     bare = Pipeline(stages, pipe.schedule.without(*OFFLOAD_KINDS), lm_loss,
                     group=topology.pp_group, config=runtime, device=topology.device,
-                    meter=meter, backward_group=topology.backward_group,
-                    channel_groups=topology.channel_groups)
+                    meter=meter, channel_groups=topology.channel_groups)
     inputs, target = dataset.batch_at(dataset.step)
     loss = bare.step(inputs, target=target)
     for module in stages.values():

@@ -2,8 +2,8 @@
 
 - Under torchrun (env:// variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT present) this
   process is one rank of the job (NCCL on GPUs, gloo on CPU).
-- Otherwise, with pp * dp > 1 and no ``--inline``, it starts pp * dp local processes with
-  launch.py (each re-enters here with ``--worker-config``); with pp * dp == 1 or ``--inline``
+- Otherwise, with pp * dp * tp > 1 and no ``--inline``, it starts pp * dp * tp local processes with
+  launch.py (each re-enters here with ``--worker-config``); with pp * dp * tp == 1 or ``--inline``
   it runs every pipeline rank in this process (Pipeline's local mode).
 The reporting process (the last stage's rank of replica 0, which has the loss) prints a
 progress line per ``--log-every`` steps and, at the end, the peak-activation table, or with
@@ -45,7 +45,7 @@ def add_train_parser(subparsers: Any) -> None:
         "included); self-launches local processes, or runs under torchrun",
         description="Train the reference transformer with a pipeline schedule, activation "
         "offload included, and report the peak activation per rank: measured, and predicted by "
-        "the simulator. Without torchrun it starts pp * dp local processes; under torchrun it "
+        "the simulator. Without torchrun it starts pp * dp * tp local processes; under torchrun it "
         "is one rank of the job. See docs/training.md.")
     g = p.add_argument_group("parallelism and schedule")
     g.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
@@ -56,12 +56,22 @@ def add_train_parser(subparsers: Any) -> None:
     g.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per replica and step (default 2 * pp)")
     g.add_argument("--offload", default=None, metavar="SPEC",
-                   help="none | all | chunks:K | fraction:X | limit:X (po-h/po-f: own default)")
+                   help="none | all | chunks:K | fraction:X | limit:X | recompute-chunks:1+all "
+                   "(po-h/po-f: own default)")
     g.add_argument("--fetch-on-use", action="store_true",
                    help="backward passes read offloaded activations from host memory as they "
                    "use them (FETCH) instead of a whole RELOAD: lower peaks, more reads")
     g.add_argument("--inline", action="store_true",
                    help="run every pipeline rank in this one process (dp must be 1)")
+    # issue 13: tensor parallelism, precision and recompute (docs/training.md)
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per stage (torch DTensor; default 1)")
+    g.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp64"),
+                   help="fp32 (default); bf16: bf16 weights and activations, fp32 master "
+                   "weights and AdamW state; fp64 for exactness checks")
+    g.add_argument("--recompute", default="none", choices=("none", "lgd", "full"),
+                   help="none (default); lgd: recompute norm and activation-function outputs "
+                   "in each layer's backward; full: recompute every stage's forward")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="small", help="preset: tiny | small | medium")
     for flag, field, what in (("--layers", "n_layers", "transformer layers"),
@@ -141,7 +151,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
         grad_clip=args.grad_clip or None, seed=args.seed, device=args.device,
         p2p_timeout_s=args.p2p_timeout, min_offload_elements=args.min_offload_elements,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, measure_baseline=not args.no_baseline)
+        resume=args.resume, measure_baseline=not args.no_baseline,
+        tp=args.tp, dtype=args.dtype, recompute=args.recompute)
     report = ReportOptions(json=args.json, png=None if args.no_png else args.png,
                            log_every=args.log_every, threads=args.threads)
     return config, report
@@ -158,10 +169,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     config, report = config_from_args(args)
     if all(k in os.environ for k in _TORCHRUN_ENV):
         return run_worker(config, report, distributed=True)
-    if args.inline or config.pp * config.dp == 1:
-        if config.dp > 1:
+    if args.inline or config.pp * config.dp * config.tp == 1:
+        if config.dp > 1 or config.tp > 1:
             raise ConfigError("--inline runs one pipeline replica in one process; use --dp 1 "
-                              "or drop --inline")
+                              "and --tp 1, or drop --inline")
         return run_worker(config, report, distributed=False)
     return _self_launch(config, report)
 
@@ -170,14 +181,15 @@ def _self_launch(config: Any, report: ReportOptions) -> int:
     from pipeoffload.app.launch import LaunchConfig, Topology, launch
     from pipeoffload.app.train import preflight
 
-    plan = preflight(config, processes=config.pp * config.dp)
+    processes = config.pp * config.dp * config.tp
+    plan = preflight(config, processes=processes)
     last = plan.schedule.rank_of(plan.schedule.num_stages - 1)
-    reporter = Topology(pp=config.pp, dp=config.dp).global_rank(last, 0)
+    reporter = Topology(pp=config.pp, dp=config.dp, tp=config.tp).global_rank(last, 0)
     payload = json.dumps({"config": config.to_dict(), "report": dataclasses.asdict(report)})
     argv = [sys.executable, "-m", "pipeoffload.app.train_cli", "train", "--worker-config",
             payload]
     grace_s = min(config.p2p_timeout_s, 30.0) + 5.0
-    return launch(argv, LaunchConfig(nprocs=config.pp * config.dp, reporting_rank=reporter,
+    return launch(argv, LaunchConfig(nprocs=processes, reporting_rank=reporter,
                                      grace_s=grace_s, threads_per_process=report.threads))
 
 
@@ -191,7 +203,8 @@ def run_worker(config: Any, report: ReportOptions, *, distributed: bool) -> int:
     topology = None
     try:
         if distributed:
-            topology = connect(config.pp, config.dp, config.device, config.p2p_timeout_s)
+            topology = connect(config.pp, config.dp, config.device, config.p2p_timeout_s,
+                               tp=config.tp)
         else:
             topology = Topology.local(config.pp, resolve_device(config.device))
         if topology.device.type == "cpu":
@@ -297,7 +310,8 @@ def summary(result: Any, config: Any, png: str | None) -> dict[str, Any]:
                     for r in range(schedule.num_ranks)]
     as_list = (lambda v: None if v is None else list(v))  # noqa: E731
     return {
-        "schedule": schedule.name, "pp": config.pp, "dp": config.dp,
+        "schedule": schedule.name, "pp": config.pp, "dp": config.dp, "tp": config.tp,
+        "dtype": config.dtype, "recompute": config.recompute,
         "stages": schedule.num_stages, "microbatches": schedule.microbatches,
         "start_step": result.start_step, "steps": result.end_step,
         "first_loss": result.losses[0] if result.losses else None,

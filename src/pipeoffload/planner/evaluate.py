@@ -40,6 +40,7 @@ from pipeoffload.planner.costing import (
 )
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.ratio import PieceCost, RunConfig
+from pipeoffload.planner.train_command import train_command
 from pipeoffload.planner.transformer import Recompute, TransformerSpec
 from pipeoffload.sim.costs import CostModel
 
@@ -109,34 +110,8 @@ class Candidate:
 
     def command(self, spec: TransformerSpec | None = None) -> str:
         """The ``pipeoffload train`` command line that runs this plan (with ``spec``, the
-        reference model at that shape). Only flags train accepts go on the line; tensor
-        parallelism and per-layer recompute, which train does not do, follow as a comment."""
-        parts = ["pipeoffload train", f"--pp {self.pp}", f"--dp {self.dp}",
-                 f"--schedule {self.display_name}"]
-        if self.schedule in ("interleaved-1f1b", "grouped-interleaved"):
-            parts.append(f"--chunks {self.chunks}")
-        if self.group_size is not None and self.display_name == "grouped-interleaved":
-            parts.append(f"--group-size {self.group_size}")
-        parts += [f"--microbatches {self.microbatches}",
-                  f"--batch-size {self.dp * self.microbatches * self.micro_batch}"]
-        if self.display_name not in ("po-h", "po-f"):
-            offload = "all" if self.offload == RECOMPUTE_AND_OFFLOAD else self.offload
-            parts.append(f"--offload {offload}")
-        if spec is not None:
-            parts += [f"--layers {spec.num_layers}", f"--dim {spec.hidden}",
-                      f"--heads {spec.heads}", f"--kv-heads {spec.kv_heads}",
-                      f"--ffn-hidden {spec.ffn_hidden}", f"--seq-len {spec.seq_len}"]
-        extra = []
-        if self.tp > 1:
-            extra.append(f"tp={self.tp}")
-        if self.recompute is not Recompute.NONE:
-            extra.append(f"recompute={self.recompute.value}")
-        if self.offload == RECOMPUTE_AND_OFFLOAD:
-            extra.append("each rank's longest-lived chunk recomputed (RECOMPUTE actions)")
-        if extra:
-            parts.append(f"  # plan assumes {', '.join(extra)}: not options of train (no "
-                         "tensor parallelism or recompute there)")
-        return " ".join(parts)
+        reference model at that shape), or why train cannot (planner/train_command.py)."""
+        return str(train_command(self, spec))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """What ``pipeoffload plan`` prints: the k line, a ranked table, the winner's command, and the
 same as one JSON object (the contract: k, best and candidates, each plan with pp, tp, dp,
 schedule, chunks, group_size, offload, recompute, microbatch_size, microbatches, step_time,
-mfu, memory_gib, feasible and command)."""
+mfu, memory_gib, feasible and command: the `pipeoffload train` command, or null with
+``command_refused`` saying why train cannot run the plan)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from pipeoffload.planner.costing import GIB
 from pipeoffload.planner.evaluate import Plan
 from pipeoffload.planner.search import SearchResult
+from pipeoffload.planner.train_command import train_command
 from pipeoffload.planner.transformer import TransformerSpec
 
 
@@ -45,7 +47,8 @@ def plan_json(plan: Plan, spec: TransformerSpec | None = None) -> dict[str, Any]
         },
         "feasible": plan.feasible,
         "simulated_microbatches": list(plan.simulated_microbatches),
-        "command": c.command(spec),
+        "command": train_command(c, spec).argv,
+        "command_refused": train_command(c, spec).refused,
     }
 
 

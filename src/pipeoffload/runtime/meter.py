@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import torch
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.runtime.shards import local_shard
 
 _StorageKey = tuple[str, int]
 
@@ -82,7 +83,7 @@ class ActivationMeter:
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (parameters, buffers)."""
-        for tensor in tensors:
+        for tensor in map(local_shard, tensors):
             if is_plain(tensor) and tensor.untyped_storage().nbytes():
                 self._excluded.add(storage_key(tensor))
 
@@ -90,11 +91,16 @@ class ActivationMeter:
         """Count ``tensor``'s storage for ``owner`` while the returned token lives.
 
         Returns None for what is not an activation (parameters, empty or non-dense tensors).
+        A DTensor counts its local shard's storage, an AsyncCollectiveTensor its waited result
+        (runtime/shards.py); the token keeps the tensor as given.
         """
-        if not is_plain(tensor) or isinstance(tensor, torch.nn.Parameter):
+        if isinstance(tensor, torch.nn.Parameter):
             return None
-        nbytes = tensor.untyped_storage().nbytes()
-        key = storage_key(tensor)
+        counted = local_shard(tensor)
+        if not is_plain(counted):
+            return None
+        nbytes = counted.untyped_storage().nbytes()
+        key = storage_key(counted)
         if nbytes == 0 or key in self._excluded:
             return None
         self._attribute(owner, key, nbytes)
@@ -114,6 +120,7 @@ class ActivationMeter:
         (a storage whose copy to host completed as it was saved: see the offloader's
         Note: [streaming offload]). The caller notes each storage once: its address may be
         reused as soon as it is freed, so the meter cannot tell repeats apart."""
+        tensor = local_shard(tensor)
         if is_plain(tensor) and not isinstance(tensor, torch.nn.Parameter):
             if storage_key(tensor) not in self._excluded:
                 self._attribute(owner, None, tensor.untyped_storage().nbytes())

@@ -27,6 +27,13 @@ Note: [release order] the device storage of a copy to host is released in one of
   ahead of the GPU, host-time release alone would keep offloaded activations on the device long
   after their copy (a peak above the plan's).
 
+Note: [kept on device] a saved DTensor (tensor parallelism) is moved as its local shard and
+rebuilt around the returned shard when autograd unpacks it, and an AsyncCollectiveTensor as
+the tensor its collective produced (runtime/shards.py). What stays on
+the device is summed by reason in ``kept_bytes``: parameters, tensors of at most
+``min_offload_elements`` elements, tensors on another device, and what is not a dense tensor
+(sparse, meta, other tensor subclasses), which the offloader cannot rebuild.
+
 Note: [fetch on use] (shared with the simulator, sim/simulator.py) FETCH is the alternative to
 RELOAD: it only marks the scope, and from then on every backward pass (I, W or B) reads each
 saved storage back from its host copy when autograd unpacks it (``_unpack``). The offloader keeps
@@ -53,6 +60,13 @@ from pipeoffload.runtime.config import OffloadConfig
 from pipeoffload.runtime.copies import CopyEngine, CopyQueue, CudaCopies, HostCopies
 from pipeoffload.runtime.meter import ActivationMeter, ResidentToken, is_plain, storage_key
 from pipeoffload.runtime.pool import HostBufferPool
+from pipeoffload.runtime.shards import (
+    SavedShard,
+    ShardLayout,
+    is_dtensor,
+    is_pending_collective,
+    local_shards,
+)
 
 
 @dataclass(eq=False)
@@ -125,7 +139,9 @@ class ActivationOffloader:
         self._device = device
         self._config = config
         self._meter = meter
-        self._params = {storage_key(p) for p in parameters if p.untyped_storage().nbytes()}
+        self._params = {storage_key(p) for p in local_shards(parameters)
+                        if p.untyped_storage().nbytes()}
+        self._kept: dict[str, int] = {}
         self._param_ids = {id(p) for p in parameters}
         self._scopes: dict[Hashable, _Scope] = {}
         self._cuda = device.type == "cuda"
@@ -148,6 +164,14 @@ class ActivationOffloader:
         """Bytes copied back to the device by fetch-on-use reads so far (each read copies a
         whole storage; see Note: [fetch on use])."""
         return self._fetched_bytes
+
+    @property
+    def kept_bytes(self) -> dict[str, int]:
+        """Bytes of saved tensors left on the device, by reason (Note: [kept on device]):
+        "parameter", "small" (<= min_offload_elements), "other device", "not dense" (sparse,
+        meta, a tensor subclass other than DTensor). Each save counts, so a tensor saved by two
+        operations counts twice; DTensors count their local shard."""
+        return dict(self._kept)
 
     def device_bytes(self, key: Hashable) -> int:
         """Bytes of ``key``'s recorded storages currently held on the device by the offloader."""
@@ -190,16 +214,16 @@ class ActivationOffloader:
         return self._waiting.max_waiting_bytes
 
     def _pack(self, scope: _Scope, tensor: torch.Tensor) -> object:
-        keep = (
-            not is_plain(tensor)
-            or tensor.device.type != self._device.type
-            or tensor.device.index != self._device.index
-            or isinstance(tensor, torch.nn.Parameter)
-            or tensor.numel() <= self._config.min_offload_elements
-            or storage_key(tensor) in self._params
-            or self._derived_from_parameter(tensor)
-        )
-        if keep:
+        if is_dtensor(tensor) and not isinstance(tensor, torch.nn.Parameter):
+            # This rank's shard is the memory: move it, rebuild the DTensor on unpack.
+            [shard] = local_shards([tensor])
+            return SavedShard(self._pack(scope, shard), ShardLayout.of(tensor))
+        if is_pending_collective(tensor):
+            return self._pack(scope, local_shards([tensor])[0])
+        reason = self._keep_reason(tensor)
+        if reason is not None:
+            [local] = local_shards([tensor])
+            self._kept[reason] = self._kept.get(reason, 0) + local.numel() * local.element_size()
             token = self._meter.track(tensor, scope.owner) if self._meter is not None else None
             # Detached: a saved output returned live would hold its own grad_fn, a reference
             # cycle through autograd that keeps the whole graph of a retained backward alive.
@@ -224,7 +248,24 @@ class ActivationOffloader:
         return _Saved(scope, storage, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                       tensor.storage_offset())
 
+    def _keep_reason(self, tensor: torch.Tensor) -> str | None:
+        """Why a saved tensor stays on the device (Note: [kept on device]), None to move it."""
+        if isinstance(tensor, torch.nn.Parameter) or (
+                is_plain(tensor) and storage_key(tensor) in self._params):
+            return "parameter"
+        if self._derived_from_parameter(tensor):
+            return "parameter"
+        if not is_plain(tensor):
+            return "not dense"
+        if tensor.device.type != self._device.type or tensor.device.index != self._device.index:
+            return "other device"
+        if tensor.numel() <= self._config.min_offload_elements:
+            return "small"
+        return None
+
     def _unpack(self, packed: object) -> torch.Tensor:
+        if isinstance(packed, SavedShard):
+            return packed.layout.rebuild(self._unpack(packed.inner))
         if isinstance(packed, ResidentToken):
             return packed.tensor
         if not isinstance(packed, _Saved):

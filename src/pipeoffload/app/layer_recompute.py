@@ -1,0 +1,54 @@
+"""Recompute regions inside a layer: a region's outputs and intermediates are not saved for
+the backward; only its inputs are, and the backward re-runs it. app/model.py uses it for
+``--recompute lgd`` (the paper authors' --recompute-lgd: norm and activation-function outputs),
+``--recompute full`` (a whole block) and for half-precision norms (their float32 work).
+
+Unlike torch.utils.checkpoint's non-reentrant mode, whose inputs never pass through the
+saved-tensor hooks, the region here saves its inputs with ``ctx.save_for_backward``, so the
+activation offloader moves them and the memory meter counts them like any saved tensor (the
+simulator is given what the meter measured). Parameters are explicit inputs of the autograd
+node, so their gradients flow through ordinary edges and the runtime's B/W split works: I asks
+the node for the input gradient, W asks it again for the parameter gradients (the region is
+re-run each time; runtime/backward.py Note: [B/W split]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+class _Recomputed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn: Callable[..., tuple[Tensor, ...]], n_inputs: int,  # type: ignore[override]
+                *args: Tensor) -> tuple[Tensor, ...]:
+        ctx.fn, ctx.n_inputs = fn, n_inputs
+        ctx.save_for_backward(*args[:n_inputs])
+        ctx.params = args[n_inputs:]
+        with torch.no_grad():
+            return fn(*args[:n_inputs])
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        inputs = [t.detach().requires_grad_(needs) for t, needs
+                  in zip(ctx.saved_tensors, ctx.needs_input_grad[2:2 + ctx.n_inputs])]
+        wanted = [t for t in (*inputs, *ctx.params) if t.requires_grad]
+        with torch.enable_grad():
+            outputs = ctx.fn(*inputs)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                    allow_unused=True) if pairs else [None] * len(wanted)
+        by_id = {id(t): g for t, g in zip(wanted, found)}
+        return (None, None, *(by_id.get(id(t)) for t in (*inputs, *ctx.params)))
+
+
+def recomputed(fn: Callable[..., tuple[Tensor, ...]], modules: Sequence[nn.Module],
+               *inputs: Tensor) -> tuple[Tensor, ...]:
+    """``fn(*inputs)`` (a tuple of tensors, computed from ``inputs`` and the parameters of
+    ``modules`` only, without randomness), keeping only ``inputs`` for the backward."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    if not torch.is_grad_enabled():
+        return fn(*inputs)
+    return _Recomputed.apply(fn, len(inputs), *inputs, *params)

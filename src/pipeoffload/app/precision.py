@@ -1,0 +1,108 @@
+"""Numeric precision of training and the gradient path from backward to optimizer.
+
+Note: [mixed precision] ``--dtype bf16`` is Megatron's scheme, the one the planner's memory
+model assumes (planner/ratio.py OptimizerSpec: 2-byte weights, 4-byte gradients and master
+weights, 8 bytes of Adam moments; planner/transformer.py: 2-byte activations): the stage
+modules hold bfloat16 weights, so every activation, saved tensor, offloaded byte and P2P
+message is bfloat16; each parameter has a float32 master copy, and AdamW updates the masters
+(its moments float32 too) and writes them back rounded to bfloat16. Unlike Megatron, gradients
+accumulate over the step's microbatches in bfloat16 (autograd's ``.grad``) and are widened to
+float32 once per step, before the data-parallel all-reduce and clipping. Autocast was not
+chosen: it keeps float32 weights (4 bytes a parameter more than the planner counts) and saves a
+mix of float32 and bfloat16 activations, so the offloaded bytes would not halve.
+``fp32`` and ``fp64`` train in that dtype with no master copy (fp64 for exactness tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeoffload.errors import ConfigError
+from pipeoffload.runtime.shards import is_dtensor, local_shard
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of ``--dtype`` ``name``."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"--dtype {name!r}: choose one of {', '.join(DTYPES)}") from None
+
+
+class MasterWeights:
+    """The parameters the optimizer updates, per stage: the modules' own, or (bf16) float32
+    copies of them (Note: [mixed precision])."""
+
+    def __init__(self, stages: Mapping[int, nn.Module], mixed: bool) -> None:
+        self.mixed = mixed
+        self._model = {s: [p for p in m.parameters() if p.requires_grad]
+                       for s, m in stages.items()}
+        self.params: dict[int, list[torch.Tensor]] = {
+            s: [p.detach().float().requires_grad_() for p in ps] if mixed else list(ps)
+            for s, ps in self._model.items()}
+
+    def take_grads(self) -> None:
+        """Move the step's gradients onto the masters, widened to float32 (no-op unmixed)."""
+        if not self.mixed:
+            return
+        for s, params in self._model.items():
+            for p, master in zip(params, self.params[s]):
+                master.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Copy the updated masters into the modules' weights (rounded; no-op unmixed)."""
+        if not self.mixed:
+            return
+        for s, params in self._model.items():
+            for p, master in zip(params, self.params[s]):
+                local_shard(p).copy_(local_shard(master))
+
+
+def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: object,
+                   clip: float | None) -> None:
+    """Average gradients over data-parallel replicas, then clip by the global norm.
+
+    ``topology`` is a launch.Topology. Gradients of DTensor parameters are this rank's shards:
+    the all-reduce moves shards, and the norm sums the squares of sharded gradients over the
+    tensor-parallel group and counts replicated ones once.
+    """
+    grads = {s: [p.grad for p in ps if p.grad is not None] for s, ps in params.items()}
+    distributed = getattr(topology, "distributed", False)
+    if distributed and topology.dp > 1:  # type: ignore[attr-defined]
+        for group in grads.values():
+            locals_ = [local_shard(g) for g in group]
+            flat = torch.cat([g.reshape(-1) for g in locals_])
+            dist.all_reduce(flat, group=topology.dp_group)  # type: ignore[attr-defined]
+            flat /= topology.dp  # type: ignore[attr-defined]
+            offset = 0
+            for g in locals_:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+    if clip is None:
+        return
+    ordered = [g for s in sorted(grads) for g in grads[s]]
+    sharded = [g for g in ordered if is_dtensor(g) and any(p.is_shard() for p in g.placements)]
+    whole = [g for g in ordered if not any(g is h for h in sharded)]
+
+    def squares(group: list[torch.Tensor]) -> torch.Tensor:
+        values = [local_shard(g).double().pow(2).sum() for g in group]
+        return torch.stack(values).sum() if values else torch.zeros((), dtype=torch.float64)
+
+    part = squares(sharded)
+    if distributed and getattr(topology, "tp", 1) > 1 and sharded:
+        dist.all_reduce(part, group=topology.tp_mesh.get_group())  # type: ignore[attr-defined]
+    total = part + squares(whole)
+    if distributed and topology.pp > 1:  # type: ignore[attr-defined]
+        dist.all_reduce(total, group=topology.pp_group)  # type: ignore[attr-defined]
+    scale = clip / (total.sqrt().item() + 1e-6)
+    if scale < 1:
+        for g in ordered:
+            local_shard(g).mul_(scale)

@@ -1,0 +1,82 @@
+"""The planner's command printer: the ``pipeoffload train`` command line that runs a plan, or
+why train cannot run it (a refusal, never a command with the unsupported part left out).
+
+What train accepts (app/train_cli.py, docs/training.md): ``--pp --dp --tp``, ``--schedule``,
+``--chunks`` / ``--group-size`` where the schedule takes them, ``--microbatches``,
+``--batch-size`` (global), ``--offload``, ``--recompute none|lgd|full``, ``--dtype fp32|bf16``
+and the reference model's shape; ``--offload recompute-chunks:1+all`` is the planner's
+per-chunk mix of recompute and offload (RECOMPUTE_AND_OFFLOAD). What train refuses, so the
+printer refuses too:
+- a tensor-parallel degree that does not divide the heads, key/value heads, MLP width or the
+  reference model's byte vocabulary;
+- activations of other than 2 (bf16) or 4 (fp32) bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeoffload.planner.evaluate import Candidate
+    from pipeoffload.planner.transformer import TransformerSpec
+
+#: The reference model's vocabulary (byte-level text, app/model.py ModelConfig.vocab_size).
+TRAIN_VOCAB = 256
+#: Bytes per activation element -> train's --dtype (None: train's default, fp32).
+DTYPE_FLAGS = {2: "bf16", 4: None}
+@dataclass(frozen=True)
+class TrainCommand:
+    """Either ``argv`` (the command, as one line) or ``refused`` (why train cannot run it)."""
+
+    argv: str | None
+    refused: str | None
+
+    def __str__(self) -> str:
+        if self.argv is not None:
+            return self.argv
+        return f"pipeoffload train cannot run this plan: {self.refused}"
+
+
+def train_command(candidate: Candidate, spec: TransformerSpec | None = None) -> TrainCommand:
+    """The command that runs ``candidate`` (with ``spec``, the reference model at that shape)."""
+    c = candidate
+    refused = _refusal(c, spec)
+    if refused is not None:
+        return TrainCommand(None, refused)
+    parts = ["pipeoffload train", f"--pp {c.pp}", f"--dp {c.dp}"]
+    if c.tp > 1:
+        parts.append(f"--tp {c.tp}")
+    parts.append(f"--schedule {c.display_name}")
+    if c.schedule in ("interleaved-1f1b", "grouped-interleaved"):
+        parts.append(f"--chunks {c.chunks}")
+    if c.group_size is not None and c.display_name == "grouped-interleaved":
+        parts.append(f"--group-size {c.group_size}")
+    parts += [f"--microbatches {c.microbatches}",
+              f"--batch-size {c.dp * c.microbatches * c.micro_batch}"]
+    if c.display_name not in ("po-h", "po-f"):
+        parts.append(f"--offload {c.offload}")
+    if c.recompute.value != "none":
+        parts.append(f"--recompute {c.recompute.value}")
+    if spec is not None:
+        dtype = DTYPE_FLAGS[spec.activation_bytes]
+        if dtype is not None:
+            parts.append(f"--dtype {dtype}")
+        parts += [f"--layers {spec.num_layers}", f"--dim {spec.hidden}",
+                  f"--heads {spec.heads}", f"--kv-heads {spec.kv_heads}",
+                  f"--ffn-hidden {spec.ffn_hidden}", f"--seq-len {spec.seq_len}"]
+    return TrainCommand(" ".join(parts), None)
+
+
+def _refusal(c: Candidate, spec: TransformerSpec | None) -> str | None:
+    if spec is None:
+        return None
+    if spec.activation_bytes not in DTYPE_FLAGS:
+        return (f"its activations are {spec.activation_bytes} bytes per element; train runs "
+                "fp32 (4) or bf16 (2)")
+    for name, value in (("heads", spec.heads), ("kv_heads", spec.kv_heads),
+                        ("ffn_hidden", spec.ffn_hidden), ("vocabulary", TRAIN_VOCAB)):
+        if value % c.tp:
+            return (f"tp={c.tp} does not divide {name}={value}; train shards those over the "
+                    "tensor-parallel ranks; search with --tp values that divide it")
+    return None
