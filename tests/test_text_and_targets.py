@@ -14,15 +14,23 @@ def test_every_kind_round_trips_through_text(kind):
     assert parse_action(str(action)) == action
 
 
-@pytest.mark.parametrize("token", ["F0", "0F", "0X1", "0F1x", "0 F 1", "-1F0", "0UNSHARD", "0F-1"])
+@pytest.mark.parametrize("token", ["F0", "0F", "0X1", "0F1x", "0 F 1", "-1F0", "0UNSHARDx", "0F-1",
+                                   "0OFFLOAD", "0SEND_F"])
 def test_bad_tokens_are_rejected_whole(token):
     with pytest.raises(ParseError, match="invalid action"):
         parse_action(token)
 
 
 def test_unsupported_torch_kinds_get_a_specific_hint():
-    with pytest.raises(ParseError, match="FSDP"):
-        parse_action("0RESHARD")
+    with pytest.raises(ParseError, match="OVERLAP_F_B"):
+        parse_action("0OVERLAP_F_B1")
+
+
+@pytest.mark.parametrize("token", ["0UNSHARD", "3RESHARD", "1REDUCE_GRAD", "2REDUCE_GRAD5"])
+def test_torch_markers_parse_with_or_without_a_microbatch(token):
+    action = parse_action(token)
+    assert action.kind.is_marker
+    assert str(action) == token
 
 
 def test_parse_error_names_file_row_and_column(tmp_path):

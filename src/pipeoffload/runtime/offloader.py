@@ -31,7 +31,7 @@ autograd runs the node on waits for it (never the host).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -67,6 +67,7 @@ class _Scope:
     offloaded: bool = False
     fetched: bool = False
     reload_event: object | None = None
+    keep: frozenset[tuple[str, int]] = frozenset()  # storages saved as they are (scope(keep=))
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,13 +133,16 @@ class ActivationOffloader:
         return sum(s.nbytes for s in scope.storages.values() if s.host is not None)
 
     @contextmanager
-    def scope(self, key: Hashable, owner: Hashable, stream: bool = True) -> Iterator[None]:
+    def scope(self, key: Hashable, owner: Hashable, stream: bool = True,
+              keep: Iterable[torch.Tensor] = ()) -> Iterator[None]:
         """Capture what autograd saves inside the block as ``key``'s activation; with ``stream``
-        its copy to host starts right away (see Note: [streaming offload])."""
+        its copy to host starts right away (see Note: [streaming offload]). Saved tensors sharing
+        a storage with one of ``keep`` stay on the device, like parameters: buffers that live on
+        anyway (torch.distributed.pipelining's receive buffers), whose copy would free nothing."""
         if key in self._scopes:
             raise PipelineRuntimeError(f"offload scope {key} is already open; each (stage, "
                                        "microbatch) runs its forward once per step")
-        scope = _Scope(key, owner, stream)
+        scope = _Scope(key, owner, stream, keep=frozenset(storage_key(t) for t in keep))
         self._scopes[key] = scope
 
         def pack(tensor: torch.Tensor) -> object:
@@ -153,8 +157,11 @@ class ActivationOffloader:
             or tensor.device.type != self._device.type
             or tensor.device.index != self._device.index
             or isinstance(tensor, torch.nn.Parameter)
+            # a view of a parameter made in the step (FSDP's unsharded parameters) stays too
+            or isinstance(tensor._base, torch.nn.Parameter)
             or tensor.numel() <= self._config.min_offload_elements
             or storage_key(tensor) in self._params
+            or storage_key(tensor) in scope.keep
         )
         if keep:
             token = self._meter.track(tensor, scope.owner) if self._meter is not None else None
