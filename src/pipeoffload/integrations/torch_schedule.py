@@ -137,8 +137,12 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
                       for t in (*st.submod.parameters(), *st.submod.buffers())]
             if meter is not None:
                 meter.exclude(params)
-            self._offloader = ActivationOffloader(self._stages[0].device, self._offload_config,
-                                                  params, meter)
+            device = self._stages[0].device
+            if device.type == "cpu":
+                # CPU tensors carry no index; a stage built on "cpu:1" (torchtitan does) would
+                # otherwise keep every saved tensor as if it lived on another device.
+                device = torch.device("cpu")
+            self._offloader = ActivationOffloader(device, self._offload_config, params, meter)
         self._open: dict[tuple[int, int], AbstractContextManager[None]] = {}
         for kind, handler in self._handlers().items():
             # register_custom_function() accepts only torch's own kinds; the runtime's dispatch
