@@ -72,12 +72,12 @@ def reference(num_stages: int) -> list[list[torch.Tensor]]:
     return [[p.grad for p in m.parameters()] for m in modules]
 
 
-def run(rank: int, schedule, torch_class: str | None = None):
+def run(rank: int, schedule, torch_class: str | None = None, device: str = "cpu"):
     """Gradients per stage of this rank after one step, and the schedule object used."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
     mods = {s: stage_module(s) for s in schedule.stages_on_rank(rank)}
-    stages = [PipelineStage(mods[s], s, schedule.num_stages, torch.device("cpu"))
+    stages = [PipelineStage(mods[s], s, schedule.num_stages, torch.device(device))
               for s in sorted(mods)]
     config = OffloadConfig(min_offload_elements=0)
     if torch_class is None:
@@ -126,16 +126,20 @@ def _cases(rank: int, world: int, cases: tuple) -> list[tuple]:
 
 
 def _from_torch_case(rank: int, world: int) -> tuple:
+    """from_torch over stages built on "cpu:<rank>" (as torchtitan builds them)."""
     schedule = build_schedule("interleaved-1f1b", pp=world, microbatches=MICROBATCHES, chunks=2,
                               offload="all")
-    grads, pipe = run(rank, schedule, "from_torch")
+    grads, pipe = run(rank, schedule, "from_torch", device=f"cpu:{rank}")
     plain, _ = run(rank, schedule.without(*OFFLOAD_KINDS))
-    return all(torch.equal(a, b) for s in grads for a, b in zip(grads[s], plain[s]))
+    bitwise = all(torch.equal(a, b) for s in grads for a, b in zip(grads[s], plain[s]))
+    planned = sum(a.kind is Kind.OFFLOAD for a in schedule.ranks[rank])
+    return bitwise, (planned, pipe.offloader.host_pool_bytes)
 
 
 def _two_ranks(rank: int, world: int) -> tuple[list[tuple], list[str]]:
     report = _cases(rank, world, CASES_2)
-    report.append(("from_torch", _from_torch_case(rank, world), None, 0.0, (0, 0)))
+    bitwise, moved = _from_torch_case(rank, world)
+    report.append(("from_torch", bitwise, None, 0.0, moved))
     return report, _misuse(rank, world)
 
 
