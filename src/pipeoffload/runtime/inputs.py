@@ -10,7 +10,7 @@ position ids) travel on to the next stage and get no gradient. The last stage's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,9 +54,23 @@ def wrap_stages(stages: Mapping[int, nn.Module], stage_kwargs: Mapping[int, Mapp
     return wrapped
 
 
+def check_form(value: object, what: str) -> None:
+    """Refuse what is neither None, a tensor, a sequence of tensors nor (inputs only) a dict,
+    before anything iterates it (a str or an int would fail with a misleading message)."""
+    if value is None or isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, Mapping) and what == "inputs":
+        return
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return
+    kinds = "a tensor, a tuple of tensors" + (" or a dict of tensors" if what == "inputs" else "")
+    raise ConfigError(f"{what} is a {type(value).__name__}; pass {kinds} (batch in dim 0)")
+
+
 def positional(inputs: object) -> tuple[tuple[str, ...] | None, object]:
     """``(names, tensors)``: a dict becomes its keys and its values in that order; anything else
     passes through unchanged (checked by microbatch.as_tuple)."""
+    check_form(inputs, "inputs")
     if not isinstance(inputs, Mapping):
         return None, inputs
     names, values = [], []

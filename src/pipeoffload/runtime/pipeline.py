@@ -18,7 +18,7 @@ from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError
 from pipeoffload.runtime.config import RuntimeConfig
 from pipeoffload.runtime.executor import RankExecutor, StepData
-from pipeoffload.runtime.inputs import StageCall, positional, wrap_stages
+from pipeoffload.runtime.inputs import StageCall, check_form, positional, wrap_stages
 from pipeoffload.runtime.lowering import order_conflicts, with_comms
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.microbatch import as_tuple, check_same, signature, split
@@ -222,6 +222,7 @@ class Pipeline:
         has_last = self.schedule.num_stages - 1 in self._runners
         m = self.schedule.microbatches
         names, inputs = positional(inputs)
+        check_form(target, "target")
         batch = as_tuple(inputs, "inputs")
         targets = as_tuple(target, "target")
         if has_first and not batch:
