@@ -8,8 +8,9 @@
 Stages share the model's modules and parameters (nothing is copied). Each stage makes what HF's
 ``*Model.forward`` makes once for all layers: position ids, rotary embeddings and the causal (or
 sliding-window) mask, from the hidden states it receives and the padding mask carried along as
-a tensor. Tied input / output embeddings are declared on the first and last stage
-(``tied_parameters``), so Pipeline sums their gradients across ranks (Note: [tied parameters]).
+a tensor. Tied input / output embeddings are declared on every stage (``tied_parameters``:
+the first stage's embedding and the last stage's head), so Pipeline sums their gradients across
+ranks (Note: [tied parameters], runtime/tied.py).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class CausalLMStage(nn.Module):
         self.rotary_emb = rotary
         self.norm = norm
         self.lm_head = head
-        self.tied_parameters: dict[str, str] = {}
+        self.tied_parameters: dict[str, dict[int, str]] = {}  # Note: [tied parameters]
 
     def forward(self, hidden: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, *,
@@ -144,10 +145,8 @@ def split_causal_lm(model: nn.Module, schedule: Schedule,
             config, [inner.layers[i] for i in ranges[s]], ranges[s].start, inner.rotary_emb,
             embed=inner.embed_tokens if s == 0 else None,
             norm=inner.norm if s == last else None, head=head if s == last else None)
-        if tied and s == 0:
-            stage.tied_parameters["embed_tokens.weight"] = _TIE
-        if tied and s == last:
-            stage.tied_parameters["lm_head.weight"] = _TIE
+        if tied:  # on every stage, so that every rank knows where the tie lives
+            stage.tied_parameters[_TIE] = {0: "embed_tokens.weight", last: "lm_head.weight"}
         stages[s] = stage
     return stages
 

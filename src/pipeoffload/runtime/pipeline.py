@@ -25,7 +25,7 @@ from pipeoffload.runtime.microbatch import as_tuple, check_same, signature, spli
 from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.p2p import DistTransport, LocalTransport
 from pipeoffload.runtime.stage import StageRunner
-from pipeoffload.runtime.tied import TiedGradients, TiedSpec, local_ties
+from pipeoffload.runtime.tied import TiedGradients, TiedSpec, merge_ties
 
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 
@@ -72,8 +72,9 @@ class Pipeline:
       the two sides). Gloo matches by tag and needs none.
     - ``stage_kwargs``: ``{stage: {name: value}}`` constants passed as keyword arguments to that
       stage on every microbatch (Note: [stage contract], runtime/inputs.py).
-    - ``tied``: ``{tie: {stage: parameter name}}``, one parameter used by several stages, whose
-      gradients are summed (Note: [tied parameters], runtime/tied.py).
+    - ``tied``: ``{tie: {stage: parameter name}}`` over all stages, one parameter used by several
+      stages, whose gradients are summed (Note: [tied parameters], runtime/tied.py); a stage
+      module's ``tied_parameters`` attribute in the same form counts too.
     - torch's UNSHARD / RESHARD / REDUCE_GRAD markers in the schedule are skipped (no FSDP here).
     """
 
@@ -143,8 +144,10 @@ class Pipeline:
             for rank in self.ranks
         }
         self._order = _interleave(self._lowered, self.ranks)
-        self._tied = TiedGradients(local_ties(stages, tied), group, self.device,
-                                   self.distributed)
+        ties = merge_ties([tied or {}, *(getattr(m, "tied_parameters", {})
+                                         for m in stages.values())], schedule.num_stages)
+        self._tied = TiedGradients(ties, stages, schedule, group, self.device, self.distributed,
+                                   self.config.p2p_timeout_s)
         self._input_sig = None
         self._input_names: tuple[str, ...] | None = None
         if example_inputs is not None:
