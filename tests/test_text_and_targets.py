@@ -1,5 +1,7 @@
 """Action text form, CSV reading errors, and offload target parsing."""
 
+import json
+
 import pytest
 
 from pipeoffload.core.actions import Action, Kind, parse_action
@@ -88,7 +90,8 @@ def test_bad_targets_name_the_accepted_forms(spec):
         parse_target(spec)
 
 
-def test_marker_csv_simulates_like_the_bare_schedule_and_keeps_markers_through_planning(tmp_path):
+def test_marker_csv_simulates_like_the_bare_schedule_and_keeps_markers_through_planning(
+        tmp_path, capsys):
     from pipeoffload.app.cli import main
     from pipeoffload.core.actions import MARKER_KINDS
     from pipeoffload.offload.plan import add_offload
@@ -108,6 +111,8 @@ def test_marker_csv_simulates_like_the_bare_schedule_and_keeps_markers_through_p
     out = tmp_path / "out.csv"
     assert main(["simulate", "--from-csv", str(path), "--csv", str(out), "--json"]) == 0
     assert out.read_text() == path.read_text()
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("REDUCE_GRAD / RESHARD / UNSHARD actions are markers" in n for n in notes)
 
 
 def test_a_marker_on_the_wrong_rank_is_a_schedule_error(tmp_path):
