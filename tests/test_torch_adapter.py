@@ -18,7 +18,7 @@ from test_runtime_support import launch, one_thread  # noqa: F401 - fixture
 from torch import nn
 
 from pipeoffload.api import build_schedule
-from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
+from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
 from pipeoffload.core.text import parse_rows, schedule_from_rows, to_csv_text
 from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError, IntegrationError
@@ -29,20 +29,29 @@ from pipeoffload.torch import PipeOffloadSchedule, check_torch_version
 
 WIDTH, BATCH, MICROBATCHES = 8, 8, 4
 FETCH = OffloadPolicy(fetch_on_use=True)
-# (name, build options, torch's schedule class with the same placement and order, or None)
+# (name, build options, torch's schedule class with the same placement and order, or None);
+# "+wait": an OFFLOAD_WAIT right after every OFFLOAD.
 CASES_2 = (
     ("1f1b", {"offload": "all"}, "Schedule1F1B"),
     ("interleaved-1f1b", {"offload": "all", "chunks": 2}, "ScheduleInterleaved1F1B"),
     ("zbv", {"offload": "all"}, "ScheduleZBVZeroBubble"),
     ("po-h", {"offload_ratio": 0.5}, None),
     ("po-f", {"offload_ratio": 0.5}, None),
-    ("1f1b", {"offload": "all", "policy": FETCH}, "Schedule1F1B"),
+    ("po-f", {"policy": FETCH}, None),
+    ("1f1b+wait", {"offload": "all"}, "Schedule1F1B"),
     ("zbv", {"offload": "all", "policy": FETCH}, "ScheduleZBVZeroBubble"),
 )
 CASES_4 = (
     ("zbv", {"offload": "all"}, "ScheduleZBVZeroBubble"),
-    ("po-f", {"offload_ratio": 0.5, "policy": FETCH}, None),
+    ("po-f", {"policy": FETCH}, None),
 )
+
+
+def with_waits(schedule):
+    rows = [[b for a in row for b in ((a, Action(a.stage, Kind.OFFLOAD_WAIT, a.microbatch))
+                                      if a.kind is Kind.OFFLOAD else (a,))]
+            for row in schedule.ranks]
+    return validate(schedule.with_ranks(rows))
 
 
 def stage_module(index: int) -> nn.Module:
@@ -101,8 +110,12 @@ def _cases(rank: int, world: int, cases: tuple) -> list[tuple]:
     report = []
     ref = None
     for name, options, torch_class in cases:
-        schedule = build_schedule(name, pp=world, microbatches=MICROBATCHES, **options)
+        schedule = build_schedule(name.removesuffix("+wait"), pp=world,
+                                  microbatches=MICROBATCHES, **options)
+        if name.endswith("+wait"):
+            schedule = with_waits(schedule)
         assert schedule.has_kind(Kind.OFFLOAD)
+        assert ("policy" in options) == schedule.has_kind(Kind.FETCH)
         plain = schedule.without(*OFFLOAD_KINDS)
         with_offload, pipe = run(rank, schedule)
         without, _ = run(rank, plain)
