@@ -24,6 +24,12 @@ CASES = (("1f1b", {}), ("zbv", {}), ("po-f", {"offload_ratio": 0.5}))
 
 
 def make_model(family: str, tied: bool, layers: int = 8) -> torch.nn.Module:
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=layers, n_head=2,
+                                         n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0, tie_word_embeddings=tied)
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config).double()
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -89,10 +95,11 @@ def test_llama_local_matches_single_process(name, options, tied):
     assert loss_error < 1e-10 and worst < 1e-10
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
-def test_other_families_split_exactly(family):
+@pytest.mark.parametrize("family,tied", [("mistral", False), ("qwen2", False), ("qwen3", False),
+                                         ("gpt2", True)])
+def test_other_families_split_exactly(family, tied):
     schedule = build_schedule("1f1b", pp=2, microbatches=MICROBATCHES)
-    loss_error, worst = run(make_model(family, tied=False, layers=2), schedule, None)
+    loss_error, worst = run(make_model(family, tied=tied, layers=2), schedule, None)
     assert loss_error < 1e-10 and worst < 1e-10
 
 

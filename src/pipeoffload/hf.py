@@ -1,4 +1,4 @@
-"""``pipeoffload.hf``: Hugging Face causal LMs (Llama, Mistral, Qwen2/3) as pipeline stages.
+"""``pipeoffload.hf``: Hugging Face causal LMs (Llama, Mistral, Qwen2/3, GPT-2) as stages.
 Needs the ``hf`` extra (transformers >= 5); see integrations/hf.py for the contract."""
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ from torch import nn
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError, IntegrationError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""``config.model_type`` values whose decoder layout (model.embed_tokens / layers / norm /
-rotary_emb, lm_head) split_causal_lm knows and tests cover."""
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+"""``config.model_type`` values whose decoder layout split_causal_lm knows and tests cover:
+Llama-family (model.embed_tokens / layers / norm / rotary_emb, lm_head) and GPT-2
+(transformer.wte / wpe / drop / h / ln_f, lm_head)."""
 
 try:
     import transformers
@@ -58,14 +59,17 @@ class CausalLMStage(nn.Module):
     """
 
     def __init__(self, config: Any, layers: Sequence[nn.Module], first_layer: int,
-                 rotary: nn.Module, embed: nn.Module | None = None,
-                 norm: nn.Module | None = None, head: nn.Module | None = None) -> None:
+                 rotary: nn.Module | None, embed: nn.Module | None = None,
+                 norm: nn.Module | None = None, head: nn.Module | None = None,
+                 positions: nn.Module | None = None, dropout: nn.Module | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = embed
+        self.embed_positions = positions  # GPT-2's learnt positions (first stage), else None
+        self.embed_dropout = dropout
         self.layers = nn.ModuleList(layers)
         self.layer_types = [_layer_type(config, first_layer + i) for i in range(len(layers))]
-        self.rotary_emb = rotary
+        self.rotary_emb = rotary  # Llama family: rotary embeddings made on every stage
         self.norm = norm
         self.lm_head = head
         self.tied_parameters: dict[str, dict[int, str]] = {}  # Note: [tied parameters]
@@ -77,13 +81,19 @@ class CausalLMStage(nn.Module):
             # stage 0: token ids [batch, seq], positional or as HF's input_ids keyword
             hidden = self.embed_tokens(hidden if input_ids is None else input_ids)
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        rotary = self.rotary_emb(hidden, position_ids=positions)
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(positions)
+        if self.embed_dropout is not None:
+            hidden = self.embed_dropout(hidden)
+        extra = {}
+        if self.rotary_emb is not None:
+            extra = {"position_ids": positions,
+                     "position_embeddings": self.rotary_emb(hidden, position_ids=positions)}
         masks = {kind: _MASKS[kind](self.config, hidden, attention_mask, None,
                                     position_ids=positions)
                  for kind in set(self.layer_types)}
         for layer, kind in zip(self.layers, self.layer_types):
-            hidden = layer(hidden, attention_mask=masks[kind], position_ids=positions,
-                           position_embeddings=rotary)
+            hidden = layer(hidden, attention_mask=masks[kind], **extra)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
         if self.lm_head is not None:
@@ -118,33 +128,40 @@ def split_causal_lm(model: nn.Module, schedule: Schedule,
                     rank: int | None = None) -> dict[int, nn.Module]:
     """``{stage: CausalLMStage}`` for ``schedule``'s stages (all, or those on ``rank``).
 
-    ``model`` is a ``*ForCausalLM`` of a supported family (SUPPORTED_MODEL_TYPES): embedding
+    ``model`` is a ``*ForCausalLM`` (or GPT2LMHeadModel) of SUPPORTED_MODEL_TYPES: embedding
     first, final norm and head last, decoder layers balanced. The stages share ``model``'s
     parameters; with tied embeddings the first and last stage hold the same Parameter and
     declare the tie, so Pipeline keeps their gradients whole when they sit on different ranks.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    inner = getattr(model, "model", None)
+    inner = getattr(model, "transformer" if model_type == "gpt2" else "model", None)
     head = getattr(model, "lm_head", None)
     if model_type not in SUPPORTED_MODEL_TYPES or inner is None or head is None:
         raise IntegrationError(
-            f"split_causal_lm knows {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs "
-            f"(model.model.layers, model.lm_head); got {type(model).__name__} with model_type "
+            f"split_causal_lm knows {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; got "
+            f"{type(model).__name__} with model_type "
             f"{model_type!r}. Write the stage modules yourself (docs/runtime.md, stage contract)")
     if rank is not None and not 0 <= rank < schedule.num_ranks:
         raise ConfigError(f"rank={rank}, but schedule {schedule.name!r} has ranks "
                           f"0..{schedule.num_ranks - 1}")
+    gpt2 = model_type == "gpt2"
+    layers = inner.h if gpt2 else inner.layers
+    embed = inner.wte if gpt2 else inner.embed_tokens
+    norm = inner.ln_f if gpt2 else inner.norm
     last = schedule.num_stages - 1
-    ranges = balanced_layers(len(inner.layers), schedule.num_stages)
-    tied = head.weight is inner.embed_tokens.weight
+    ranges = balanced_layers(len(layers), schedule.num_stages)
+    tied = head.weight is embed.weight
     wanted = range(schedule.num_stages) if rank is None else schedule.stages_on_rank(rank)
     stages: dict[int, nn.Module] = {}
     for s in wanted:
         stage = CausalLMStage(
-            config, [inner.layers[i] for i in ranges[s]], ranges[s].start, inner.rotary_emb,
-            embed=inner.embed_tokens if s == 0 else None,
-            norm=inner.norm if s == last else None, head=head if s == last else None)
+            config, [layers[i] for i in ranges[s]], ranges[s].start,
+            None if gpt2 else inner.rotary_emb,
+            embed=embed if s == 0 else None,
+            norm=norm if s == last else None, head=head if s == last else None,
+            positions=inner.wpe if gpt2 and s == 0 else None,
+            dropout=inner.drop if gpt2 and s == 0 else None)
         if tied:  # on every stage, so that every rank knows where the tie lives
             stage.tied_parameters[_TIE] = {0: "embed_tokens.weight", last: "lm_head.weight"}
         stages[s] = stage
