@@ -247,3 +247,12 @@ def test_torch_written_csv_with_fsdp_and_dp_markers_simulates_and_round_trips():
     # markers cost no time: the same makespan and peaks as our schedule without them
     assert simulate(loaded).makespan == simulate(ours).makespan
     assert simulate(loaded).peak_activation == simulate(ours).peak_activation
+
+
+def test_the_torch_submodule_does_not_shadow_torch_inside_the_package():
+    import pipeoffload.runtime.offloader as offloader_module
+    import pipeoffload.torch as adapter
+
+    assert adapter.__name__ == "pipeoffload.torch"
+    assert offloader_module.torch is torch
+    assert adapter.PipeOffloadSchedule.__module__ == "pipeoffload.integrations.torch_schedule"
