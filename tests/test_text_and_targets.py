@@ -1,5 +1,7 @@
 """Action text form, CSV reading errors, and offload target parsing."""
 
+import json
+
 import pytest
 
 from pipeoffload.core.actions import Action, Kind, parse_action
@@ -14,15 +16,23 @@ def test_every_kind_round_trips_through_text(kind):
     assert parse_action(str(action)) == action
 
 
-@pytest.mark.parametrize("token", ["F0", "0F", "0X1", "0F1x", "0 F 1", "-1F0", "0UNSHARD", "0F-1"])
+@pytest.mark.parametrize("token", ["F0", "0F", "0X1", "0F1x", "0 F 1", "-1F0", "0UNSHARDx", "0F-1",
+                                   "0OFFLOAD", "0SEND_F"])
 def test_bad_tokens_are_rejected_whole(token):
     with pytest.raises(ParseError, match="invalid action"):
         parse_action(token)
 
 
 def test_unsupported_torch_kinds_get_a_specific_hint():
-    with pytest.raises(ParseError, match="FSDP"):
-        parse_action("0RESHARD")
+    with pytest.raises(ParseError, match="OVERLAP_F_B"):
+        parse_action("0OVERLAP_F_B1")
+
+
+@pytest.mark.parametrize("token", ["0UNSHARD", "3RESHARD", "1REDUCE_GRAD", "2REDUCE_GRAD5"])
+def test_torch_markers_parse_with_or_without_a_microbatch(token):
+    action = parse_action(token)
+    assert action.kind.is_marker
+    assert str(action) == token
 
 
 def test_parse_error_names_file_row_and_column(tmp_path):
@@ -78,3 +88,35 @@ def test_targets_parse(spec, kind, value, in_bytes):
 def test_bad_targets_name_the_accepted_forms(spec):
     with pytest.raises(ConfigError, match="offload target"):
         parse_target(spec)
+
+
+def test_marker_csv_simulates_like_the_bare_schedule_and_keeps_markers_through_planning(
+        tmp_path, capsys):
+    from pipeoffload.app.cli import main
+    from pipeoffload.core.actions import MARKER_KINDS
+    from pipeoffload.offload.plan import add_offload
+    from pipeoffload.sim.simulator import simulate
+
+    path = tmp_path / "torch.csv"
+    path.write_text("0UNSHARD,0F0,0F1,0B0,0B1,0REDUCE_GRAD,0RESHARD\n"
+                    "1UNSHARD,1F0,1B0,1F1,1B1,1REDUCE_GRAD,1RESHARD\n")
+    marked = read_csv(path)
+    bare = marked.without(*MARKER_KINDS)
+    assert simulate(marked).makespan == simulate(bare).makespan
+    planned = add_offload(marked, target="all").schedule
+    assert planned.has_kind(Kind.OFFLOAD)
+    assert [a for a in planned.ranks[0] if a.kind.is_marker] == \
+        [Action(0, Kind.UNSHARD, None), Action(0, Kind.REDUCE_GRAD, None),
+         Action(0, Kind.RESHARD, None)]
+    out = tmp_path / "out.csv"
+    assert main(["simulate", "--from-csv", str(path), "--csv", str(out), "--json"]) == 0
+    assert out.read_text() == path.read_text()
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("REDUCE_GRAD / RESHARD / UNSHARD actions are markers" in n for n in notes)
+
+
+def test_a_marker_on_the_wrong_rank_is_a_schedule_error(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,0B0,1REDUCE_GRAD\n1F0,1B0\n")
+    with pytest.raises(ScheduleError, match="stage 1 appears on rank 0 and on rank 1"):
+        read_csv(path)

@@ -19,16 +19,21 @@ from pipeoffload.sim.costs import CostModel, HostLink
 from pipeoffload.sim.simulator import simulate
 
 if TYPE_CHECKING:
+    from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
+    from pipeoffload.runtime.meter import ActivationMeter
     from pipeoffload.runtime.pipeline import Pipeline
 
 __all__ = [
     "Action",
+    "ActivationMeter",
     "CostModel",
     "HostLink",
     "Kind",
+    "OffloadConfig",
     "OffloadPolicy",
     "Pipeline",
     "PipeoffloadError",
+    "RuntimeConfig",
     "Schedule",
     "add_offload",
     "build_schedule",
@@ -41,10 +46,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Pipeline needs torch; import it only when asked for, so the pure core stays torch-free.
-    if name == "Pipeline":
-        from pipeoffload.runtime.pipeline import Pipeline
+_LAZY = {
+    "Pipeline": "pipeoffload.runtime.pipeline",
+    "RuntimeConfig": "pipeoffload.runtime.config",
+    "OffloadConfig": "pipeoffload.runtime.config",
+    "ActivationMeter": "pipeoffload.runtime.meter",
+}
 
-        return Pipeline
+
+def __getattr__(name: str) -> Any:
+    # The runtime needs torch; import it only when asked for, so the pure core stays torch-free.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pipeoffload' has no attribute {name!r}")

@@ -37,3 +37,8 @@ class ScheduleError(PipeoffloadError, ValueError):
 
 class PipelineRuntimeError(PipeoffloadError, RuntimeError):
     """Executing a schedule failed (names the rank and the action)."""
+
+
+class IntegrationError(PipeoffloadError, RuntimeError):
+    """An integration cannot run here: an untested version of the library it adapts, a missing
+    optional extra, or a model it does not know (names what it found and what to do)."""

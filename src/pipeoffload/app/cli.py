@@ -110,6 +110,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(render_summary_table(result))
     if report.offloaded or report.skipped or report.notes:
         print(report.summary())
+    for note in _marker_notes(schedule):
+        print(f"note: {note}")
     if not args.no_grid:
         print(render_grid(result, color=sys.stdout.isatty()))
     for label, path in (("csv", args.csv), ("png", args.png), ("trace", args.trace)):
@@ -135,8 +137,18 @@ def _simulate_json(plan) -> dict:
         "offloaded_fraction": report.offloaded_fraction,
         "stall_time": result.total_stall_time,
         "stall_time_per_rank": list(result.stall_time),
-        "notes": list(report.notes),
+        "notes": list(report.notes) + _marker_notes(schedule),
     }
+
+
+def _marker_notes(schedule) -> list[str]:
+    from pipeoffload.core.actions import MARKER_KINDS
+
+    kinds = sorted({a.kind.value for row in schedule.ranks for a in row if a.kind in MARKER_KINDS})
+    if not kinds:
+        return []
+    return [f"torch's {' / '.join(kinds)} actions are markers: kept in the schedule (and in "
+            "--csv), but they cost no time here (no FSDP or data-parallel traffic is modelled)"]
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:

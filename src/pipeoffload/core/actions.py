@@ -4,6 +4,12 @@ The text form follows torch.distributed.pipelining (``{stage}{KIND}{microbatch}`
 ``1SEND_F3``) so CSV files move both ways, plus our own ``OFFLOAD`` / ``RELOAD`` / ``FETCH`` /
 ``OFFLOAD_WAIT`` / ``RECOMPUTE`` kinds (``0OFFLOAD3``), which torch's prefix parser cannot
 mistake for one of its kinds.
+
+Note: [torch markers] torch's lowering writes UNSHARD / RESHARD (FSDP) and REDUCE_GRAD
+(data-parallel gradient sync), usually without a microbatch (``0REDUCE_GRAD``). We read them as
+markers: kept in the schedule and written back, placed on the stage's rank, but they cost no time
+in the simulator, carry no dependency, and the runtime (which has no FSDP) skips them. Their
+microbatch is None when the token has none.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class Kind(str, Enum):
     FETCH = "FETCH"
     OFFLOAD_WAIT = "OFFLOAD_WAIT"  # compute waits here until OFFLOAD of (stage, mb) completed
     RECOMPUTE = "RECOMPUTE"  # re-run the forward from its kept input, just before the backward
+    UNSHARD = "UNSHARD"  # torch markers, see Note: [torch markers]
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
 
     @property
     def is_compute(self) -> bool:
@@ -57,10 +66,17 @@ class Kind(str, Enum):
     def is_comm(self) -> bool:
         return self in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
 
+    @property
+    def is_marker(self) -> bool:
+        """torch's FSDP / data-parallel kinds, kept but costing nothing (Note: [torch markers])."""
+        return self in MARKER_KINDS
+
 
 _COMPUTE = frozenset({Kind.F, Kind.I, Kind.W, Kind.B, Kind.RECOMPUTE})
 OFFLOAD_KINDS = frozenset({Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.OFFLOAD_WAIT})
 """The kinds the offload planner adds (and replaces when it plans again)."""
+MARKER_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD})
+"""torch's kinds read as markers that cost no time (Note: [torch markers])."""
 
 
 class Action(NamedTuple):
@@ -68,10 +84,11 @@ class Action(NamedTuple):
 
     stage: int
     kind: Kind
-    microbatch: int
+    microbatch: int  # None only for a marker written without one (Note: [torch markers])
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
+        microbatch = "" if self.microbatch is None else self.microbatch
+        return f"{self.stage}{self.kind.value}{microbatch}"
 
     def __repr__(self) -> str:
         return f"Action({self})"
@@ -79,23 +96,24 @@ class Action(NamedTuple):
 
 # Longest kinds first so that "SEND_F" is never read as "S..." and "RECV_B" never as "RECV".
 _KIND_ALTERNATIVES = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATIVES})(\d+)")
-# Kinds torch may write that we deliberately do not execute.
-_UNSUPPORTED_TORCH_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "OVERLAP_F_B")
+_ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATIVES})(\d*)")
+# Kinds torch may write that we deliberately do not read.
+_UNSUPPORTED_TORCH_KINDS = ("OVERLAP_F_B",)
 
 
 def parse_action(token: str, where: str = "") -> Action:
     """Parse one whole token such as ``3I12``; anything else raises ParseError naming it."""
     text = token.strip()
     match = _ACTION_RE.fullmatch(text)
+    if match is not None and not match.group(3) and not Kind(match.group(2)).is_marker:
+        match = None  # only markers may omit the microbatch
     if match is None:
-        hint = "expected {stage}{KIND}{microbatch}, e.g. 0F3, 1I0, 2OFFLOAD5"
+        hint = "expected {stage}{KIND}{microbatch}, e.g. 0F3, 1I0, 2OFFLOAD5, 0REDUCE_GRAD"
         if any(kind in text for kind in _UNSUPPORTED_TORCH_KINDS):
-            kinds = ", ".join(_UNSUPPORTED_TORCH_KINDS)
-            hint = f"FSDP / overlap actions ({kinds}) are not supported"
+            hint = "torch's overlapped OVERLAP_F_B actions are not supported; write F and B"
         raise ParseError(f"{where}invalid action {token!r}: {hint}")
     stage, kind, microbatch = match.groups()
-    return Action(int(stage), Kind(kind), int(microbatch))
+    return Action(int(stage), Kind(kind), int(microbatch) if microbatch else None)
 
 
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - mirrors the text form

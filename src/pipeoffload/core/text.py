@@ -2,7 +2,8 @@
 
 One CSV row per rank, one action per cell (``0F0,0F1,0I0,...``); empty cells are spacing and
 are skipped. Files we write load in torch's ``_load_csv`` when they hold none of our own
-kinds (``compute_only=True`` strips those).
+kinds (``compute_only=True`` strips those). torch's UNSHARD / RESHARD / REDUCE_GRAD tokens are
+read as markers and written back as they were (Note: [torch markers], core/actions.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import io
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind, parse_action
+from pipeoffload.core.actions import (
+    MARKER_KINDS,
+    OFFLOAD_KINDS,
+    Action,
+    Kind,
+    parse_action,
+)
 from pipeoffload.core.errors import ParseError
 from pipeoffload.core.schedule import Schedule, infer_stage_to_rank
 
@@ -42,7 +49,8 @@ def schedule_from_rows(
 ) -> Schedule:
     """A Schedule from per-rank lists; placement and microbatch count are inferred if not given."""
     if microbatches is None:
-        microbatches = 1 + max((a.microbatch for acts in rows for a in acts), default=0)
+        microbatches = 1 + max((a.microbatch for acts in rows for a in acts
+                                if a.microbatch is not None), default=0)
     placement = tuple(stage_to_rank) if stage_to_rank is not None else infer_stage_to_rank(rows)
     return Schedule(tuple(tuple(r) for r in rows), placement, microbatches, name)
 
@@ -59,8 +67,9 @@ def read_csv(path: str | Path, *, microbatches: int | None = None) -> Schedule:
 
 
 def to_csv_text(schedule: Schedule, *, compute_only: bool = False) -> str:
-    """CSV text, one row per rank. ``compute_only`` drops transfer, recompute and comm actions."""
-    ours = OFFLOAD_KINDS | {Kind.RECOMPUTE}
+    """CSV text, one row per rank. ``compute_only`` drops transfer, recompute, comm and marker
+    actions (what torch's ``_load_csv`` reads by default)."""
+    ours = OFFLOAD_KINDS | MARKER_KINDS | {Kind.RECOMPUTE}
     comms = {Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B}
     dropped = ours | comms if compute_only else set()
     out = io.StringIO()

@@ -3,14 +3,15 @@
 Checks, in order: indices in range; each action on the rank that holds its stage; each
 (stage, microbatch) has one F and one backward (B, or I then W), at most one OFFLOAD and
 either a RELOAD or a FETCH for it, at most one RECOMPUTE and never with an offload; finally
-that no rank waits forever (found by running the schedule without a clock).
+that no rank waits forever (found by running the schedule without a clock). torch's markers
+(UNSHARD / RESHARD / REDUCE_GRAD, Note: [torch markers]) are checked for index and placement only.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
@@ -20,8 +21,9 @@ def validate(schedule: Schedule) -> Schedule:
     """Raise ScheduleError with rank, position and action if ``schedule`` cannot run; else
     return it unchanged (so it chains: ``validate(build(...))``)."""
     _check_indices_and_placement(schedule)
-    _check_counts(schedule)
-    _check_progress(schedule)
+    work = schedule.without(*MARKER_KINDS) if schedule.has_kind(*MARKER_KINDS) else schedule
+    _check_counts(work)
+    _check_progress(work)
     return schedule
 
 
@@ -40,7 +42,7 @@ def _check_indices_and_placement(schedule: Schedule) -> None:
         if not 0 <= action.stage < schedule.num_stages:
             _fail(schedule, f"stage {action.stage} does not exist "
                   f"(the schedule has stages 0..{schedule.num_stages - 1})", rank, position, action)
-        if not 0 <= action.microbatch < schedule.microbatches:
+        if action.microbatch is not None and not 0 <= action.microbatch < schedule.microbatches:
             _fail(schedule, f"microbatch {action.microbatch} does not exist "
                   f"(the schedule has microbatches 0..{schedule.microbatches - 1})",
                   rank, position, action)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -94,6 +94,7 @@ class _Scope:
     offloaded: bool = False
     fetched: bool = False
     reload_event: object | None = None
+    keep: frozenset[tuple[str, int]] = frozenset()  # storages saved as they are (scope(keep=))
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,7 +170,8 @@ class ActivationOffloader:
     def kept_bytes(self) -> dict[str, int]:
         """Bytes of saved tensors left on the device, by reason (Note: [kept on device]):
         "parameter", "small" (<= min_offload_elements), "other device", "not dense" (sparse,
-        meta, a tensor subclass other than DTensor). Each save counts, so a tensor saved by two
+        meta, a tensor subclass other than DTensor), "kept by the caller" (``scope(keep=)``).
+        Each save counts, so a tensor saved by two
         operations counts twice; DTensors count their local shard."""
         return dict(self._kept)
 
@@ -188,13 +190,16 @@ class ActivationOffloader:
         return sum(s.nbytes for s in scope.storages.values() if s.host is not None)
 
     @contextmanager
-    def scope(self, key: Hashable, owner: Hashable, stream: bool = True) -> Iterator[None]:
+    def scope(self, key: Hashable, owner: Hashable, stream: bool = True,
+              keep: Iterable[torch.Tensor] = ()) -> Iterator[None]:
         """Capture what autograd saves inside the block as ``key``'s activation; with ``stream``
-        its copy to host starts right away (see Note: [streaming offload])."""
+        its copy to host starts right away (see Note: [streaming offload]). Saved tensors sharing
+        a storage with one of ``keep`` stay on the device, like parameters: buffers that live on
+        anyway (torch.distributed.pipelining's receive buffers), whose copy would free nothing."""
         if key in self._scopes:
             raise PipelineRuntimeError(f"offload scope {key} is already open; each (stage, "
                                        "microbatch) runs its forward once per step")
-        scope = _Scope(key, owner, stream)
+        scope = _Scope(key, owner, stream, keep=frozenset(storage_key(t) for t in keep))
         self._scopes[key] = scope
 
         def pack(tensor: torch.Tensor) -> object:
@@ -220,7 +225,7 @@ class ActivationOffloader:
             return SavedShard(self._pack(scope, shard), ShardLayout.of(tensor))
         if is_pending_collective(tensor):
             return self._pack(scope, local_shards([tensor])[0])
-        reason = self._keep_reason(tensor)
+        reason = self._keep_reason(scope, tensor)
         if reason is not None:
             [local] = local_shards([tensor])
             self._kept[reason] = self._kept.get(reason, 0) + local.numel() * local.element_size()
@@ -248,15 +253,18 @@ class ActivationOffloader:
         return _Saved(scope, storage, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                       tensor.storage_offset())
 
-    def _keep_reason(self, tensor: torch.Tensor) -> str | None:
+    def _keep_reason(self, scope: _Scope, tensor: torch.Tensor) -> str | None:
         """Why a saved tensor stays on the device (Note: [kept on device]), None to move it."""
-        if isinstance(tensor, torch.nn.Parameter) or (
-                is_plain(tensor) and storage_key(tensor) in self._params):
-            return "parameter"
-        if self._derived_from_parameter(tensor):
+        if (isinstance(tensor, torch.nn.Parameter)
+                # a view of a parameter made in the step (FSDP's unsharded parameters)
+                or isinstance(tensor._base, torch.nn.Parameter)
+                or (is_plain(tensor) and storage_key(tensor) in self._params)
+                or self._derived_from_parameter(tensor)):
             return "parameter"
         if not is_plain(tensor):
             return "not dense"
+        if storage_key(tensor) in scope.keep:
+            return "kept by the caller"
         if tensor.device.type != self._device.type or tensor.device.index != self._device.index:
             return "other device"
         if tensor.numel() <= self._config.min_offload_elements:

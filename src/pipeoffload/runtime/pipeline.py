@@ -4,12 +4,14 @@ or in one process (local mode)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
@@ -17,14 +19,39 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.runtime import rendezvous
 from pipeoffload.runtime.config import RuntimeConfig
 from pipeoffload.runtime.executor import RankExecutor, StepData
+from pipeoffload.runtime.inputs import StageCall, check_form, positional, wrap_stages
 from pipeoffload.runtime.lowering import Channel, channel_of, order_conflicts, with_comms
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.microbatch import as_tuple, check_same, signature, split
 from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.p2p import DistTransport, LocalTransport
 from pipeoffload.runtime.stage import StageRunner
+from pipeoffload.runtime.tied import TiedGradients, TiedSpec, merge_ties
 
 Tensors = torch.Tensor | Sequence[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """What the last steps held and moved (``Pipeline.stats()``).
+
+    - ``peak_bytes``: per rank of this process, the peak resident activation bytes the meter saw
+      since its last reset (empty without a meter).
+    - ``stage_bytes``: per stage of this process, the largest activation one microbatch saved
+      (from the meter; empty without one).
+    - ``host_pool_bytes``: host buffers the offloader allocated (reused across steps).
+    - ``fetched_bytes``: bytes FETCH read back to the device so far.
+    - ``tied``: ties whose gradients are summed across stages (Note: [tied parameters]).
+    - ``kept_bytes``: saved bytes the offloader left on the device, by reason (parameter,
+      small, ...; ``ActivationOffloader.kept_bytes``); empty when nothing is offloaded.
+    """
+
+    peak_bytes: dict[int, int]
+    stage_bytes: dict[int, int]
+    host_pool_bytes: int
+    fetched_bytes: int
+    tied: tuple[str, ...]
+    kept_bytes: dict[str, int]
 
 
 class Pipeline:
@@ -52,6 +79,12 @@ class Pipeline:
       one B communicator some schedules deadlock on NCCL (Note: [NCCL channels]). On NCCL the
       constructor runs runtime/rendezvous.py's model over this rank's view of the schedule and
       refuses a layout that would deadlock or pair the wrong messages.
+    - ``stage_kwargs``: ``{stage: {name: value}}`` constants passed as keyword arguments to that
+      stage on every microbatch (Note: [stage contract], runtime/inputs.py).
+    - ``tied``: ``{tie: {stage: parameter name}}`` over all stages, one parameter used by several
+      stages, whose gradients are summed (Note: [tied parameters], runtime/tied.py); a stage
+      module's ``tied_parameters`` attribute in the same form counts too.
+    - torch's UNSHARD / RESHARD / REDUCE_GRAD markers in the schedule are skipped (no FSDP here).
     """
 
     def __init__(
@@ -66,9 +99,13 @@ class Pipeline:
         example_inputs: Tensors | None = None,
         backward_group: dist.ProcessGroup | None = None,
         channel_groups: Mapping[Channel, dist.ProcessGroup] | None = None,
+        stage_kwargs: Mapping[int, Mapping[str, Any]] | None = None,
+        tied: TiedSpec | None = None,
     ) -> None:
         self.config = config or RuntimeConfig()
         self.schedule = validate(schedule)
+        if schedule.has_kind(*MARKER_KINDS):
+            schedule = schedule.without(*MARKER_KINDS)
         self.meter = meter
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
@@ -86,9 +123,9 @@ class Pipeline:
         else:
             self.ranks = tuple(range(schedule.num_ranks))
         self._check_stages(stages)
-        modules = dict(stages)
         nccl = self.distributed and dist.get_backend(group) == "nccl"
-        self.device = torch.device(device) if device is not None else _device_of(modules, nccl)
+        self.device = torch.device(device) if device is not None else _device_of(stages, nccl)
+        modules = wrap_stages(stages, stage_kwargs or {}, schedule.num_stages)
         last = schedule.num_stages - 1
         self._runners = {
             s: StageRunner(s, module, s == 0, s == last, loss_fn, schedule.microbatches)
@@ -119,9 +156,15 @@ class Pipeline:
             for rank in self.ranks
         }
         self._order = _interleave(self._lowered, self.ranks)
+        ties = merge_ties([tied or {}, *(getattr(m, "tied_parameters", {})
+                                         for m in stages.values())], schedule.num_stages)
+        self._tied = TiedGradients(ties, stages, schedule, group, self.device, self.distributed,
+                                   self.config.p2p_timeout_s)
         self._input_sig = None
+        self._input_names: tuple[str, ...] | None = None
         if example_inputs is not None:
-            self._input_sig = signature(as_tuple(example_inputs, "example_inputs"))
+            self._input_names, example = positional(example_inputs)
+            self._input_sig = signature(as_tuple(example, "example_inputs"))
 
     @property
     def offloader(self) -> ActivationOffloader | None:
@@ -138,6 +181,7 @@ class Pipeline:
             runner.abandon()
         if self._offloader is not None:
             self._offloader.abandon()
+        self._tied.abandon()
 
     def _check_nccl_layout(self, group: dist.ProcessGroup | None,
                            backward_group: dist.ProcessGroup | None,
@@ -184,12 +228,32 @@ class Pipeline:
             f"{list(self.schedule.stage_to_rank)}) needs exactly stages {expected}; pass "
             f"stages={{i: module_i for i in {expected}}}")
 
-    def step(self, inputs: Tensors | None = None,
+    def stats(self) -> PipelineStats:
+        """Peaks, bytes per stage, host pool and fetched bytes so far (see PipelineStats)."""
+        stage_bytes: dict[int, int] = {}
+        peaks: dict[int, int] = {}
+        if self.meter is not None:
+            for key, nbytes in self.meter.scope_bytes.items():
+                stage = key[0]  # type: ignore[index]
+                if stage in self._runners:
+                    stage_bytes[stage] = max(stage_bytes.get(stage, 0), nbytes)
+            peaks = {rank: self.meter.peak_bytes(rank) for rank in self.ranks}
+        offloader = self._offloader
+        return PipelineStats(peaks, dict(sorted(stage_bytes.items())),
+                             offloader.host_pool_bytes if offloader is not None else 0,
+                             offloader.fetched_bytes if offloader is not None else 0,
+                             tuple(self._tied.names),
+                             offloader.kept_bytes if offloader is not None else {})
+
+    def step(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
              target: Tensors | None = None) -> torch.Tensor | None:
-        """Run one training step's forward and backward; see the class docstring."""
+        """Run one training step's forward and backward; see the class docstring. A dict of
+        ``inputs`` goes to stage 0 as keyword arguments (Note: [stage contract])."""
         has_first = 0 in self._runners
         has_last = self.schedule.num_stages - 1 in self._runners
         m = self.schedule.microbatches
+        names, inputs = positional(inputs)
+        check_form(target, "target")
         batch = as_tuple(inputs, "inputs")
         targets = as_tuple(target, "target")
         if has_first and not batch:
@@ -203,11 +267,19 @@ class Pipeline:
                          else [() for _ in range(m)])
         if has_first:
             if self._input_sig is None:
-                self._input_sig = signature(micro_inputs[0])
+                self._input_sig, self._input_names = signature(micro_inputs[0]), names
+            if names != self._input_names:
+                raise ConfigError(
+                    f"inputs are {_describe(names)}, but this Pipeline was set up for "
+                    f"{_describe(self._input_names)}; pass the same form every step")
             check_same(self._input_sig, micro_inputs[0], "one microbatch of inputs")
+            first = self._runners[0].module
+            assert isinstance(first, StageCall)
+            first.names = names
         data = StepData(list(micro_inputs), list(micro_targets))
         del micro_inputs, micro_targets, batch, targets
         self._transport.begin_step()
+        self._tied.begin_step()
         try:
             for rank, action in self._order:
                 self._executors[rank].run(action, data)
@@ -216,6 +288,7 @@ class Pipeline:
                 executor.finish()
             if self._offloader is not None:
                 self._offloader.finish()
+            self._tied.finish_step()
         except BaseException:
             self._abandon_step()
             raise
@@ -223,6 +296,10 @@ class Pipeline:
             return None
         losses = [data.losses[i] for i in range(m)]
         return torch.stack(losses).mean()
+
+
+def _describe(names: tuple[str, ...] | None) -> str:
+    return "positional tensors" if names is None else f"a dict with keys {list(names)}"
 
 
 def _device_of(modules: Mapping[int, nn.Module], nccl: bool) -> torch.device:

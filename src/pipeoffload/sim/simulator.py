@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ScheduleError
@@ -99,8 +99,12 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
-    """Run ``schedule`` on the cost model's clock; raise ScheduleError on a deadlock."""
+    """Run ``schedule`` on the cost model's clock; raise ScheduleError on a deadlock. torch's
+    markers (UNSHARD / RESHARD / REDUCE_GRAD) cost no time: they are left out of the run and of
+    the result (Note: [torch markers], core/actions.py)."""
     costs = costs or CostModel()
+    if schedule.has_kind(*MARKER_KINDS):
+        schedule = schedule.without(*MARKER_KINDS)
     # The run makes tens of thousands of small tuples and no reference cycles: pausing the
     # cyclic collector keeps it from rescanning them again and again (a third of the time).
     collecting = gc.isenabled()

@@ -1,0 +1,179 @@
+"""Hugging Face causal LMs as pipeline stages: ``split_causal_lm`` and ``causal_lm_loss``.
+
+    model = LlamaForCausalLM(config).double()
+    stages = split_causal_lm(model, schedule)               # {stage: module}, every stage
+    pipe = Pipeline(stages, schedule, causal_lm_loss)
+    loss = pipe.step({"input_ids": ids, "attention_mask": mask}, target=ids)
+
+Stages share the model's modules and parameters (nothing is copied). Each stage makes what HF's
+``*Model.forward`` makes once for all layers: position ids, rotary embeddings and the causal (or
+sliding-window) mask, from the hidden states it receives and the padding mask carried along as
+a tensor. Tied input / output embeddings are declared on every stage (``tied_parameters``:
+the first stage's embedding and the last stage's head), so Pipeline sums their gradients across
+ranks (Note: [tied parameters], runtime/tied.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.errors import ConfigError, IntegrationError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+"""``config.model_type`` values whose decoder layout split_causal_lm knows and tests cover:
+Llama-family (model.embed_tokens / layers / norm / rotary_emb, lm_head) and GPT-2
+(transformer.wte / wpe / drop / h / ln_f, lm_head)."""
+
+try:
+    import transformers
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_sliding_window_causal_mask,
+    )
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise IntegrationError(
+        "pipeoffload.hf needs Hugging Face transformers >= 5: pip install 'pipeoffload[hf]'"
+    ) from error
+
+if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
+    raise IntegrationError(f"pipeoffload.hf is tested with transformers 5.x; this is "
+                           f"{transformers.__version__}: pip install 'transformers>=5'")
+
+_MASKS = {"full_attention": create_causal_mask,
+          "sliding_attention": create_sliding_window_causal_mask}
+_TIE = "embed_tokens.weight"
+
+
+class CausalLMStage(nn.Module):
+    """Decoder layers ``[first_layer, first_layer + len(layers))`` of a causal LM, with the
+    embedding on the first stage and the final norm and head on the last.
+
+    Inputs: first stage ``(input_ids, attention_mask=None)`` (or keywords), others ``(hidden,
+    attention_mask=None)``; returns ``(hidden, attention_mask)`` when a mask came in, else
+    ``hidden``; the last stage returns the logits ``[batch, seq, vocab]``.
+    """
+
+    def __init__(self, config: Any, layers: Sequence[nn.Module], first_layer: int,
+                 rotary: nn.Module | None, embed: nn.Module | None = None,
+                 norm: nn.Module | None = None, head: nn.Module | None = None,
+                 positions: nn.Module | None = None, dropout: nn.Module | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed
+        self.embed_positions = positions  # GPT-2's learnt positions (first stage), else None
+        self.embed_dropout = dropout
+        self.layers = nn.ModuleList(layers)
+        self.layer_types = [_layer_type(config, first_layer + i) for i in range(len(layers))]
+        self.rotary_emb = rotary  # Llama family: rotary embeddings made on every stage
+        self.norm = norm
+        self.lm_head = head
+        self.tied_parameters: dict[str, dict[int, str]] = {}  # Note: [tied parameters]
+
+    def forward(self, hidden: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, *,
+                input_ids: torch.Tensor | None = None) -> Any:
+        if self.embed_tokens is not None:
+            # stage 0: token ids [batch, seq], positional or as HF's input_ids keyword
+            hidden = self.embed_tokens(hidden if input_ids is None else input_ids)
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(positions)
+        if self.embed_dropout is not None:
+            hidden = self.embed_dropout(hidden)
+        extra = {}
+        if self.rotary_emb is not None:
+            extra = {"position_ids": positions,
+                     "position_embeddings": self.rotary_emb(hidden, position_ids=positions)}
+        masks = {kind: _MASKS[kind](self.config, hidden, attention_mask, None,
+                                    position_ids=positions)
+                 for kind in set(self.layer_types)}
+        for layer, kind in zip(self.layers, self.layer_types):
+            hidden = layer(hidden, attention_mask=masks[kind], **extra)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(hidden))
+        return hidden if attention_mask is None else (hidden, attention_mask)
+
+
+def _layer_type(config: Any, index: int) -> str:
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return "sliding_attention"
+    return "full_attention"
+
+
+def balanced_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous layer ranges per stage, sizes differing by at most one (earlier stages get
+    the extra layers; the last stage also carries the head)."""
+    if num_layers < num_stages:
+        raise ConfigError(f"the model has {num_layers} decoder layers but the schedule has "
+                          f"{num_stages} stages; every stage needs at least one layer (use a "
+                          "schedule with fewer stages: smaller pp or chunks)")
+    base, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for stage in range(num_stages):
+        bounds.append(bounds[-1] + base + (stage < extra))
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def split_causal_lm(model: nn.Module, schedule: Schedule,
+                    rank: int | None = None) -> dict[int, nn.Module]:
+    """``{stage: CausalLMStage}`` for ``schedule``'s stages (all, or those on ``rank``).
+
+    ``model`` is a ``*ForCausalLM`` (or GPT2LMHeadModel) of SUPPORTED_MODEL_TYPES: embedding
+    first, final norm and head last, decoder layers balanced. The stages share ``model``'s
+    parameters; with tied embeddings the first and last stage hold the same Parameter and
+    declare the tie, so Pipeline keeps their gradients whole when they sit on different ranks.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    inner = getattr(model, "transformer" if model_type == "gpt2" else "model", None)
+    head = getattr(model, "lm_head", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or inner is None or head is None:
+        raise IntegrationError(
+            f"split_causal_lm knows {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; got "
+            f"{type(model).__name__} with model_type "
+            f"{model_type!r}. Write the stage modules yourself (docs/runtime.md, stage contract)")
+    if rank is not None and not 0 <= rank < schedule.num_ranks:
+        raise ConfigError(f"rank={rank}, but schedule {schedule.name!r} has ranks "
+                          f"0..{schedule.num_ranks - 1}")
+    gpt2 = model_type == "gpt2"
+    layers = inner.h if gpt2 else inner.layers
+    embed = inner.wte if gpt2 else inner.embed_tokens
+    norm = inner.ln_f if gpt2 else inner.norm
+    last = schedule.num_stages - 1
+    ranges = balanced_layers(len(layers), schedule.num_stages)
+    tied = head.weight is embed.weight
+    wanted = range(schedule.num_stages) if rank is None else schedule.stages_on_rank(rank)
+    stages: dict[int, nn.Module] = {}
+    for s in wanted:
+        stage = CausalLMStage(
+            config, [layers[i] for i in ranges[s]], ranges[s].start,
+            None if gpt2 else inner.rotary_emb,
+            embed=embed if s == 0 else None,
+            norm=norm if s == last else None, head=head if s == last else None,
+            positions=inner.wpe if gpt2 and s == 0 else None,
+            dropout=inner.drop if gpt2 and s == 0 else None)
+        if tied:  # on every stage, so that every rank knows where the tie lives
+            stage.tied_parameters[_TIE] = {0: "embed_tokens.weight", last: "lm_head.weight"}
+        stages[s] = stage
+    return stages
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
+                   ignore_index: int = -100) -> torch.Tensor:
+    """Next-token cross entropy: position t predicts label t+1; labels equal to
+    ``ignore_index`` (padding) are left out of the mean. Computed in ``logits``' dtype (HF
+    upcasts to float32; keeping float64 keeps exactness tests exact)."""
+    vocab = logits.shape[-1]
+    shifted = logits[:, :-1].reshape(-1, vocab)
+    targets = labels[:, 1:].reshape(-1).to(logits.device)
+    return nn.functional.cross_entropy(shifted, targets, ignore_index=ignore_index)
