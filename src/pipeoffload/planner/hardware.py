@@ -202,5 +202,9 @@ def load_hardware(name_or_path: str) -> Hardware:
             text = path.read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read hardware file {name_or_path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"hardware file {name_or_path} is not UTF-8 text (byte "
+                              f"{exc.start}: {exc.reason}); pass a probe JSON or a preset "
+                              "name") from None
         return Hardware.from_json(text, source=name_or_path)
     return hardware_preset(name_or_path)

@@ -27,7 +27,7 @@ _MAX_COLUMNS_PER_ACTION = 6.0
 _COLUMNS_PER_ACTION_STEPS = (6.0, 5.0, 4.0, 3.0, 2.5, 2.0, 1.5, 1.25, 1.0)
 
 _LETTER = {Kind.F: "F", Kind.I: "I", Kind.W: "W", Kind.B: "B", Kind.RECOMPUTE: "R",
-           Kind.OFFLOAD: "o", Kind.RELOAD: "r", Kind.FETCH: "f"}
+           Kind.OFFLOAD: "o", Kind.RELOAD: "r", Kind.FETCH: "f", Kind.OFFLOAD_WAIT: "="}
 _KIND_WORDS = {Kind.F: "forward", Kind.I: "input-grad", Kind.W: "weight-grad",
                Kind.B: "backward", Kind.RECOMPUTE: "recompute"}
 # ANSI SGR codes: a background per kind; odd chunks use the bright variant of the same hue.
@@ -82,7 +82,7 @@ def render_grid(result: SimResult, width: int | None = None, color: bool = False
         lines += _pack([
             (f"note: the shortest action spans {format_number(shortest * columns_per_time)} "
              f"columns; {hidden} actions did not get a column of their own and are not shown;"),
-            "pass a larger width to see them",
+            "pass a larger width to see them (simulate --width N, or $COLUMNS)",
         ], width)
     lines.append("")
     lines += _rank_summary(result)
@@ -271,6 +271,9 @@ def _legend(result: SimResult, has_transfers: bool) -> list[str]:
     elif chunks > 2:
         parts += ["lower case = odd chunk", "'5F3' = stage 5, F, microbatch 3"]
     parts += [f"{BUSY_FILL} busy", f"{IDLE} idle"]
+    if Kind.OFFLOAD_WAIT in present:
+        parts.append(f"{_LETTER[Kind.OFFLOAD_WAIT]}3 forward held until mb 3's copy out ends "
+                     "(OFFLOAD_WAIT)")
     if has_transfers:
         parts += ["o3 offload mb 3 (device to host)", "r3 reload mb 3 (host to device)"]
         if Kind.FETCH in present:
