@@ -143,6 +143,11 @@ input_file = _path_type(InputFile)
 input_path = _path_type(InputPath)
 
 
+def resume_path(text: str) -> str:
+    """argparse type of --resume: the word ``latest`` (also its bare form's value) or a path."""
+    return text if text == "latest" else input_path(text)
+
+
 def flag_name(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 

@@ -27,6 +27,7 @@ from pipeoffload.app.data import DataConfig, TextDataset
 from pipeoffload.app.launch import Topology
 from pipeoffload.app.model import ModelConfig, model_preset
 from pipeoffload.app.split import build_stage_modules, lm_loss, stage_layer_ranges
+from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
@@ -80,6 +81,13 @@ class TrainConfig:
     measure_baseline: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("lr", "weight_decay", "min_lr_ratio", "p2p_timeout_s"):
+            check_number(f"TrainConfig.{name}", getattr(self, name))
+        check_optional("TrainConfig.grad_clip", self.grad_clip)
+        if self.p2p_timeout_s <= 0:
+            raise ConfigError(f"--p2p-timeout must be > 0 seconds, got {self.p2p_timeout_s}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         for name in ("pp", "dp", "steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -152,10 +160,19 @@ def preflight(config: TrainConfig, processes: int) -> OffloadPlan:
         manifest = ckpt.read_manifest(ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
         ckpt.check_compatible(manifest, {**checkpoint_identity(config, plan.schedule),
                                          "processes": processes})
+        check_resume_step(manifest.step, manifest.folder, config.steps)
     elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
                           "pass --resume to continue from them, or use an empty folder")
     return plan
+
+
+def check_resume_step(step: int, where: object, steps: int) -> None:
+    """A resumed run must have steps left: --steps counts from the start of training."""
+    if step >= steps:
+        raise ConfigError(f"--steps {steps}: the checkpoint to resume ({where}) is already at "
+                          f"step {step}, so there is nothing to train; pass --steps above "
+                          f"{step} (it counts from the start of training)")
 
 
 @dataclass(frozen=True)
@@ -226,7 +243,8 @@ def train(config: TrainConfig, topology: Topology,
     state = ckpt.TrainingState(stages, optimizers, dataset)
     identity = checkpoint_identity(config, schedule)
     if config.resume is not None:
-        ckpt.restore(state, config.resume, config.checkpoint_dir, identity, topology)
+        resumed = ckpt.restore(state, config.resume, config.checkpoint_dir, identity, topology)
+        check_resume_step(resumed, config.resume, config.steps)
     elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
                           "pass --resume to continue from them, or use an empty folder")
@@ -290,10 +308,23 @@ def _peer_failures(topology: Topology, what: str) -> Iterator[None]:
     except RuntimeError as error:
         if isinstance(error, PipeoffloadError) or not topology.distributed:
             raise
+        where = (f"rank {topology.rank} (pipeline rank {topology.pp_rank}, replica "
+                 f"{topology.dp_index}), {what}")
+        if not _from_communication(error):  # this rank's own failure: no peer to blame
+            raise PipelineRuntimeError(f"{where}: failed on this rank ({error})") from error
         raise PipelineRuntimeError(
-            f"rank {topology.rank} (pipeline rank {topology.pp_rank}, replica "
-            f"{topology.dp_index}), {what}: a collective failed ({error}); a peer died or "
-            "failed, look at its error") from error
+            f"{where}: a collective failed ({error}); a peer died or failed, look at its "
+            "error") from error
+
+
+def _from_communication(error: RuntimeError) -> bool:
+    """Whether a failed collective was the transport's (a peer gone, a timeout) rather than
+    something local such as a missing package."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout",
+                                         "peer", "socket", "broken pipe"))
 
 
 def checkpoint_identity(config: TrainConfig, schedule: Any) -> dict[str, Any]:
@@ -359,16 +390,13 @@ def stage_sizes(topology: Topology, meter: ActivationMeter,
     seen: dict[int, set[int]] = {}
     for (stage, _), nbytes in meter.scope_bytes.items():
         seen.setdefault(stage, set()).add(nbytes)
-    local = {s: next(iter(v)) if len(v) == 1 else -1 for s, v in seen.items()}
-    merged: dict[int, int] = {}
-    if topology.distributed:
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
-        for part in parts:
-            merged.update(part)
-    else:
-        merged = local
-    sizes = [merged.get(s, -1) for s in range(num_stages)]
+    # Per stage: its size, -1 if its microbatches differed, -2 if this process has none of it.
+    local = [float(next(iter(seen[s])) if len(seen[s]) == 1 else -1) if s in seen else -2.0
+             for s in range(num_stages)]
+    sizes = []
+    for values in zip(*_gather(topology, local)):
+        measured = {int(v) for v in values if v != -2}
+        sizes.append(measured.pop() if len(measured) == 1 else -1)
     return None if min(sizes) < 0 else tuple(sizes)
 
 
