@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,8 @@ class Hardware:
             value = getattr(self, field.name)
             if field.name in ("name", "full_duplex"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not 0 < value < math.inf:
                 raise ConfigError(
                     f"hardware {self.name!r}: {field.name} must be a positive number, "
                     f"got {value!r}"

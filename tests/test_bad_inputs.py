@@ -1,0 +1,356 @@
+"""Every bad input gets a clear answer: a non-zero exit status and one `error:` line naming the
+flag (CLI), or a PipeoffloadError naming the field (Python API); never a traceback, never a
+silent default, and for `train`, nothing trained before an input error it could check first.
+
+CLI cases run in-process (``main(argv)``, argparse's SystemExit caught) to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeoffload.app.cli import main
+from pipeoffload.errors import PipeoffloadError
+
+PLAN = ["plan", "--model", "pipeoffload-42.9b", "--layers", "8", "--hidden", "1024", "--seq",
+        "512", "--quiet"]
+TRAIN = ["train", "--model", "tiny", "--pp", "2", "--batch-size", "8", "--microbatches", "4",
+         "--steps", "1", "--no-png"]
+
+# (argv, what the error line must name). "{tmp}" is a fresh folder with a text file "t.csv",
+# a binary file "bin.dat" and a folder "sub"; "/proc" takes no new files, even for root.
+SIMULATE_CASES = [
+    (["--microbatches", "0"], "--microbatches"),
+    (["--microbatches", "-3"], "--microbatches"),
+    (["--microbatches", "1e9"], "--microbatches"),
+    (["--pp", "0"], "--pp"),
+    (["--pp", "100000"], "--pp"),
+    (["--pp", "four"], "--pp"),
+    (["--chunks", "0"], "--chunks"),
+    (["--group-size", "-1"], "--group-size"),
+    (["--cost-f", "nan"], "--cost-f"),
+    (["--cost-i", "inf"], "--cost-i"),
+    (["--cost-w=-1"], "--cost-w"),
+    (["--p2p", "nan"], "--p2p"),
+    (["--offload-ratio", "nan"], "--offload-ratio"),
+    (["--offload-ratio=-0.5"], "--offload-ratio"),
+    (["--activation-bytes=-100"], "--activation-bytes"),
+    (["--activation-bytes", "0"], "--activation-bytes"),
+    (["--ranks-per-link", "0"], "--ranks-per-link"),
+    (["--width", "10"], "--width"),
+    (["--offload", "fraction:-0.5"], "fraction:-0.5"),
+    (["--offload", "fraction:nan"], "fraction:nan"),
+    (["--offload", "limit:-1"], "limit:-1"),
+    (["--schedule", "po-g"], "po-f"),
+    (["--pp", "64", "--microbatches", "65536"], "--microbatches"),
+    (["--from-csv", "{tmp}/missing.csv"], "--from-csv"),
+    (["--from-csv", "{tmp}/sub"], "--from-csv"),
+    (["--from-csv", "{tmp}/bin.dat"], "--from-csv"),
+    (["--png", "{tmp}/nowhere/x.png"], "--png"),
+    (["--png", "{tmp}/sub.png/"], "--png"),
+    (["--png", "/proc/x.png"], "--png"),
+    (["--png", "{tmp}/x.jpg"], "--png"),
+    (["--csv", "{tmp}/sub"], "--csv"),
+    (["--csv", "/proc/x.csv"], "--csv"),
+    (["--trace", "{tmp}/nowhere/t.json"], "--trace"),
+    (["--trace", "{tmp}/bin.dat/t.json"], "--trace"),
+    (["--from-csv", "{tmp}/t.csv", "--chunks", "2"], "--chunks"),
+]
+PLAN_CASES = [
+    (["--gpus", "0"], "--gpus"),
+    (["--gpus", "-8"], "--gpus"),
+    (["--gpus", "8", "--global-batch", "0"], "--global-batch"),
+    (["--gpus", "8", "--memory", "nan"], "--memory"),
+    (["--gpus", "8", "--memory", "0"], "--memory"),
+    (["--gpus", "8", "--memory", "inf"], "--memory"),
+    (["--gpus", "8", "--reserve=-1"], "--reserve"),
+    (["--gpus", "8", "--micro-batch-sizes", "0"], "--micro-batch-sizes"),
+    (["--gpus", "8", "--micro-batch-sizes", "1,x"], "--micro-batch-sizes"),
+    (["--gpus", "8", "--tp", "0"], "--tp"),
+    (["--gpus", "8", "--pp", "2,0"], "--pp"),
+    (["--gpus", "8", "--top", "0"], "--top"),
+    (["--gpus", "8", "--seq", "0"], "--seq"),
+    (["--gpus", "8", "--layers", "-2"], "--layers"),
+    (["--gpus", "8", "--schedules", "po-g"], "po-f"),
+    (["--gpus", "8", "--offload", "half"], "offload"),
+    (["--gpus", "8", "--hardware", "{tmp}/bin.dat"], "hardware file"),
+    (["--gpus", "8", "--model", "{tmp}/bin.dat"], "model config"),
+]
+TRAIN_CASES = [
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "0"], "--lr"),
+    (["--p2p-timeout", "0"], "--p2p-timeout"),
+    (["--p2p-timeout", "inf"], "--p2p-timeout"),
+    (["--weight-decay", "nan"], "--weight-decay"),
+    (["--grad-clip=-1"], "--grad-clip"),
+    (["--steps", "0"], "--steps"),
+    (["--pp", "0"], "--pp"),
+    (["--dp", "0"], "--dp"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--seq-len", "-1"], "--seq-len"),
+    (["--threads", "0"], "--threads"),
+    (["--log-every", "0"], "--log-every"),
+    (["--warmup-steps=-1"], "--warmup-steps"),
+    (["--seed=-1"], "--seed"),
+    (["--checkpoint-every", "2"], "--checkpoint-every"),
+    (["--checkpoint-dir", "/proc/ck"], "--checkpoint-dir"),
+    (["--checkpoint-dir", "{tmp}/t.csv"], "--checkpoint-dir"),
+    (["--png", "/proc/x.png"], "--png"),
+    (["--png", "{tmp}/nowhere/x.png"], "--png"),
+    (["--png", "{tmp}/x.gif"], "--png"),
+    (["--data", "{tmp}/missing.txt"], "--data"),
+    (["--resume", "{tmp}/missing"], "--resume"),
+    (["--resume"], "--checkpoint-dir"),
+    (["--schedule", "po-g"], "po-f"),
+    (["--batch-size", "6"], "--batch-size"),
+    (["--dp", "2", "--inline"], "--inline"),
+]
+PROBE_CASES = [
+    (["--output", "/proc/x.json"], "--output"),
+    (["--output", "{tmp}/sub"], "--output"),
+]
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Path:
+    (tmp_path / "t.csv").write_text("0F0,0B0\n")
+    (tmp_path / "bin.dat").write_bytes(bytes(range(128, 256)) * 4)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub.png").mkdir()
+    return tmp_path
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_refused(code: int, err: str, names: str) -> None:
+    assert code != 0, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert lines, err
+    assert any(names in line for line in lines), err
+
+
+def fill(argv: list[str], tmp: Path) -> list[str]:
+    return [a.replace("{tmp}", str(tmp)) for a in argv]
+
+
+@pytest.mark.parametrize("argv, names", SIMULATE_CASES)
+def test_simulate_refuses(argv, names, tmp, capsys) -> None:
+    code, out, err = run(["simulate", *fill(argv, tmp), "--no-grid"], capsys)
+    assert_refused(code, err, names)
+    assert out == ""  # refused before any output: nothing simulated, nothing written
+    assert not (tmp / "x.png").exists()
+
+
+@pytest.mark.parametrize("argv, names", PLAN_CASES)
+def test_plan_refuses(argv, names, tmp, capsys) -> None:
+    code, out, err = run([*PLAN, *fill(argv, tmp)], capsys)
+    assert_refused(code, err, names)
+    assert out == ""
+
+
+@pytest.fixture
+def no_training(monkeypatch) -> list[str]:
+    """Records any attempt to start training (in this process or as local processes)."""
+    from pipeoffload.app import train_cli
+
+    started: list[str] = []
+    monkeypatch.setattr(train_cli, "run_worker", lambda *a, **k: started.append("run") or 0)
+    monkeypatch.setattr(train_cli, "_self_launch", lambda *a, **k: started.append("launch") or 0)
+    return started
+
+
+@pytest.mark.parametrize("argv, names", TRAIN_CASES)
+def test_train_refuses_before_training(argv, names, tmp, capsys, no_training,
+                                       monkeypatch) -> None:
+    monkeypatch.chdir(tmp)
+    code, out, err = run([*TRAIN, *fill(argv, tmp)], capsys)
+    assert_refused(code, err, names)
+    assert no_training == [] and "step " not in out
+    assert not (tmp / "pipeoffload-train.png").exists()
+
+
+@pytest.mark.parametrize("argv, names", PROBE_CASES)
+def test_probe_refuses(argv, names, tmp, capsys) -> None:
+    code, _, err = run(["probe", *fill(argv, tmp)], capsys)
+    assert_refused(code, err, names)
+
+
+def api_cases() -> list[tuple[str, object]]:
+    from pipeoffload import CostModel, HostLink, OffloadPolicy, build_schedule, plan_schedule
+    from pipeoffload.app.launch import LaunchConfig
+    from pipeoffload.offload.targets import parse_target
+    from pipeoffload.planner.costing import MemoryConfig
+    from pipeoffload.planner.search import SearchConfig, SearchSpace
+
+    nan, inf = math.nan, math.inf
+    return [
+        ("CostModel.f_time", lambda: CostModel(f_time=nan)),
+        ("CostModel.i_time", lambda: CostModel(i_time=-1)),
+        ("CostModel.w_time", lambda: CostModel(w_time=inf)),
+        ("CostModel.p2p_time", lambda: CostModel(p2p_time=nan)),
+        ("CostModel.offload_ratio", lambda: CostModel(offload_ratio=nan)),
+        ("CostModel.activation_bytes", lambda: CostModel(activation_bytes=-100)),
+        ("CostModel.d2h_bytes_per_s", lambda: CostModel(d2h_bytes_per_s=0)),
+        ("CostModel.h2d_bytes_per_s", lambda: CostModel(h2d_bytes_per_s=nan)),
+        ("CostModel.stage_activation_bytes[1]",
+         lambda: CostModel(stage_activation_bytes=(1.0, nan))),
+        ("CostModel.stage_time_scale[0]", lambda: CostModel(stage_time_scale=(-1.0,))),
+        ("HostLink.ranks_per_link", lambda: HostLink(ranks_per_link=0)),
+        ("OffloadPolicy.max_pending_offloads", lambda: OffloadPolicy(max_pending_offloads=-1)),
+        ("OffloadPolicy.reload_margin", lambda: OffloadPolicy(reload_margin=nan)),
+        ("OffloadPolicy.max_rounds", lambda: OffloadPolicy(max_rounds=0)),
+        ("OffloadPolicy.postpone_slack", lambda: OffloadPolicy(postpone_slack=-1)),
+        ("OffloadPolicy.stall_tolerance", lambda: OffloadPolicy(stall_tolerance=inf)),
+        ("po-f", lambda: build_schedule("pof2", pp=4, microbatches=8)),
+        ("fraction:-0.5", lambda: plan_schedule("1f1b", 4, 8, "fraction:-0.5")),
+        ("limit:-1", lambda: parse_target("limit:-1")),
+        ("SearchConfig.gpus", lambda: SearchConfig(gpus=0, global_batch=8)),
+        ("SearchConfig.budget_bytes",
+         lambda: SearchConfig(gpus=8, global_batch=8, budget_bytes=nan)),
+        ("SearchSpace.micro_batch_sizes", lambda: SearchSpace(micro_batch_sizes=(0,))),
+        ("SearchSpace.tp", lambda: SearchSpace(tp=(2, -1))),
+        ("MemoryConfig.reserve_bytes", lambda: MemoryConfig(reserve_bytes=nan)),
+        ("LaunchConfig.nprocs", lambda: LaunchConfig(nprocs=0)),
+    ]
+
+
+def test_python_api_refuses_with_the_field_named() -> None:
+    cases = api_cases()
+    for field, make in cases:
+        with pytest.raises(PipeoffloadError) as caught:
+            make()
+        assert field in str(caught.value), (field, str(caught.value))
+
+
+def test_train_config_refuses_nonfinite_numbers() -> None:
+    pytest.importorskip("torch")
+    from pipeoffload.app.train import TrainConfig
+
+    for field, value in (("lr", math.nan), ("p2p_timeout_s", 0.0), ("weight_decay", math.inf),
+                         ("grad_clip", math.nan), ("min_lr_ratio", math.nan)):
+        with pytest.raises(PipeoffloadError, match=field.split("_s")[0].replace("_", ".?")):
+            TrainConfig(**{field: value})
+
+
+def test_there_are_at_least_60_cases() -> None:
+    cli = len(SIMULATE_CASES) + len(PLAN_CASES) + len(TRAIN_CASES) + len(PROBE_CASES)
+    assert cli + len(api_cases()) >= 60
+
+
+def test_a_resume_at_or_past_steps_is_refused_before_training(tmp, capsys) -> None:
+    pytest.importorskip("torch")
+    # One real (one-process) run makes a checkpoint at step 1.
+    argv = ["train", "--model", "tiny", "--pp", "1", "--batch-size", "4", "--microbatches",
+            "2", "--no-png", "--no-baseline", "--checkpoint-dir", str(tmp / "ck")]
+    code, out, err = run([*argv, "--steps", "1"], capsys)
+    assert code == 0, err
+    assert "one process" in out and "checkpoints in" in out  # the start-up line
+    code, out, err = run([*argv, "--steps", "1", "--resume"], capsys)
+    assert_refused(code, err, "--steps 1")
+    assert "step " not in out
+    (tmp / "ck" / "step_00000005").mkdir()  # a save that never finished
+    code, out, err = run([*argv, "--steps", "2", "--resume"], capsys)
+    assert code == 0, err
+    assert "resuming from" in out and "skipping newer step_00000005" in out
+
+
+def test_simulate_warns_when_offload_lowers_no_peak(capsys) -> None:
+    # gpipe with m=1: the one activation per rank is copied out and straight back.
+    code, _, err = run(["simulate", "--schedule", "gpipe", "--pp", "2", "--microbatches", "1",
+                        "--offload", "all", "--allow-stall", "--offload-ratio", "0.01",
+                        "--json"], capsys)
+    assert code == 0
+    assert "lowers no rank's peak" in err or "note:" not in err
+
+
+def finite_numbers(value: object) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(finite_numbers(v) for v in value.values())
+    if isinstance(value, list):
+        return all(finite_numbers(v) for v in value)
+    return True
+
+
+BAD_NUMBERS = st.one_of(
+    st.sampled_from(["0", "-0", "-1", "-0.5", "nan", "-nan", "inf", "-inf", "1e308", "1e400",
+                     str(2**63), str(10**30), "0.0"]),
+    st.integers(max_value=0).map(str),
+    st.integers(min_value=2**22).map(str),
+    st.floats(max_value=0.0, allow_nan=False).map(repr),
+    st.floats(min_value=1e13).map(repr),
+)
+SIMULATE_FLAGS = ["--pp", "--microbatches", "--chunks", "--group-size", "--offload-ratio",
+                  "--cost-f", "--cost-i", "--cost-w", "--p2p", "--activation-bytes",
+                  "--ranks-per-link", "--width"]
+PLAN_FLAGS = ["--gpus", "--seq", "--layers", "--hidden", "--memory", "--global-batch", "--top",
+              "--tp", "--pp", "--micro-batch-sizes", "--reserve"]
+
+
+def check_answer(code: int, out: str, err: str, flag: str) -> None:
+    """Refused with the flag named, or a result whose every number is finite."""
+    assert "Traceback" not in err
+    if code != 0:
+        assert any("error:" in line and flag in line for line in err.splitlines()), err
+        return
+    assert finite_numbers(json.loads(out)), out
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(flag=st.sampled_from(SIMULATE_FLAGS), value=BAD_NUMBERS)
+def test_simulate_numeric_flags_never_crash_or_go_silently_wrong(flag, value) -> None:
+    capture = _Capture()
+    with capture:
+        code = _main_code(["simulate", "--schedule", "po-f", "--pp", "4", "--microbatches", "8",
+                           "--json", f"{flag}={value}"])
+    check_answer(code, capture.out, capture.err, flag)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(flag=st.sampled_from(PLAN_FLAGS), value=BAD_NUMBERS)
+def test_plan_numeric_flags_never_crash_or_go_silently_wrong(flag, value) -> None:
+    capture = _Capture()
+    with capture:
+        code = _main_code([*PLAN, "--gpus", "8", "--pp", "2", "--tp", "1", "--schedules", "1f1b",
+                           "--micro-batch-sizes", "1", "--json", f"{flag}={value}"])
+    if code == 3:  # searched, nothing fits: a result, said so on stderr
+        assert "error: no configuration fits" in capture.err
+        code = 0
+    check_answer(code, capture.out, capture.err, flag)
+
+
+def _main_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+class _Capture:
+    """stdout / stderr of one in-process run (hypothesis cannot use function fixtures)."""
+
+    def __enter__(self) -> None:
+        import io
+
+        self._saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+
+    def __exit__(self, *exc: object) -> None:
+        self.out, self.err = sys.stdout.getvalue(), sys.stderr.getvalue()
+        sys.stdout, sys.stderr = self._saved
