@@ -125,9 +125,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         write_trace(result, args.trace)
     if report.offloaded and all(after >= before - 1e-9 for after, before
                                 in zip(result.peak_activation, report.peak_before)):
-        preflight.note("simulate", "the plan moves activations to host memory but lowers no "
-                       "rank's peak (they are freed as soon as they are copied back); try "
-                       "another --offload target or schedule")
+        preflight.note("simulate", "the plan copies activations to host memory but lowers "
+                       "no rank's peak, so the copies only cost host-link time; try a larger "
+                       "--offload target (all, chunks:K) or another schedule")
     if args.json:
         print(json.dumps(_simulate_json(plan), sort_keys=True))
         return 0

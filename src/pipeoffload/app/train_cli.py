@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -181,6 +182,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """The `train` handler: decide where to run (see the module docstring) and run."""
+    # torch warns on import when numpy is absent; nothing here needs numpy (a minimal install).
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if args.worker_config is not None:
         payload = json.loads(args.worker_config)
         from pipeoffload.app.train import TrainConfig
