@@ -357,3 +357,61 @@ class _Capture:
     def __exit__(self, *exc: object) -> None:
         self.out, self.err = sys.stdout.getvalue(), sys.stderr.getvalue()
         sys.stdout, sys.stderr = self._saved
+
+
+def test_ctrl_c_in_train_names_the_latest_checkpoint(tmp, capsys, monkeypatch) -> None:
+    from pipeoffload.app import train_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "_self_launch", interrupted)
+    monkeypatch.setattr(train_cli, "run_worker", interrupted)
+    monkeypatch.chdir(tmp)
+    code, _, err = run([*TRAIN, "--checkpoint-dir", str(tmp / "ck")], capsys)
+    assert code == 130 and "Traceback" not in err
+    assert "error: interrupted (Ctrl-C); no complete checkpoint in" in err
+    code, _, err = run([*TRAIN], capsys)
+    assert code == 130 and "no checkpoint was saved (no --checkpoint-dir)" in err
+    done = tmp / "ck" / "step_00000007"
+    done.mkdir(parents=True)
+    (done / "manifest.json").write_text("{}")
+    (tmp / "ck" / "step_00000009").mkdir()  # no manifest: not a checkpoint
+    from pipeoffload.app.preflight import run_command
+
+    args = train_cli.argparse.Namespace(checkpoint_dir=str(tmp / "ck"))
+    assert run_command("train", interrupted, args, train_cli.interrupt_note) == 130
+    assert f"the latest complete checkpoint is {done}" in capsys.readouterr().err
+
+
+def test_png_without_matplotlib_is_skipped_with_a_note(tmp, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    code, out, err = run(["simulate", "--png", str(tmp / "x.png"), "--no-grid"], capsys)
+    assert code == 0
+    assert "note: matplotlib is not installed, so" in err and "wrote png" not in out
+    assert not (tmp / "x.png").exists()
+
+
+def test_png_named_svg_is_svg(tmp, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    code, _, _ = run(["simulate", "--pp", "2", "--png", str(tmp / "x.svg"), "--no-grid"], capsys)
+    assert code == 0
+    assert (tmp / "x.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_grid_width_from_the_flag_or_columns(capsys, monkeypatch) -> None:
+    def widest(argv: list[str]) -> int:
+        code, out, _ = run(["simulate", "--pp", "4", *argv], capsys)
+        assert code == 0
+        grid = out[out.index("\npo-f:"):].split("\n\n")[0]  # the picture, to its blank line
+        return max(len(line) for line in grid.splitlines())
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    default = widest([])
+    assert 70 < default <= 120
+    assert widest(["--width", "60"]) <= 60
+    monkeypatch.setenv("COLUMNS", "70")
+    assert widest([]) <= 70
+    assert widest(["--width", "50"]) <= 50
+    monkeypatch.setenv("COLUMNS", "junk")
+    assert widest([]) == default

@@ -82,7 +82,7 @@ def render_grid(result: SimResult, width: int | None = None, color: bool = False
         lines += _pack([
             (f"note: the shortest action spans {format_number(shortest * columns_per_time)} "
              f"columns; {hidden} actions did not get a column of their own and are not shown;"),
-            "pass a larger width to see them (simulate --width N, or $COLUMNS)",
+            "pass a larger width to see them (--width N or $COLUMNS)",
         ], width)
     lines.append("")
     lines += _rank_summary(result)
@@ -310,10 +310,14 @@ def _table(header: list[str], body: list[list[str]], right: tuple[int, ...]) -> 
 
 
 def _pack(parts: list[str], width: int, sep: str = "  ") -> list[str]:
-    """Join ``parts`` into as few lines of at most ``width`` columns as possible."""
+    """Join ``parts`` into as few lines of at most ``width`` columns as possible (a part
+    longer than a line is broken between words, a word longer than a line is cut)."""
     lines: list[str] = []
     current = ""
+    pieces = []
     for part in parts:
+        pieces += [part] if len(part) <= width else _wrap(part, width)
+    for part in pieces:
         part = part[:width]
         candidate = f"{current}{sep}{part}" if current else part
         if len(candidate) <= width:
@@ -323,4 +327,14 @@ def _pack(parts: list[str], width: int, sep: str = "  ") -> list[str]:
             current = part
     if current:
         lines.append(current)
+    return lines
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """``text`` as lines of at most ``width`` columns, broken between words."""
+    lines = [""]
+    for word in text.split():
+        if lines[-1] and len(lines[-1]) + 1 + len(word) > width:
+            lines.append("")
+        lines[-1] = f"{lines[-1]} {word}" if lines[-1] else word
     return lines
