@@ -8,8 +8,8 @@ import dataclasses
 import json
 import os
 import sys
-from importlib import metadata
 from collections.abc import Callable, Sequence
+from importlib import metadata
 
 from pipeoffload.app import preflight
 from pipeoffload.app.preflight import count, number
@@ -26,7 +26,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--schedule", default="po-f", help="schedule name (see `pipeoffload "
                      "schedules`; default po-f)")
-    src.add_argument("--from-csv", metavar="FILE", type=preflight.input_file, help="load a schedule from CSV instead "
+    src.add_argument("--from-csv", metavar="FILE", type=preflight.input_file,
+                     help="load a schedule from CSV instead "
                      "(one row per rank, torch.distributed.pipelining's format)")
     p.add_argument("--pp", type=count(1, preflight.MAX_RANKS), default=4,
                    help="pipeline ranks (default 4)")

@@ -27,12 +27,14 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Find the fastest configuration that fits in memory, simulated.")
     p.add_argument("--model", required=True,
                    help="model preset (e.g. llama3-70b, pipeoffload-42.9b) or a config.json path")
-    p.add_argument("--gpus", type=count(1, 1 << 20), required=True, help="number of GPUs (DP x TP x PP)")
+    p.add_argument("--gpus", type=count(1, 1 << 20), required=True,
+                   help="number of GPUs (DP x TP x PP)")
     p.add_argument("--hardware", default="a100-80gb",
                    help="hardware preset (a100-80gb, h100-80gb, h200) or a probe JSON file")
     p.add_argument("--seq", type=count(1, 1 << 24), default=None,
                    help="sequence length (default: model's)")
-    p.add_argument("--layers", type=count(1, 1 << 16), default=None, help="override the layer count")
+    p.add_argument("--layers", type=count(1, 1 << 16), default=None,
+                   help="override the layer count")
     p.add_argument("--hidden", type=count(1, 1 << 20), default=None,
                    help="override the hidden size (keeps head width and ffn/hidden ratio)")
     p.add_argument("--memory", type=number(above=0, maximum=1 << 30), default=None,
@@ -42,7 +44,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="fix the recompute option (default: search all three)")
     p.add_argument("--global-batch", type=count(1, 1 << 24), default=None, metavar="B",
                    help="sequences per step (default 4 x GPUs)")
-    p.add_argument("--top", type=count(1, 1 << 20), default=10, metavar="K", help="plans to show (default 10)")
+    p.add_argument("--top", type=count(1, 1 << 20), default=10, metavar="K",
+                   help="plans to show (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tp", type=counts(1, 1 << 20), default=None, metavar="T[,T]",
                    help="only these TP degrees")

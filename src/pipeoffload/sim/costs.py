@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from pipeoffload.core.actions import Action, Kind
 from pipeoffload.checks import check_number, check_optional
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.errors import ConfigError
 
 # Bounds that keep every sum of times finite in float64 (a makespan adds up to millions of
