@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -415,3 +416,50 @@ def test_grid_width_from_the_flag_or_columns(capsys, monkeypatch) -> None:
     assert widest(["--width", "50"]) <= 50
     monkeypatch.setenv("COLUMNS", "junk")
     assert widest([]) == default
+
+
+def test_real_processes_answer_without_a_traceback(tmp) -> None:
+    """The installed command and the worker entry point, as users and torchrun start them."""
+    import subprocess
+
+    cases = [
+        (["pipeoffload", "simulate", "--cost-f", "nan"], "--cost-f"),
+        (["pipeoffload", "simulate", "--from-csv", str(tmp / "bin.dat")], "--from-csv"),
+        ([sys.executable, "-m", "pipeoffload.app.train_cli", "train", "--lr", "nan"], "--lr"),
+    ]
+    for argv, names in cases:
+        proc = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=120)
+        assert_refused(proc.returncode, proc.stderr, names)
+    version = subprocess.run(["pipeoffload", "--version"], capture_output=True, text=True,
+                             timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("pipeoffload ")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX process groups")
+def test_ctrl_c_stops_every_rank_and_names_the_latest_checkpoint(tmp) -> None:
+    pytest.importorskip("torch")
+    import os
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        [*("pipeoffload", "train", "--model", "tiny", "--pp", "2", "--batch-size", "8",
+           "--microbatches", "4", "--steps", "400", "--log-every", "1", "--no-png",
+           "--p2p-timeout", "20", "--checkpoint-every", "1"),
+         "--checkpoint-dir", str(tmp / "ck")],
+        cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)  # its own process group, as a terminal's foreground job
+    try:
+        for line in proc.stdout:
+            if re.match(r"step +2/", line):  # step 1's checkpoint is complete by now
+                break
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "error: interrupted (Ctrl-C); the latest complete checkpoint is" in err, err[-3000:]
