@@ -112,6 +112,11 @@ TRAIN_CASES = [
     (["--schedule", "po-g"], "po-f"),
     (["--batch-size", "6"], "--batch-size"),
     (["--dp", "2", "--inline"], "--inline"),
+    (["--decay-steps", "5"], "--decay-steps"),
+    (["--chunks", "3"], "stages"),
+    (["--heads", "3"], "n_heads"),
+    (["--model", "huge"], "model preset"),
+    (["--data", "{tmp}/empty.txt"], "empty"),
 ]
 PROBE_CASES = [
     (["--output", "/proc/x.json"], "--output"),
@@ -125,6 +130,7 @@ def tmp(tmp_path: Path) -> Path:
     (tmp_path / "bin.dat").write_bytes(bytes(range(128, 256)) * 4)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub.png").mkdir()
+    (tmp_path / "empty.txt").write_text("")
     return tmp_path
 
 
@@ -183,6 +189,20 @@ def test_train_refuses_before_training(argv, names, tmp, capsys, no_training,
     assert_refused(code, err, names)
     assert no_training == [] and "step " not in out
     assert not (tmp / "pipeoffload-train.png").exists()
+
+
+def test_train_on_cuda_without_cuda_is_refused_up_front(tmp, capsys, no_training) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run([*TRAIN, "--device", "cuda"], capsys)
+    assert_refused(code, err, "--device cuda")
+    assert no_training == []
+
+
+def test_fetch_on_use_without_offload_says_it_has_no_effect(capsys) -> None:
+    code, _, err = run(["simulate", "--schedule", "1f1b", "--fetch-on-use", "--json"], capsys)
+    assert code == 0 and "note: --fetch-on-use has no effect" in err
 
 
 @pytest.mark.parametrize("argv, names", PROBE_CASES)

@@ -124,6 +124,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from pipeoffload.sim.render_trace import write_trace
 
         write_trace(result, args.trace)
+    if args.fetch_on_use and not report.offloaded:
+        preflight.note("simulate", "--fetch-on-use has no effect: the plan offloads nothing "
+                       "(give --offload SPEC, or a po-h / po-f schedule)")
     if report.offloaded and all(after >= before - 1e-9 for after, before
                                 in zip(result.peak_activation, report.peak_before)):
         preflight.note("simulate", "the plan copies activations to host memory but lowers "

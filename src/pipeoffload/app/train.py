@@ -95,6 +95,9 @@ class TrainConfig:
             raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
         if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("--lr must be > 0, --warmup-steps >= 0 and min_lr_ratio in [0, 1]")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ConfigError(f"--decay-steps {self.decay_steps} must come after the warm-up "
+                              f"(--warmup-steps {self.warmup_steps}); raise it or drop it")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError(f"--grad-clip must be > 0 (or none), got {self.grad_clip}")
         if self.checkpoint_every < 0:

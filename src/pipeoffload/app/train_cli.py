@@ -205,8 +205,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run_worker(config, report, distributed=True)
     from pipeoffload.app.train import preflight as check_run
 
+    if config.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: this machine has no CUDA device torch can use; "
+                              "pass --device cpu (or auto)")
     processes = 1 if args.inline else config.pp * config.dp
     plan = check_run(config, processes=processes)
+    if config.fetch_on_use and not plan.report.offloaded:
+        preflight.note("train", "--fetch-on-use has no effect: the plan offloads nothing "
+                       "(give --offload SPEC, or a po-h / po-f schedule)")
     print(startup_line(config, report, processes, plan.schedule.name),
           file=sys.stderr if report.json else sys.stdout, flush=True)
     if processes == 1:
