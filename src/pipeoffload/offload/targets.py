@@ -20,7 +20,8 @@ class TargetKind(str, Enum):
     GIVEN = "given"  # the schedule's own transfers, as they are
 
 
-_BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
+               "gib": 2**30, "tib": 2**40}
 _SPEC_HELP = ("use none, all, chunks:K, fraction:X (0..1), limit:X (M_a units), limit:XGiB or "
               "given")
 
