@@ -483,3 +483,15 @@ def test_ctrl_c_stops_every_rank_and_names_the_latest_checkpoint(tmp) -> None:
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert "error: interrupted (Ctrl-C); the latest complete checkpoint is" in err, err[-3000:]
+
+
+def test_every_flag_of_every_subcommand_has_help_text() -> None:
+    import argparse
+
+    from pipeoffload.app.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {flag.option_strings[0]}" for name, sub in commands.choices.items()
+               for flag in sub._actions if flag.option_strings and not flag.help]
+    assert missing == []
