@@ -240,6 +240,14 @@ def check_compatible(manifest: Manifest, expected: dict[str, Any]) -> None:
             + "; ".join(diffs) + "); resume with the options it was saved with")
 
 
+def check_resume_step(step: int, where: object, steps: int) -> None:
+    """A resumed run must have steps left: --steps counts from the start of training."""
+    if step >= steps:
+        raise CheckpointError(f"--steps {steps}: the checkpoint to resume ({where}) is already at "
+                          f"step {step}, so there is nothing to train; pass --steps above "
+                          f"{step} (it counts from the start of training)")
+
+
 class Placement(Protocol):
     """Where a process sits (train.Topology satisfies it)."""
 

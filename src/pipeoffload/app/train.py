@@ -163,19 +163,11 @@ def preflight(config: TrainConfig, processes: int) -> OffloadPlan:
         manifest = ckpt.read_manifest(ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
         ckpt.check_compatible(manifest, {**checkpoint_identity(config, plan.schedule),
                                          "processes": processes})
-        check_resume_step(manifest.step, manifest.folder, config.steps)
+        ckpt.check_resume_step(manifest.step, manifest.folder, config.steps)
     elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
                           "pass --resume to continue from them, or use an empty folder")
     return plan
-
-
-def check_resume_step(step: int, where: object, steps: int) -> None:
-    """A resumed run must have steps left: --steps counts from the start of training."""
-    if step >= steps:
-        raise ConfigError(f"--steps {steps}: the checkpoint to resume ({where}) is already at "
-                          f"step {step}, so there is nothing to train; pass --steps above "
-                          f"{step} (it counts from the start of training)")
 
 
 @dataclass(frozen=True)
@@ -247,7 +239,7 @@ def train(config: TrainConfig, topology: Topology,
     identity = checkpoint_identity(config, schedule)
     if config.resume is not None:
         resumed = ckpt.restore(state, config.resume, config.checkpoint_dir, identity, topology)
-        check_resume_step(resumed, config.resume, config.steps)
+        ckpt.check_resume_step(resumed, config.resume, config.steps)
     elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
                           "pass --resume to continue from them, or use an empty folder")
