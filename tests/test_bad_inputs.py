@@ -415,3 +415,16 @@ def test_every_flag_of_every_subcommand_has_help_text() -> None:
     missing = [f"{name} {flag.option_strings[0]}" for name, sub in commands.choices.items()
                for flag in sub._actions if flag.option_strings and not flag.help]
     assert missing == []
+
+
+def test_workers_do_not_recheck_the_default_picture_path(monkeypatch, capsys) -> None:
+    # A user's --no-png must hold in the workers too (a read-only working folder is fine).
+    pytest.importorskip("torch")
+    from pipeoffload.app import launch as launch_module
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(launch_module, "launch", lambda argv, config: seen.append(argv) or 0)
+    code, _, err = run([*TRAIN], capsys)
+    assert code == 0, err
+    (argv,) = seen
+    assert argv[argv.index("train") + 1] == "--no-png"

@@ -230,8 +230,9 @@ def _self_launch(config: Any, report: ReportOptions, plan: Any) -> int:
     last = plan.schedule.rank_of(plan.schedule.num_stages - 1)
     reporter = Topology(pp=config.pp, dp=config.dp).global_rank(last, 0)
     payload = json.dumps({"config": config.to_dict(), "report": dataclasses.asdict(report)})
-    argv = [sys.executable, "-m", "pipeoffload.app.train_cli", "train", "--worker-config",
-            payload]
+    # --no-png: the payload says what to write; the worker's own defaults must not be checked.
+    argv = [sys.executable, "-m", "pipeoffload.app.train_cli", "train", "--no-png",
+            "--worker-config", payload]
     grace_s = min(config.p2p_timeout_s, 30.0) + 5.0
     return launch(argv, LaunchConfig(nprocs=config.pp * config.dp, reporting_rank=reporter,
                                      grace_s=grace_s, threads_per_process=report.threads))
