@@ -94,25 +94,23 @@ def counts(minimum: int = 1, maximum: int | None = None) -> Callable[[str], tupl
 
 
 class CheckedPath(str):
-    """A path from the command line and what it is for (checked by ``check_args``)."""
-
-    role = ""
+    """A path from the command line; the subclass says what it is for (``check_path``)."""
 
 
 class OutputFile(CheckedPath):
-    role = "output file"
+    """A file to write: its folder must take new files, and it must not be a folder."""
 
 
 class OutputDir(CheckedPath):
-    role = "output folder"
+    """A folder to write into (made if missing): it or its nearest parent must be writable."""
 
 
 class InputFile(CheckedPath):
-    role = "input text file"
+    """A UTF-8 text file to read."""
 
 
 class InputPath(CheckedPath):
-    role = "input file or folder"
+    """A file or folder to read."""
 
 
 def output_file(*suffixes: str) -> Callable[[str], OutputFile]:
