@@ -85,11 +85,13 @@ def test_human_output_has_table_and_grid(capsys):
         (["--schedule", "nope"], "unknown schedule"),
         (["--schedule", "zbv", "--chunks", "3"], "chunks"),
         (["--schedule", "1f1b", "--offload", "half"], "offload target"),
-        (["--from-csv", "missing.csv"], "cannot read"),
+        (["--from-csv", "missing.csv"], "--from-csv missing.csv: does not exist"),
         (["--from-csv", "x.csv", "--group-size", "2"], "--group-size has no effect"),
     ],
 )
-def test_errors_exit_2_with_a_message(capsys, argv, message):
+def test_errors_exit_2_with_a_message(capsys, argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.csv").write_text("0F0,0B0\n")
     assert main(["simulate", *argv]) == 2
     assert message in capsys.readouterr().err
 
@@ -101,11 +103,11 @@ def test_schedules_lists_one_name_per_line(capsys):
             "grouped-interleaved", "po-h", "po-f"} <= set(names)
 
 
-def test_probe_without_gpu_says_so_and_succeeds(capsys):
+def test_probe_without_gpu_says_so_and_fails(capsys):
     pytest.importorskip("torch")
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present; the GPU path is exercised by benchmarks/gpu_offload.py")
-    assert main(["probe"]) == 0
-    assert "no CUDA device" in capsys.readouterr().out
+    assert main(["probe"]) == 1
+    assert "error: no CUDA device" in capsys.readouterr().err

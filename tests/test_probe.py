@@ -25,25 +25,27 @@ from pipeoffload.planner.hardware import Hardware, hardware_preset
 needs_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
 
 
-def test_cli_without_cuda_says_so_and_succeeds(monkeypatch, capsys, tmp_path) -> None:
+def test_cli_without_cuda_says_so_and_fails(monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setattr(probe_module, "cuda_available", lambda: False)
     out = tmp_path / "hw.json"
-    assert run_probe_cli(str(out)) == 0
-    assert capsys.readouterr().out.strip() == NO_DEVICE_MESSAGE
+    assert run_probe_cli(str(out)) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"pipeoffload probe: error: {NO_DEVICE_MESSAGE}")
     assert not out.exists()
 
 
 def test_without_torch_there_is_nothing_to_probe(monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` raise ImportError
     assert cuda_available() is False
-    assert run_probe_cli(None) == 0
-    assert NO_DEVICE_MESSAGE in capsys.readouterr().out
+    assert run_probe_cli(None) == 1
+    assert NO_DEVICE_MESSAGE in capsys.readouterr().err
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the real CPU-only path")
 def test_cpu_only_machine(capsys) -> None:
-    assert run_probe_cli(None) == 0
-    assert NO_DEVICE_MESSAGE in capsys.readouterr().out
+    assert run_probe_cli(None) == 1
+    assert NO_DEVICE_MESSAGE in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="no CUDA device"):
         probe()
 

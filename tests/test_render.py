@@ -401,3 +401,23 @@ def test_png_memory_step_data_drops_zero_length_dips() -> None:
 
     curve = ((0.0, 0.0), (1.0, 1.0), (3.0, 0.5), (3.0, 1.5), (4.0, 1.0))
     assert _step(curve, 6.0) == ([0.0, 1.0, 3.0, 4.0, 6.0], [0.0, 1.0, 1.5, 1.0, 1.0])
+
+
+def test_offload_wait_has_a_letter_and_a_legend_entry() -> None:
+    from pipeoffload.api import plan_schedule
+    from pipeoffload.sim.render_text import render_grid
+
+    plan = plan_schedule("po-f", 6, 12, offload_ratio=0.5)
+    assert plan.schedule.has_kind(Kind.OFFLOAD_WAIT)
+    text = render_grid(plan.result, width=160)
+    assert "?" not in text
+    rank_0 = next(line for line in text.splitlines() if line.startswith("rank 0"))
+    assert "(OFFLOAD_WAIT)" in text and "=" in rank_0
+
+
+def test_long_notes_wrap_between_words_at_any_width() -> None:
+    from pipeoffload.sim.render_text import MIN_WIDTH, render_grid
+
+    text = render_grid(simulate(one_f_one_b(8, 64)), width=MIN_WIDTH)
+    assert all(len(line) <= MIN_WIDTH for line in text.splitlines())
+    assert "(--width N or $COLUMNS)" in text.replace("\n", " ")

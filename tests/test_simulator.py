@@ -183,3 +183,25 @@ def test_negative_costs_rejected():
         CostModel(f_time=-1)
     with pytest.raises(ConfigError, match="ranks_per_link"):
         HostLink(ranks_per_link=0)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv",
+                                  "v-half", "v-min", "grouped-interleaved"])
+def test_memory_follows_the_program_when_every_time_ties(name):
+    # With all-zero costs every event happens at time 0; without offload a rank's memory
+    # depends only on the order of its own compute actions, so the peaks are those of unit
+    # costs (1f1b's rank 0 holds p microbatches, not 0).
+    from pipeoffload.core.registry import build_schedule
+
+    schedule = build_schedule(name, 4, 8)
+    zero = simulate(schedule, CostModel(f_time=0, i_time=0, w_time=0))
+    assert zero.makespan == 0
+    assert zero.peak_activation == simulate(schedule).peak_activation
+    assert max(zero.peak_activation) > 0
+
+
+def test_nonfinite_costs_are_refused_naming_the_field():
+    for field in ("f_time", "i_time", "w_time", "p2p_time", "offload_ratio"):
+        for value in (float("nan"), float("inf")):
+            with pytest.raises(ConfigError, match=f"CostModel.{field}"):
+                CostModel(**{field: value})

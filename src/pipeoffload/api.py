@@ -67,6 +67,7 @@ def plan_schedule(
         schedule = registry.build_schedule("grouped-interleaved", pp, microbatches, **options)
         schedule = dataclasses.replace(schedule, name=preset)
     else:
+        registry.canonical_name(name, also=tuple(PRESETS))  # an unknown name lists po-h / po-f
         target = parse_target(offload)
         schedule = registry.build_schedule(name, pp, microbatches, **options)
     return add_offload(schedule, resolve_costs(costs, offload_ratio), target, policy)

@@ -247,6 +247,14 @@ def check_compatible(manifest: Manifest, expected: dict[str, Any]) -> None:
             + "; ".join(diffs) + f"){shards}; resume with the options it was saved with")
 
 
+def check_resume_step(step: int, where: object, steps: int) -> None:
+    """A resumed run must have steps left: --steps counts from the start of training."""
+    if step >= steps:
+        raise CheckpointError(f"--steps {steps}: the checkpoint to resume ({where}) is already at "
+                          f"step {step}, so there is nothing to train; pass --steps above "
+                          f"{step} (it counts from the start of training)")
+
+
 class Placement(Protocol):
     """Where a process sits (train.Topology satisfies it)."""
 
@@ -312,14 +320,45 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
             records.append(save_object(folder, stage_file(s, tp_index), local_state(payload)))
     records.append(save_object(folder, rank_file(where.rank), rng_state(where.device)))
     if where.distributed:
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, records)
-        records = [r for part in parts for r in part]
+        records = [FileRecord(**r) for part in _gather_json([vars(r) for r in records])
+                   for r in part]
     if where.rank == 0:
         info = {**identity, "processes": _world(where), "data": state.dataset.state_dict()}
         write_manifest(folder, step, records, _json(info))
     _barrier(where)
     return folder
+
+
+def _gather_json(value: Any) -> list[Any]:
+    """Every process's JSON-able ``value``, by rank: byte tensors of one padded length, so no
+    pickling (torch's ``all_gather_object`` needs numpy, which torch does not install)."""
+    data = json.dumps(value).encode()
+    backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    length = torch.tensor([len(data)], dtype=torch.int64, device=backend_device)
+    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, length)
+    size = max(int(n.item()) for n in lengths)
+    mine = torch.zeros(size, dtype=torch.uint8, device=backend_device)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty_like(mine) for _ in lengths]
+    dist.all_gather(parts, mine)
+    return [json.loads(bytes(p[:int(n.item())].cpu().tolist())) for p, n in zip(parts, lengths)]
+
+
+def describe_resume(resume: str | Path, root: str | Path | None) -> str:
+    """Which checkpoint ``--resume`` picks and why newer step folders are passed over."""
+    folder = find_checkpoint(resume, root)
+    step = read_manifest(folder, verify_files=False).step
+    text = f"resuming from {folder} (step {step})"
+    parent = folder.parent
+    newer = sorted(p.name for p in parent.glob("step_*")
+                   if _STEP_DIR.match(p.name) and int(p.name[5:]) > step
+                   and not (p / MANIFEST).is_file())
+    if str(resume) == "latest" or Path(resume) == parent:
+        if newer:
+            text += (f", skipping newer {', '.join(newer)}: no {MANIFEST} (saving was "
+                     "interrupted; they are not checkpoints)")
+    return text
 
 
 def restore(state: TrainingState, resume: str | Path, root: str | Path | None,

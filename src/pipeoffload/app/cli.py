@@ -6,45 +6,57 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
 
-from pipeoffload.errors import PipeoffloadError
+from pipeoffload.app import preflight
+from pipeoffload.app.preflight import count, number
+from pipeoffload.errors import ConfigError, PipeoffloadError
+from pipeoffload.sim.render_text import MIN_WIDTH
 
 Handler = Callable[[argparse.Namespace], int]
+
+# Beyond this a run takes minutes and gigabytes: refused, as a typo far more often than a wish.
+MAX_STAGE_MICROBATCHES = 1 << 18
 
 
 def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--schedule", default="po-f", help="schedule name (see `pipeoffload "
                      "schedules`; default po-f)")
-    src.add_argument("--from-csv", metavar="FILE", help="load a schedule from CSV instead "
+    src.add_argument("--from-csv", metavar="FILE", type=preflight.input_file,
+                     help="load a schedule from CSV instead "
                      "(one row per rank, torch.distributed.pipelining's format)")
-    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
-    p.add_argument("--microbatches", type=int, default=None,
+    p.add_argument("--pp", type=count(1, preflight.MAX_RANKS), default=4,
+                   help="pipeline ranks (default 4)")
+    p.add_argument("--microbatches", type=count(1, preflight.MAX_MICROBATCHES), default=None,
                    help="microbatches per step (default 4 * pp)")
-    p.add_argument("--chunks", type=int, default=None, help="stages per rank (schedules with "
-                   "several chunks)")
-    p.add_argument("--group-size", type=int, default=None,
+    p.add_argument("--chunks", type=count(1, preflight.MAX_CHUNKS), default=None,
+                   help="stages per rank (schedules with several chunks)")
+    p.add_argument("--group-size", type=count(1, preflight.MAX_RANKS), default=None,
                    help="grouped-interleaved group size g, ceil(p/2) <= g <= p")
     p.add_argument("--offload", default=None, metavar="SPEC",
                    help="none | all | chunks:K | fraction:X | limit:X[GiB] | given (po-h / "
                    "po-f have their own default; --from-csv keeps the file's transfers)")
-    p.add_argument("--offload-ratio", type=float, default=None, metavar="R",
+    p.add_argument("--offload-ratio", type=number(minimum=0, maximum=1e6), default=None,
+                   metavar="R",
                    help="one-way copy time of a chunk's activations / its F+I+W time")
     p.add_argument("--allow-stall", action="store_true",
                    help="keep transfers that cannot hide behind compute (reports the stall)")
     p.add_argument("--fetch-on-use", action="store_true",
                    help="bring activations back by FETCH (each backward pass reads them from "
                    "host memory as it uses them) where the reads hide, instead of RELOAD")
-    p.add_argument("--cost-f", type=float, default=1.0, help="forward time of one chunk")
-    p.add_argument("--cost-i", type=float, default=1.0, help="input-gradient backward time")
-    p.add_argument("--cost-w", type=float, default=1.0, help="weight-gradient backward time")
-    p.add_argument("--p2p", type=float, default=0.0, help="latency of a cross-rank hand-off")
-    p.add_argument("--activation-bytes", type=float, default=None,
+    time = number(minimum=0, maximum=1e12)
+    p.add_argument("--cost-f", type=time, default=1.0, help="forward time of one chunk")
+    p.add_argument("--cost-i", type=time, default=1.0, help="input-gradient backward time")
+    p.add_argument("--cost-w", type=time, default=1.0, help="weight-gradient backward time")
+    p.add_argument("--p2p", type=time, default=0.0, help="latency of a cross-rank hand-off")
+    p.add_argument("--activation-bytes", type=number(above=0, maximum=1e18), default=None,
                    help="bytes one microbatch keeps on one stage (adds byte peaks)")
     p.add_argument("--half-duplex", action="store_true", help="host link copies one way at a time")
-    p.add_argument("--ranks-per-link", type=int, default=1,
+    p.add_argument("--ranks-per-link", type=count(1, preflight.MAX_RANKS), default=1,
                    help="ranks sharing one host link (2: two GPUs behind one PCIe switch)")
 
 
@@ -76,7 +88,13 @@ def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult 
         return add_offload(schedule, costs, target, policy)
     options = {k: v for k, v in (("chunks", args.chunks), ("group_size", args.group_size))
                if v is not None}
-    microbatches = args.microbatches or 4 * args.pp
+    microbatches = args.microbatches if args.microbatches is not None else 4 * args.pp
+    work = args.pp * (args.chunks or 2) * microbatches
+    if work > MAX_STAGE_MICROBATCHES:
+        raise ConfigError(
+            f"--pp {args.pp} x --chunks {args.chunks or 2} x --microbatches {microbatches} = "
+            f"{work} stage-microbatches, more than this command simulates "
+            f"({MAX_STAGE_MICROBATCHES}); lower --microbatches or --pp")
     if args.allow_stall and target is None:
         raise PipeoffloadError("--allow-stall needs --offload SPEC")
     return plan_schedule(args.schedule, args.pp, microbatches, target, costs=costs,
@@ -91,7 +109,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result, report, schedule = plan.result, plan.report, plan.schedule
     if args.csv:
         write_csv(schedule, args.csv)
-    if args.png:
+    if args.png and not preflight.have_matplotlib():
+        preflight.note("simulate", preflight.MATPLOTLIB_MISSING.format(what=args.png))
+    elif args.png:
         from pipeoffload.core.actions import OFFLOAD_KINDS
         from pipeoffload.sim.render_png import render_png
         from pipeoffload.sim.simulator import simulate
@@ -104,6 +124,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from pipeoffload.sim.render_trace import write_trace
 
         write_trace(result, args.trace)
+    if args.fetch_on_use and not report.offloaded:
+        preflight.note("simulate", "--fetch-on-use has no effect: the plan offloads nothing "
+                       "(give --offload SPEC, or a po-h / po-f schedule)")
+    if report.offloaded and all(after >= before - 1e-9 for after, before
+                                in zip(result.peak_activation, report.peak_before)):
+        preflight.note("simulate", "the plan copies activations to host memory but lowers "
+                       "no rank's peak, so the copies only cost host-link time; try a larger "
+                       "--offload target (all, chunks:K) or another schedule")
     if args.json:
         print(json.dumps(_simulate_json(plan), sort_keys=True))
         return 0
@@ -113,11 +141,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for note in _marker_notes(schedule):
         print(f"note: {note}")
     if not args.no_grid:
-        print(render_grid(result, color=sys.stdout.isatty()))
-    for label, path in (("csv", args.csv), ("png", args.png), ("trace", args.trace)):
+        print(render_grid(result, width=_grid_width(args.width), color=sys.stdout.isatty()))
+    wrote_png = args.png if preflight.have_matplotlib() else None
+    for label, path in (("csv", args.csv), ("png", wrote_png), ("trace", args.trace)):
         if path:
             print(f"wrote {label}: {path}")
     return 0
+
+
+def _grid_width(flag: int | None) -> int | None:
+    """--width, else $COLUMNS (as shells export it) when it is a usable width, else None."""
+    if flag is not None:
+        return flag
+    columns = os.environ.get("COLUMNS", "")
+    if columns.strip().isdigit():
+        return max(MIN_WIDTH, int(columns))
+    return None
 
 
 def _simulate_json(plan) -> dict:
@@ -171,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipeoffload",
         description="Pipeline-parallel schedules with activation offload (PipeOffload).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     from pipeoffload.app.plan_cli import add_plan_parser
     from pipeoffload.app.train_cli import add_train_parser
 
@@ -178,32 +218,43 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate a schedule: time, bubbles, transfers, memory")
     _add_schedule_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--csv", metavar="FILE", help="write the (planned) schedule as CSV")
-    p.add_argument("--png", metavar="FILE", help="draw lanes and memory curves to a PNG")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome / Perfetto trace JSON")
+    p.add_argument("--csv", metavar="FILE", type=preflight.output_file(),
+                   help="write the (planned) schedule as CSV")
+    p.add_argument("--png", metavar="FILE", type=preflight.output_file(".png", ".svg"),
+                   help="draw lanes and memory curves to a .png or .svg file (needs "
+                   "matplotlib: pipeoffload[plot]; skipped with a note without it)")
+    p.add_argument("--trace", metavar="FILE", type=preflight.output_file(),
+                   help="write a Chrome / Perfetto trace JSON")
     p.add_argument("--no-grid", action="store_true", help="skip the terminal picture")
+    p.add_argument("--width", type=count(MIN_WIDTH, 100_000), default=None, metavar="COLUMNS",
+                   help="width of the terminal picture (default: $COLUMNS, else 120)")
     p.set_defaults(handler=cmd_simulate)
     p = sub.add_parser("schedules", help="list schedule names, one per line")
     p.set_defaults(handler=cmd_schedules)
     p = sub.add_parser("probe", help="measure this GPU's matmul rate and host-link bandwidth "
                        "and print a hardware preset")
-    p.add_argument("--output", metavar="FILE", help="save the preset as JSON")
+    p.add_argument("--output", metavar="FILE", type=preflight.output_file(),
+                   help="save the preset as JSON")
     p.set_defaults(handler=cmd_probe)
     add_train_parser(sub)
     add_plan_parser(sub)
     return parser
 
 
+def _version() -> str:
+    try:
+        return metadata.version("pipeoffload")
+    except metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "unknown (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, check (app/preflight.py), run; every expected failure is an `error:` line and a
+    non-zero exit status (2: bad input, 1: the work failed, 130: interrupted)."""
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
-    try:
-        return handler(args)
-    except PipeoffloadError as exc:
-        print(f"pipeoffload {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        return 0
+    return preflight.run_command(args.command, handler, args,
+                                 getattr(args, "on_interrupt", None))
 
 
 if __name__ == "__main__":

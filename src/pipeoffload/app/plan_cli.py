@@ -8,17 +8,16 @@ import dataclasses
 import json
 import sys
 
-from pipeoffload.errors import ConfigError
+from pipeoffload.app.preflight import MAX_RANKS, count, counts, number
+
+NOTHING_FITS = 3  # the search ran and no configuration fits (the output says what came close)
 
 
-def _csv(kind: type) -> object:
-    def parse(text: str) -> tuple:
-        try:
-            return tuple(kind(part) for part in text.split(",") if part.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a comma-separated list, got {text!r}") from None
-    return parse
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return names
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,34 +27,40 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Find the fastest configuration that fits in memory, simulated.")
     p.add_argument("--model", required=True,
                    help="model preset (e.g. llama3-70b, pipeoffload-42.9b) or a config.json path")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (DP x TP x PP)")
+    p.add_argument("--gpus", type=count(1, 1 << 20), required=True,
+                   help="number of GPUs (DP x TP x PP)")
     p.add_argument("--hardware", default="a100-80gb",
                    help="hardware preset (a100-80gb, h100-80gb, h200) or a probe JSON file")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: model's)")
-    p.add_argument("--layers", type=int, default=None, help="override the layer count")
-    p.add_argument("--hidden", type=int, default=None,
+    p.add_argument("--seq", type=count(1, 1 << 24), default=None,
+                   help="sequence length (default: model's)")
+    p.add_argument("--layers", type=count(1, 1 << 16), default=None,
+                   help="override the layer count")
+    p.add_argument("--hidden", type=count(1, 1 << 20), default=None,
                    help="override the hidden size (keeps head width and ffn/hidden ratio)")
-    p.add_argument("--memory", type=float, default=None, metavar="GiB",
+    p.add_argument("--memory", type=number(above=0, maximum=1 << 30), default=None,
+                   metavar="GiB",
                    help="memory budget per GPU in GiB (default: the GPU's memory)")
     p.add_argument("--recompute", choices=("none", "lgd", "full"), default=None,
                    help="fix the recompute option (default: search all three)")
-    p.add_argument("--global-batch", type=int, default=None, metavar="B",
+    p.add_argument("--global-batch", type=count(1, 1 << 24), default=None, metavar="B",
                    help="sequences per step (default 4 x GPUs)")
-    p.add_argument("--top", type=int, default=10, metavar="K", help="plans to show (default 10)")
+    p.add_argument("--top", type=count(1, 1 << 20), default=10, metavar="K",
+                   help="plans to show (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--tp", type=_csv(int), default=None, metavar="T[,T]",
+    p.add_argument("--tp", type=counts(1, 1 << 20), default=None, metavar="T[,T]",
                    help="only these TP degrees")
-    p.add_argument("--pp", type=_csv(int), default=None, metavar="P[,P]",
+    p.add_argument("--pp", type=counts(1, MAX_RANKS), default=None, metavar="P[,P]",
                    help="only these PP degrees")
-    p.add_argument("--schedules", type=_csv(str), default=None, metavar="NAME[,NAME]",
+    p.add_argument("--schedules", type=_names, default=None, metavar="NAME[,NAME]",
                    help="only these schedules (po-h / po-f mean grouped-interleaved)")
-    p.add_argument("--offload", type=_csv(str), default=None, metavar="T[,T]",
+    p.add_argument("--offload", type=_names, default=None, metavar="T[,T]",
                    help="only these offload targets among none, chunks:1, all")
-    p.add_argument("--micro-batch-sizes", type=_csv(int), default=None, metavar="B[,B]",
+    p.add_argument("--micro-batch-sizes", type=counts(1, 1 << 20), default=None, metavar="B[,B]",
                    help="microbatch sizes to try (default 1,2,4)")
     p.add_argument("--sharded-optimizer", action="store_true",
                    help="ZeRO-1: shard fp32 master weights and Adam moments over DP")
-    p.add_argument("--reserve", type=float, default=None, metavar="GiB",
+    p.add_argument("--reserve", type=number(minimum=0, maximum=1 << 30), default=None,
+                   metavar="GiB",
                    help="fixed per-GPU reserve for context, NCCL, workspaces (default 4)")
     p.add_argument("--no-extrapolate", action="store_true",
                    help="simulate every microbatch instead of extrapolating from fewer")
@@ -90,7 +95,7 @@ def _space(args: argparse.Namespace):  # -> SearchSpace
         for name in args.schedules:
             key = name.strip().lower().replace("_", "-")
             names.append("grouped-interleaved" if key in ("po-h", "po-f", "poh", "pof")
-                         else canonical_name(name))
+                         else canonical_name(name, also=("po-h", "po-f")))
         options["schedules"] = tuple(dict.fromkeys(names))
     if args.recompute:
         options["recompute"] = (args.recompute,)
@@ -112,14 +117,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     hw = load_hardware(args.hardware)
-    if args.memory is not None and args.memory <= 0:
-        raise ConfigError(f"--memory must be a positive number of GiB, got {args.memory}")
     memory = MemoryConfig(optimizer=OptimizerSpec(sharded=args.sharded_optimizer))
     if args.reserve is not None:
         memory = dataclasses.replace(memory, reserve_bytes=args.reserve * GIB)
     config = SearchConfig(
         gpus=args.gpus,
-        global_batch=args.global_batch or 4 * args.gpus,
+        global_batch=args.global_batch if args.global_batch is not None else 4 * args.gpus,
         budget_bytes=args.memory * GIB if args.memory is not None else None,
         top_k=args.top,
         memory=memory,
@@ -135,11 +138,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "global_batch": config.global_batch, "memory_gib": result.budget_bytes / GIB,
               "sharded_optimizer": args.sharded_optimizer,
               "reserve_gib": memory.reserve_bytes / GIB}
+    fits = result.best is not None and result.best.feasible
+    if not fits:
+        print(f"pipeoffload plan: error: no configuration fits (exit status {NOTHING_FITS}); "
+              "the report says what came nearest", file=sys.stderr)
     if args.json:
         print(json.dumps(result_json(result, inputs), sort_keys=True))
-        return 0
+        return 0 if fits else NOTHING_FITS
     line = (f"{spec.name}: {spec.num_layers} layers, hidden {spec.hidden}, seq {spec.seq_len}; "
             f"{config.gpus} x {hw.name}, global batch {config.global_batch} sequences, budget "
             f"{result.budget_bytes / GIB:.1f} GiB per GPU (reserve {memory.reserve_bytes / GIB:g})")
     print(render_result(result, line))
-    return 0
+    return 0 if fits else NOTHING_FITS

@@ -217,15 +217,19 @@ def probe(
 
 def run_probe_cli(output_path: str | None) -> int:
     """`pipeoffload probe [--output FILE]`: print the measurements and the preset, save it as
-    JSON when asked. Without a CUDA device it says so and succeeds (exit code 0)."""
+    JSON when asked. Without a CUDA device there is nothing to measure: an error line on
+    stderr and exit status 1 (a script must not take the missing preset for a result)."""
     if not cuda_available():
-        print(NO_DEVICE_MESSAGE)
-        return 0
+        print(f"pipeoffload probe: error: {NO_DEVICE_MESSAGE} (run it on the GPU machine; "
+              "`pipeoffload plan --hardware` takes the presets a100-80gb, h100-80gb, h200)",
+              file=sys.stderr)
+        return 1
     config = ProbeConfig()
     try:
         result = measure(config)
     except RuntimeError as exc:
-        print(f"probe failed on the GPU: {exc}", file=sys.stderr)
+        print(f"pipeoffload probe: error: the measurement failed on the GPU: {exc}",
+              file=sys.stderr)
         return 1
     hardware = to_hardware(result, config)
     print(result)
@@ -238,7 +242,8 @@ def run_probe_cli(output_path: str | None) -> int:
         try:
             Path(output_path).write_text(hardware.to_json() + "\n")
         except OSError as exc:
-            print(f"cannot write {output_path}: {exc.strerror}", file=sys.stderr)
+            print(f"pipeoffload probe: error: --output {output_path}: cannot write it "
+                  f"({exc.strerror})", file=sys.stderr)
             return 1
         print(f"saved to {output_path} (use it wherever a hardware name is accepted)")
     return 0

@@ -41,9 +41,9 @@ def check_tensor_parallel(config: ModelConfig, tp: int, seq_len: int | None = No
         sizes.append(("seq_len", seq_len, "--seq-len"))
     for name, value, flag in sizes:
         if value % tp:
-            raise ConfigError(f"tensor parallelism over tp={tp} splits {name}={value} (from "
-                              f"{flag}) evenly; choose a multiple of {tp} or a tp that divides "
-                              "it")
+            raise ConfigError(f"--tp {tp}: tensor parallelism must split {name}={value} (from "
+                              f"{flag}) evenly; choose a multiple of {tp} or a --tp that "
+                              "divides it")
 
 
 def apply_tensor_parallel(module: Transformer, mesh: Any) -> Transformer:

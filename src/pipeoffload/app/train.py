@@ -32,6 +32,7 @@ from pipeoffload.app.model import RECOMPUTE_MODES, ModelConfig, model_preset, se
 from pipeoffload.app.precision import MasterWeights, sync_gradients, torch_dtype
 from pipeoffload.app.split import build_stage_modules, lm_loss, stage_layer_ranges
 from pipeoffload.app.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
@@ -95,6 +96,13 @@ class TrainConfig:
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"--recompute {self.recompute!r}: choose one of "
                               f"{', '.join(RECOMPUTE_MODES)}")
+        for name in ("lr", "weight_decay", "min_lr_ratio", "p2p_timeout_s"):
+            check_number(f"TrainConfig.{name}", getattr(self, name))
+        check_optional("TrainConfig.grad_clip", self.grad_clip)
+        if self.p2p_timeout_s <= 0:
+            raise ConfigError(f"--p2p-timeout must be > 0 seconds, got {self.p2p_timeout_s}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         for name in ("pp", "dp", "steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -102,6 +110,9 @@ class TrainConfig:
             raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
         if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("--lr must be > 0, --warmup-steps >= 0 and min_lr_ratio in [0, 1]")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ConfigError(f"--decay-steps {self.decay_steps} must come after the warm-up "
+                              f"(--warmup-steps {self.warmup_steps}); raise it or drop it")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError(f"--grad-clip must be > 0 (or none), got {self.grad_clip}")
         if self.checkpoint_every < 0:
@@ -178,6 +189,7 @@ def preflight(config: TrainConfig, processes: int) -> OffloadPlan:
         manifest = ckpt.read_manifest(ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
         ckpt.check_compatible(manifest, {**checkpoint_identity(config, plan.schedule),
                                          "processes": processes})
+        ckpt.check_resume_step(manifest.step, manifest.folder, config.steps)
     elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
                           "pass --resume to continue from them, or use an empty folder")
@@ -256,7 +268,8 @@ def train(config: TrainConfig, topology: Topology,
     state = ckpt.TrainingState(stages, optimizers, dataset, masters.params)
     identity = checkpoint_identity(config, schedule)
     if config.resume is not None:
-        ckpt.restore(state, config.resume, config.checkpoint_dir, identity, topology)
+        resumed = ckpt.restore(state, config.resume, config.checkpoint_dir, identity, topology)
+        ckpt.check_resume_step(resumed, config.resume, config.steps)
     elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
                           "pass --resume to continue from them, or use an empty folder")
@@ -322,10 +335,23 @@ def _peer_failures(topology: Topology, what: str) -> Iterator[None]:
     except RuntimeError as error:
         if isinstance(error, PipeoffloadError) or not topology.distributed:
             raise
+        where = (f"rank {topology.rank} (pipeline rank {topology.pp_rank}, replica "
+                 f"{topology.dp_index}), {what}")
+        if not _from_communication(error):  # this rank's own failure: no peer to blame
+            raise PipelineRuntimeError(f"{where}: failed on this rank ({error})") from error
         raise PipelineRuntimeError(
-            f"rank {topology.rank} (pipeline rank {topology.pp_rank}, replica "
-            f"{topology.dp_index}), {what}: a collective failed ({error}); a peer died or "
-            "failed, look at its error") from error
+            f"{where}: a collective failed ({error}); a peer died or failed, look at its "
+            "error") from error
+
+
+def _from_communication(error: RuntimeError) -> bool:
+    """Whether a failed collective was the transport's (a peer gone, a timeout) rather than
+    something local such as a missing package."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout",
+                                         "peer", "socket", "broken pipe"))
 
 
 def checkpoint_identity(config: TrainConfig, schedule: Any) -> dict[str, Any]:
@@ -381,16 +407,13 @@ def stage_sizes(topology: Topology, meter: ActivationMeter,
     seen: dict[int, set[int]] = {}
     for (stage, _), nbytes in meter.scope_bytes.items():
         seen.setdefault(stage, set()).add(nbytes)
-    local = {s: next(iter(v)) if len(v) == 1 else -1 for s, v in seen.items()}
-    merged: dict[int, int] = {}
-    if topology.distributed:
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
-        for part in parts:
-            merged.update(part)
-    else:
-        merged = local
-    sizes = [merged.get(s, -1) for s in range(num_stages)]
+    # Per stage: its size, -1 if its microbatches differed, -2 if this process has none of it.
+    local = [float(next(iter(seen[s])) if len(seen[s]) == 1 else -1) if s in seen else -2.0
+             for s in range(num_stages)]
+    sizes = []
+    for values in zip(*_gather(topology, local)):
+        measured = {int(v) for v in values if v != -2}
+        sizes.append(measured.pop() if len(measured) == 1 else -1)
     return None if min(sizes) < 0 else tuple(sizes)
 
 

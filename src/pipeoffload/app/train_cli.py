@@ -18,10 +18,24 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from pipeoffload.app import preflight
+from pipeoffload.app.preflight import (
+    MAX_CHUNKS,
+    MAX_MICROBATCHES,
+    MAX_RANKS,
+    count,
+    input_path,
+    number,
+    output_dir,
+    output_file,
+    resume_path,
+)
+from pipeoffload.app.train_notes import interrupt_note, startup_line
 from pipeoffload.core.actions import Kind
 from pipeoffload.errors import ConfigError, PipeoffloadError
 
@@ -48,12 +62,16 @@ def add_train_parser(subparsers: Any) -> None:
         "the simulator. Without torchrun it starts pp * dp * tp local processes; under torchrun it "
         "is one rank of the job. See docs/training.md.")
     g = p.add_argument_group("parallelism and schedule")
-    g.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel pipeline replicas")
-    g.add_argument("--schedule", default="po-f", help="schedule name (default po-f)")
-    g.add_argument("--chunks", type=int, default=None, help="stages per rank")
-    g.add_argument("--group-size", type=int, default=None, help="grouped-interleaved g")
-    g.add_argument("--microbatches", type=int, default=None,
+    g.add_argument("--pp", type=count(1, MAX_RANKS), default=4,
+                   help="pipeline ranks (default 4)")
+    g.add_argument("--dp", type=count(1, MAX_RANKS), default=1,
+                   help="data-parallel pipeline replicas (default 1)")
+    g.add_argument("--schedule", default="po-f", help="schedule name (default po-f; "
+                   "`pipeoffload schedules` lists them)")
+    g.add_argument("--chunks", type=count(1, MAX_CHUNKS), default=None, help="stages per rank")
+    g.add_argument("--group-size", type=count(1, MAX_RANKS), default=None,
+                   help="grouped-interleaved g")
+    g.add_argument("--microbatches", type=count(1, MAX_MICROBATCHES), default=None,
                    help="microbatches per replica and step (default 2 * pp)")
     g.add_argument("--offload", default=None, metavar="SPEC",
                    help="none | all | chunks:K | fraction:X | limit:X | recompute-chunks:1+all "
@@ -63,9 +81,9 @@ def add_train_parser(subparsers: Any) -> None:
                    "use them (FETCH) instead of a whole RELOAD: lower peaks, more reads")
     g.add_argument("--inline", action="store_true",
                    help="run every pipeline rank in this one process (dp must be 1)")
-    # issue 13: tensor parallelism, precision and recompute (docs/training.md)
-    g.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks per stage (torch DTensor; default 1)")
+    g.add_argument("--tp", type=count(1, MAX_RANKS), default=1,
+                   help="tensor-parallel ranks per stage (torch DTensor; default 1); "
+                   "pp * dp * tp processes")
     g.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp64"),
                    help="fp32 (default); bf16: bf16 weights and activations, fp32 master "
                    "weights and AdamW state; fp64 for exactness checks")
@@ -78,49 +96,68 @@ def add_train_parser(subparsers: Any) -> None:
                               ("--dim", "dim", "model width"), ("--heads", "n_heads", "heads"),
                               ("--kv-heads", "n_kv_heads", "key/value heads"),
                               ("--ffn-hidden", "ffn_hidden", "SwiGLU inner width")):
-        g.add_argument(flag, dest=field, type=int, default=None, help=f"override {what}")
-    g.add_argument("--seq-len", type=int, default=None,
+        g.add_argument(flag, dest=field, type=count(1, 1 << 20), default=None,
+                       help=f"override {what}")
+    g.add_argument("--seq-len", type=count(1, 1 << 20), default=None,
                    help="tokens per sequence (default min(128, the model's max_seq_len); "
                    "a longer one raises max_seq_len)")
-    g.add_argument("--batch-size", type=int, default=16, help="global batch in sequences, "
+    g.add_argument("--batch-size", type=count(1, 1 << 20), default=16,
+                   help="global batch in sequences, "
                    "summed over dp replicas (default 16)")
-    g.add_argument("--data", default=None, metavar="PATH", help="text file or folder "
+    g.add_argument("--data", type=input_path, default=None, metavar="PATH",
+                   help="text file or folder "
                    "(default: Python standard-library sources)")
-    g.add_argument("--max-bytes", type=int, default=1 << 20, help="read at most this much text")
+    g.add_argument("--max-bytes", type=count(1), default=1 << 20,
+                   help="read at most this much text (default 1 MiB)")
     g = p.add_argument_group("optimisation")
     # The same defaults as TrainConfig's (a test checks); torch is not imported to build this.
-    g.add_argument("--steps", type=int, default=60, help="train up to this step (default 60)")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak AdamW lr (default 3e-3)")
-    g.add_argument("--warmup-steps", type=int, default=10)
-    g.add_argument("--decay-steps", type=int, default=None,
+    g.add_argument("--steps", type=count(1, 1 << 40), default=60,
+                   help="train up to this step, counted from the start of training (a resumed "
+                   "run continues up to it; default 60)")
+    g.add_argument("--lr", type=number(above=0, maximum=1e6), default=3e-3,
+                   help="peak AdamW lr (default 3e-3)")
+    g.add_argument("--warmup-steps", type=count(0), default=10,
+                   help="linear warm-up from lr/N to lr over the first N steps (default 10)")
+    g.add_argument("--decay-steps", type=count(1), default=None,
                    help="cosine decay to 0.1 lr at this step (default: constant after warmup)")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0,
+    g.add_argument("--weight-decay", type=number(minimum=0, maximum=1e6), default=0.1,
+                   help="AdamW weight decay (default 0.1)")
+    g.add_argument("--grad-clip", type=number(minimum=0, maximum=1e30), default=1.0,
                    help="clip the global gradient norm (0: off)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=count(0, 2**63 - 1), default=0,
+                   help="seed of the weights and of the data order (default 0)")
     g = p.add_argument_group("runtime, checkpoints and output")
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    g.add_argument("--threads", type=int, default=1,
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto (default): CUDA when available, else CPU with gloo")
+    g.add_argument("--threads", type=count(1, 4096), default=1,
                    help="torch threads per process on CPU (default 1: tiny matrices run faster "
                    "on one thread, and processes share the cores)")
-    g.add_argument("--p2p-timeout", type=float, default=300.0, metavar="S",
+    g.add_argument("--p2p-timeout", type=number(above=0, maximum=1e7), default=300.0,
+                   metavar="S",
                    help="seconds a rank waits for a peer before failing (default 300)")
-    g.add_argument("--min-offload-elements", type=int, default=0,
+    g.add_argument("--min-offload-elements", type=count(0), default=0,
                    help="saved tensors this small stay on the device (default 0: move all)")
-    g.add_argument("--checkpoint-dir", default=None, metavar="DIR")
-    g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+    g.add_argument("--checkpoint-dir", type=output_dir, default=None, metavar="DIR",
+                   help="save checkpoints here (step_<N> folders; one at the end of the run)")
+    g.add_argument("--checkpoint-every", type=count(0), default=0, metavar="N",
                    help="also save every N steps (a checkpoint is always saved at the end)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                   help="continue from the newest checkpoint in --checkpoint-dir, or PATH")
+                   type=resume_path,
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, or "
+                   "PATH (a step_<N> folder or a checkpoint folder); --steps must be beyond it")
     g.add_argument("--no-baseline", action="store_true",
                    help="skip the extra step that measures peaks without offload")
     g.add_argument("--json", action="store_true", help="print one JSON line at the end")
     g.add_argument("--png", default="pipeoffload-train.png", metavar="FILE",
-                   help="schedule picture to write (default pipeoffload-train.png)")
-    g.add_argument("--no-png", action="store_true", help="write no picture")
-    g.add_argument("--log-every", type=int, default=10, metavar="N")
+                   type=output_file(".png", ".svg"),
+                   help="schedule picture to write, .png or .svg (default pipeoffload-train.png;"
+                   " skipped with a note without matplotlib)")
+    g.add_argument("--no-png", dest="png", action="store_const", const=None,
+                   help="write no picture")
+    g.add_argument("--log-every", type=count(1), default=10, metavar="N",
+                   help="print a progress line every N steps (default 10)")
     p.add_argument("--worker-config", default=None, help=argparse.SUPPRESS)
-    p.set_defaults(handler=cmd_train)
+    p.set_defaults(handler=cmd_train, on_interrupt=interrupt_note)
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
@@ -139,9 +176,6 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
                       seed=args.seed, max_bytes=args.max_bytes)
     if args.resume is not None and args.resume == "latest" and args.checkpoint_dir is None:
         raise ConfigError("--resume without a PATH needs --checkpoint-dir (where to look)")
-    for flag in ("log_every", "threads"):
-        if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
     config = TrainConfig(
         model=model, data=data, pp=args.pp, dp=args.dp, schedule=args.schedule,
         chunks=args.chunks, group_size=args.group_size, microbatches=args.microbatches,
@@ -153,13 +187,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, measure_baseline=not args.no_baseline,
         tp=args.tp, dtype=args.dtype, recompute=args.recompute)
-    report = ReportOptions(json=args.json, png=None if args.no_png else args.png,
+    report = ReportOptions(json=args.json, png=args.png,
                            log_every=args.log_every, threads=args.threads)
     return config, report
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """The `train` handler: decide where to run (see the module docstring) and run."""
+    # torch warns on import when numpy is absent; nothing here needs numpy (a minimal install).
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if args.worker_config is not None:
         payload = json.loads(args.worker_config)
         from pipeoffload.app.train import TrainConfig
@@ -167,27 +203,48 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run_worker(TrainConfig.from_dict(payload["config"]),
                           ReportOptions(**payload["report"]), distributed=True)
     config, report = config_from_args(args)
-    if all(k in os.environ for k in _TORCHRUN_ENV):
+    torchrun = all(k in os.environ for k in _TORCHRUN_ENV)
+    if not torchrun and args.inline and (config.dp > 1 or config.tp > 1):
+        raise ConfigError("--inline runs one pipeline replica in one process; use --dp 1 "
+                          "and --tp 1, or drop --inline")
+    if report.png is not None and not preflight.have_matplotlib():
+        preflight.note("train", preflight.MATPLOTLIB_MISSING.format(what=report.png))
+        report = dataclasses.replace(report, png=None)
+    if args.resume not in (None, "latest") and args.checkpoint_dir is None:
+        preflight.note("train", "--resume PATH without --checkpoint-dir: this run saves no "
+                       "checkpoint; add --checkpoint-dir DIR to keep its progress")
+    if torchrun:
         return run_worker(config, report, distributed=True)
-    if args.inline or config.pp * config.dp * config.tp == 1:
-        if config.dp > 1 or config.tp > 1:
-            raise ConfigError("--inline runs one pipeline replica in one process; use --dp 1 "
-                              "and --tp 1, or drop --inline")
+    from pipeoffload.app.train import preflight as check_run
+
+    if config.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: this machine has no CUDA device torch can use; "
+                              "pass --device cpu (or auto)")
+    processes = 1 if args.inline else config.pp * config.dp * config.tp
+    plan = check_run(config, processes=processes)
+    if config.fetch_on_use and not plan.report.offloaded:
+        preflight.note("train", "--fetch-on-use has no effect: the plan offloads nothing "
+                       "(give --offload SPEC, or a po-h / po-f schedule)")
+    print(startup_line(config, report, processes, plan.schedule.name),
+          file=sys.stderr if report.json else sys.stdout, flush=True)
+    if processes == 1:
         return run_worker(config, report, distributed=False)
-    return _self_launch(config, report)
+    return _self_launch(config, report, plan)
 
 
-def _self_launch(config: Any, report: ReportOptions) -> int:
+def _self_launch(config: Any, report: ReportOptions, plan: Any) -> int:
     from pipeoffload.app.launch import LaunchConfig, Topology, launch
-    from pipeoffload.app.train import preflight
 
     processes = config.pp * config.dp * config.tp
-    plan = preflight(config, processes=processes)
     last = plan.schedule.rank_of(plan.schedule.num_stages - 1)
     reporter = Topology(pp=config.pp, dp=config.dp, tp=config.tp).global_rank(last, 0)
     payload = json.dumps({"config": config.to_dict(), "report": dataclasses.asdict(report)})
-    argv = [sys.executable, "-m", "pipeoffload.app.train_cli", "train", "--worker-config",
-            payload]
+    # --no-png: the payload says what to write; the worker's own defaults must not be checked.
+    argv = [sys.executable, "-m", "pipeoffload.app.train_cli", "train", "--no-png",
+            "--worker-config", payload]
     grace_s = min(config.p2p_timeout_s, 30.0) + 5.0
     return launch(argv, LaunchConfig(nprocs=processes, reporting_rank=reporter,
                                      grace_s=grace_s, threads_per_process=report.threads))
@@ -218,8 +275,11 @@ def run_worker(config: Any, report: ReportOptions, *, distributed: bool) -> int:
             raise
         # A failed rank must not hang in teardown waiting for peers: report and leave now.
         where = f"rank {topology.rank if topology else os.environ.get('RANK', '?')}"
-        if isinstance(error, PipeoffloadError):
-            text = str(error)
+        if isinstance(error, KeyboardInterrupt):  # the launcher (or torchrun) says the rest
+            os._exit(preflight.INTERRUPTED)
+        if isinstance(error, (PipeoffloadError, OSError)):
+            text = str(error) if isinstance(error, PipeoffloadError) else (
+                f"{error.filename + ': ' if error.filename else ''}{error.strerror or error}")
             text = text[len(where) + 2:] if text.startswith(f"{where}: ") else text
             print(f"pipeoffload train: {where}: error: {text}", file=sys.stderr, flush=True)
             os._exit(2)
@@ -267,6 +327,9 @@ def _report(result: Any, config: Any, report: ReportOptions, out: IO[str]) -> No
 
 def _write_png(result: Any, path: str | None) -> str | None:
     if path is None:
+        return None
+    if not preflight.have_matplotlib():  # checked up front too; a worker may differ
+        preflight.note("train", preflight.MATPLOTLIB_MISSING.format(what=path))
         return None
     from pipeoffload.sim.render_png import render_png
 
@@ -334,11 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pipeoffload")
     add_train_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    try:
-        return args.handler(args)
-    except PipeoffloadError as error:
-        print(f"pipeoffload train: error: {error}", file=sys.stderr)
-        return 2
+    return preflight.run_command("train", args.handler, args, args.on_interrupt)
 
 
 if __name__ == "__main__":

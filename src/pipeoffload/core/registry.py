@@ -10,6 +10,7 @@ module only builds the compute schedule.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -53,8 +54,11 @@ _KEYS = _keys()
 _TORCH_PREFIX = "schedule"
 
 
-def canonical_name(name: str) -> str:
-    """The canonical name for any accepted spelling; ConfigError (with the closest match) else."""
+def canonical_name(name: str, also: Sequence[str] = ()) -> str:
+    """The canonical name for any accepted spelling; ConfigError (with the closest match) else.
+
+    ``also``: names a caller accepts on top of the families (e.g. the api's presets po-h and
+    po-f); they are listed and suggested in the error, never returned."""
     if not isinstance(name, str):
         raise ConfigError(f"schedule name must be a string, got {name!r}")
     key = normalise(name)
@@ -62,10 +66,11 @@ def canonical_name(name: str) -> str:
         key = key[len(_TORCH_PREFIX):]
     if key in _KEYS:
         return _KEYS[key]
-    close = difflib.get_close_matches(key, list(_KEYS), n=1, cutoff=0.5)
-    hint = f" (did you mean {_KEYS[close[0]]!r}?)" if close else ""
+    known = {**_KEYS, **{normalise(extra): extra for extra in also}}
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
+    hint = f" (did you mean {known[close[0]]!r}?)" if close else ""
     raise ConfigError(f"unknown schedule {name!r}{hint}; known schedules: "
-                      f"{', '.join(FAMILIES)}")
+                      f"{', '.join([*FAMILIES, *also])} (`pipeoffload schedules` lists them)")
 
 
 def schedule_names() -> list[tuple[str, str]]:

@@ -62,6 +62,9 @@ def read_csv(path: str | Path, *, microbatches: int | None = None) -> Schedule:
         text = path.read_text()
     except OSError as exc:
         raise ParseError(f"cannot read schedule file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ParseError(f"schedule file {path} is not UTF-8 text (byte {exc.start}: "
+                         f"{exc.reason}); pass a CSV file") from None
     return schedule_from_rows(parse_rows(text, str(path)), microbatches=microbatches,
                               name=path.stem)
 

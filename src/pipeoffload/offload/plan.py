@@ -29,8 +29,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
+from pipeoffload.errors import ConfigError
 from pipeoffload.offload.report import OffloadPlan, OffloadReport, Skipped
 from pipeoffload.offload.select import Item, Lifespans
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
@@ -63,6 +65,17 @@ class OffloadPolicy:
     the device from before its backward to the end of its W. Lower peaks (the activation being
     backpropagated no longer counts), more host-to-device traffic with a B/W split (I and W
     each read it). Off by default: the GPU side of FETCH has not been measured yet."""
+
+    def __post_init__(self) -> None:
+        check_number("OffloadPolicy.reload_margin", self.reload_margin, minimum=0)
+        check_number("OffloadPolicy.stall_tolerance", self.stall_tolerance, minimum=0)
+        check_number("OffloadPolicy.max_rounds", self.max_rounds, minimum=1, integer=True)
+        check_optional("OffloadPolicy.max_pending_offloads", self.max_pending_offloads,
+                       minimum=0, integer=True)
+        check_number("OffloadPolicy.postpone_slack", self.postpone_slack, minimum=0)
+        if not isinstance(self.fetch_on_use, bool):
+            raise ConfigError(f"OffloadPolicy.fetch_on_use must be True or False, got "
+                              f"{self.fetch_on_use!r}")
 
 
 def add_offload(

@@ -20,7 +20,8 @@ class TargetKind(str, Enum):
     GIVEN = "given"  # the schedule's own transfers, as they are
 
 
-_BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
+               "gib": 2**30, "tib": 2**40}
 _SPEC_HELP = ("use none, all, chunks:K, fraction:X (0..1), limit:X (M_a units), limit:XGiB or "
               "given")
 
@@ -74,7 +75,7 @@ def parse_target(spec: str | OffloadTarget | None, *, allow_stall: bool = False)
         if not arg.isdigit() or int(arg) < 1:
             raise ConfigError(f"offload target {spec!r}: K must be a whole number >= 1")
         return OffloadTarget(kind, float(arg), allow_stall=allow_stall)
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*([a-z]*)", arg)
+    match = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*([a-z]*)", arg)
     if match is None:
         raise ConfigError(f"offload target {spec!r}: {arg!r} is not a number; {_SPEC_HELP}")
     value, unit = float(match.group(1)), match.group(2)
@@ -85,5 +86,7 @@ def parse_target(spec: str | OffloadTarget | None, *, allow_stall: bool = False)
     if unit and unit not in _BYTE_UNITS:
         raise ConfigError(f"offload target {spec!r}: unknown unit {unit!r}; "
                           f"use one of {', '.join(_BYTE_UNITS)} or none for M_a units")
+    if not 0.0 <= value < float("inf"):
+        raise ConfigError(f"offload target {spec!r}: the limit must be a number >= 0")
     scale = _BYTE_UNITS[unit] if unit else 1.0
     return OffloadTarget(kind, value * scale, in_bytes=bool(unit), allow_stall=allow_stall)

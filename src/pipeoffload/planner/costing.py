@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeoffload.checks import check_number
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.ratio import (
@@ -83,6 +84,9 @@ class MemoryConfig:
 
     reserve_bytes: float = 4 * GIB
     optimizer: OptimizerSpec = OptimizerSpec()
+
+    def __post_init__(self) -> None:
+        check_number("MemoryConfig.reserve_bytes", self.reserve_bytes, minimum=0)
 
 
 def split_layers(num_layers: int, stages: int) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,8 @@ class Hardware:
             value = getattr(self, field.name)
             if field.name in ("name", "full_duplex"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not 0 < value < math.inf:
                 raise ConfigError(
                     f"hardware {self.name!r}: {field.name} must be a positive number, "
                     f"got {value!r}"
@@ -202,5 +204,9 @@ def load_hardware(name_or_path: str) -> Hardware:
             text = path.read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read hardware file {name_or_path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"hardware file {name_or_path} is not UTF-8 text (byte "
+                              f"{exc.start}: {exc.reason}); pass a probe JSON or a preset "
+                              "name") from None
         return Hardware.from_json(text, source=name_or_path)
     return hardware_preset(name_or_path)

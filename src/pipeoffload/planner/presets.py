@@ -187,6 +187,9 @@ def load_model_config(path: str | Path, **overrides: Any) -> TransformerSpec:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read model config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"model config {path} is not UTF-8 text (byte {exc.start}: "
+                          f"{exc.reason}); pass a config.json or a preset name") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

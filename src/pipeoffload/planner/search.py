@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
+from pipeoffload.checks import check_number, check_optional
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.costing import GIB, MemoryConfig
 from pipeoffload.planner.evaluate import (
@@ -73,6 +74,9 @@ class SearchSpace:
         if not self.schedules or not self.recompute or not self.micro_batch_sizes:
             raise ConfigError("SearchSpace: schedules, recompute and micro_batch_sizes "
                               "must each list at least one value")
+        for name in ("chunks", "micro_batch_sizes", "tp", "pp"):
+            for value in getattr(self, name) or ():
+                check_number(f"SearchSpace.{name}", value, minimum=1, integer=True)
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,9 @@ class SearchConfig:
 
     def __post_init__(self) -> None:
         for name in ("gpus", "global_batch", "top_k"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_number(f"SearchConfig.{name}", getattr(self, name), minimum=1, integer=True)
+        check_number("SearchConfig.nearest_tries", self.nearest_tries, minimum=0, integer=True)
+        check_optional("SearchConfig.budget_bytes", self.budget_bytes, above=0)
 
 
 @dataclass(frozen=True)

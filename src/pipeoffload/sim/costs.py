@@ -10,8 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.errors import ConfigError
+
+# Bounds that keep every sum of times finite in float64 (a makespan adds up to millions of
+# them); far beyond any real cost model.
+_MAX_TIME = 1e12
+_MAX_RATIO = 1e6
+_MAX_BYTES = 1e18
 
 
 class Duplex(str, Enum):
@@ -28,8 +35,10 @@ class HostLink:
     ranks_per_link: int = 1
 
     def __post_init__(self) -> None:
-        if self.ranks_per_link < 1:
-            raise ConfigError(f"HostLink.ranks_per_link must be >= 1, got {self.ranks_per_link}")
+        check_number("HostLink.ranks_per_link", self.ranks_per_link, minimum=1, integer=True)
+        if not isinstance(self.duplex, Duplex):
+            raise ConfigError(f"HostLink.duplex must be a Duplex (full or half), got "
+                              f"{self.duplex!r}")
 
     def channel(self, rank: int, kind: Kind) -> tuple[int, str]:
         """The queue a transfer of ``kind`` issued by ``rank`` waits in."""
@@ -68,17 +77,23 @@ class CostModel:
     host_link: HostLink = field(default_factory=HostLink)
 
     def __post_init__(self) -> None:
-        for name in ("f_time", "i_time", "w_time", "p2p_time"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
-        if self.offload_ratio is not None and self.offload_ratio < 0:
-            raise ConfigError(f"CostModel.offload_ratio must be >= 0, got {self.offload_ratio}")
-        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"CostModel.{name} must be > 0, got {value}")
         object.__setattr__(self, "stage_activation_bytes", tuple(self.stage_activation_bytes))
         object.__setattr__(self, "stage_time_scale", tuple(self.stage_time_scale))
+        for name in ("f_time", "i_time", "w_time", "p2p_time"):
+            check_number(f"CostModel.{name}", getattr(self, name), minimum=0, maximum=_MAX_TIME)
+        check_optional("CostModel.offload_ratio", self.offload_ratio, minimum=0,
+                       maximum=_MAX_RATIO)
+        check_optional("CostModel.activation_bytes", self.activation_bytes, minimum=0,
+                       maximum=_MAX_BYTES)
+        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
+            check_optional(f"CostModel.{name}", getattr(self, name), above=0,
+                           maximum=_MAX_BYTES)
+        for s, value in enumerate(self.stage_activation_bytes):
+            check_number(f"CostModel.stage_activation_bytes[{s}]", value, minimum=0,
+                         maximum=_MAX_BYTES)
+        for s, value in enumerate(self.stage_time_scale):
+            check_number(f"CostModel.stage_time_scale[{s}]", value, minimum=0,
+                         maximum=_MAX_TIME)
 
     def scale(self, stage: int) -> float:
         return self.stage_time_scale[stage] if stage < len(self.stage_time_scale) else 1.0

@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeoffload.core.actions import Kind
 from pipeoffload.errors import ConfigError
-from pipeoffload.sim.render_text import format_number
+from pipeoffload.sim.render_text import format_bytes, format_number
 from pipeoffload.sim.simulator import Lane, SimResult
 
 # Muted, clearly distinct hues (close to seaborn's "deep" palette) that also print well.
@@ -39,7 +39,8 @@ _MEMORY_HEADROOM = 1.22  # y range above the highest peak, room for the per-rank
 
 def render_png(result: SimResult, path: str | Path, *, compare: SimResult | None = None,
                title: str | None = None) -> Path:
-    """Draw ``result`` to a PNG file at ``path`` and return the path. With ``compare`` (e.g.
+    """Draw ``result`` to a PNG file at ``path`` (an SVG file if it ends in .svg) and return
+    the path. With ``compare`` (e.g.
     the same schedule without offload), its memory curves are drawn dashed on the same axes."""
     schedule = result.schedule
     pp = schedule.num_ranks
@@ -91,7 +92,8 @@ def render_png(result: SimResult, path: str | Path, *, compare: SimResult | None
     fig.legend(handles=handles, loc="upper left", ncol=len(handles), frameon=False, fontsize=8.5,
                bbox_to_anchor=(_LEFT_IN / _WIDTH_IN - 0.005, 1 - 0.62 / height))
     path = Path(path)
-    fig.savefig(path, format="png", dpi=_DPI, facecolor="white")
+    kind = "svg" if path.suffix.lower() == ".svg" else "png"  # any other name: PNG bytes
+    fig.savefig(path, format=kind, dpi=_DPI, facecolor="white")
     return path
 
 
@@ -214,9 +216,13 @@ def _title(result: SimResult, compare: SimResult | None) -> str:
         head += f"   stall {format_number(result.total_stall_time)}"
     peaks = " ".join(format_number(p) for p in result.peak_activation)
     line = f"peak activation per rank (M_a): {peaks}"
+    if result.peak_bytes is not None:
+        line += f" = {' '.join(format_bytes(b) for b in result.peak_bytes)}"
     if compare is not None:
         other = " ".join(format_number(p) for p in compare.peak_activation)
         line += f"   vs {compare.schedule.name}: {other}"
+        if compare.peak_bytes is not None:
+            line += f" = {' '.join(format_bytes(b) for b in compare.peak_bytes)}"
     return f"{head}\n{line}"
 
 

@@ -27,7 +27,7 @@ _MAX_COLUMNS_PER_ACTION = 6.0
 _COLUMNS_PER_ACTION_STEPS = (6.0, 5.0, 4.0, 3.0, 2.5, 2.0, 1.5, 1.25, 1.0)
 
 _LETTER = {Kind.F: "F", Kind.I: "I", Kind.W: "W", Kind.B: "B", Kind.RECOMPUTE: "R",
-           Kind.OFFLOAD: "o", Kind.RELOAD: "r", Kind.FETCH: "f"}
+           Kind.OFFLOAD: "o", Kind.RELOAD: "r", Kind.FETCH: "f", Kind.OFFLOAD_WAIT: "="}
 _KIND_WORDS = {Kind.F: "forward", Kind.I: "input-grad", Kind.W: "weight-grad",
                Kind.B: "backward", Kind.RECOMPUTE: "recompute"}
 # ANSI SGR codes: a background per kind; odd chunks use the bright variant of the same hue.
@@ -82,7 +82,7 @@ def render_grid(result: SimResult, width: int | None = None, color: bool = False
         lines += _pack([
             (f"note: the shortest action spans {format_number(shortest * columns_per_time)} "
              f"columns; {hidden} actions did not get a column of their own and are not shown;"),
-            "pass a larger width to see them",
+            "pass a larger width to see them (--width N or $COLUMNS)",
         ], width)
     lines.append("")
     lines += _rank_summary(result)
@@ -271,6 +271,9 @@ def _legend(result: SimResult, has_transfers: bool) -> list[str]:
     elif chunks > 2:
         parts += ["lower case = odd chunk", "'5F3' = stage 5, F, microbatch 3"]
     parts += [f"{BUSY_FILL} busy", f"{IDLE} idle"]
+    if Kind.OFFLOAD_WAIT in present:
+        parts.append(f"{_LETTER[Kind.OFFLOAD_WAIT]}3 forward held until mb 3's copy out ends "
+                     "(OFFLOAD_WAIT)")
     if has_transfers:
         parts += ["o3 offload mb 3 (device to host)", "r3 reload mb 3 (host to device)"]
         if Kind.FETCH in present:
@@ -307,10 +310,14 @@ def _table(header: list[str], body: list[list[str]], right: tuple[int, ...]) -> 
 
 
 def _pack(parts: list[str], width: int, sep: str = "  ") -> list[str]:
-    """Join ``parts`` into as few lines of at most ``width`` columns as possible."""
+    """Join ``parts`` into as few lines of at most ``width`` columns as possible (a part
+    longer than a line is broken between words, a word longer than a line is cut)."""
     lines: list[str] = []
     current = ""
+    pieces = []
     for part in parts:
+        pieces += [part] if len(part) <= width else _wrap(part, width)
+    for part in pieces:
         part = part[:width]
         candidate = f"{current}{sep}{part}" if current else part
         if len(candidate) <= width:
@@ -320,4 +327,14 @@ def _pack(parts: list[str], width: int, sep: str = "  ") -> list[str]:
             current = part
     if current:
         lines.append(current)
+    return lines
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """``text`` as lines of at most ``width`` columns, broken between words."""
+    lines = [""]
+    for word in text.split():
+        if lines[-1] and len(lines[-1]) + 1 + len(word) > width:
+            lines.append("")
+        lines[-1] = f"{lines[-1]} {word}" if lines[-1] else word
     return lines

@@ -276,7 +276,13 @@ def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
 
 def memory_events(schedule: Schedule, rank_timeline: tuple[TimedAction, ...] | list[TimedAction],
                   sizes: tuple[float, ...], costs: CostModel) -> list[tuple[float, float]]:
-    """Rank's resident-activation changes as (time, delta), frees before allocations at a tie.
+    """Rank's resident-activation changes as (time, delta), in the order they happen.
+
+    At a time tie, events follow the rank's program: an event of a compute action (its start,
+    then its end) comes where that action is in the program, so zero-length actions still
+    allocate and free in order; the end of a copy out frees right after its forward starts,
+    and the start of a copy back allocates right before its backward. With positive durations
+    this is "frees before allocations at a tie".
 
     Note: [memory accounting] (design.md) the activation of (s, m) is resident from the start of
     F(s, m) to the end of W(s, m) or B(s, m), except from the end of OFFLOAD(s, m) to the start
@@ -293,7 +299,14 @@ def memory_events(schedule: Schedule, rank_timeline: tuple[TimedAction, ...] | l
     forward ended.
     """
     timed = {t.action: t for t in rank_timeline}
-    events = []
+    if not rank_timeline:
+        return []
+    order = {a: 2 * i for i, a in enumerate(schedule.ranks[rank_timeline[0].rank])}
+    first_backward: dict[tuple[int, int], int] = {}
+    for action, at in order.items():
+        if action.kind.is_backward:
+            first_backward.setdefault((action.stage, action.microbatch), at)
+    events = []  # (time, program order, delta)
     for t in rank_timeline:
         s, kind, m = t.action
         size = sizes[s]
@@ -302,17 +315,20 @@ def memory_events(schedule: Schedule, rank_timeline: tuple[TimedAction, ...] | l
             if copy is not None:
                 part = size * streamed_fraction(t.start, t.end, copy.start,
                                                 costs.transfer_time(s, Kind.OFFLOAD))
-                events.extend(((t.start, part), (copy.end, -part)))
+                events.extend(((t.start, order[t.action], part),
+                               (copy.end, order[t.action] + 0.5, -part)))
                 continue
             if Action(s, Kind.RECOMPUTE, m) not in timed:
-                events.append((t.start, size))
+                events.append((t.start, order[t.action], size))
         elif kind in (Kind.W, Kind.B):
             if Action(s, Kind.FETCH, m) not in timed:
-                events.append((t.end, -size))
-        elif kind in (Kind.RELOAD, Kind.RECOMPUTE):
-            events.append((t.start, size))
-    events.sort(key=lambda e: (e[0], e[1] > 0))
-    return events
+                events.append((t.end, order[t.action] + 1, -size))
+        elif kind is Kind.RECOMPUTE:
+            events.append((t.start, order[t.action], size))
+        elif kind is Kind.RELOAD:
+            events.append((t.start, first_backward.get((s, m), order[t.action]) - 0.5, size))
+    events.sort(key=lambda e: (e[0], e[1]))
+    return [(time, delta) for time, _, delta in events]
 
 
 def streamed_fraction(f_start: float, f_end: float, copy_start: float, copy_time: float) -> float:

@@ -1,0 +1,270 @@
+"""Up-front checks of command-line input, and the one place that turns failures into `error:`
+lines: every number and path a subcommand takes is checked before any work starts.
+
+- Numbers: argparse ``type=`` factories (``count``, ``number``, ``counts``) that refuse 0,
+  negatives, nan, inf and absurd sizes with a message naming the rule; argparse prefixes the
+  flag (``argument --pp: ...``). ``check_args`` also refuses a non-finite float in any flag, so
+  a flag added later with a bare ``type=float`` cannot let nan through.
+- Paths: ``output_file`` / ``output_dir`` / ``input_file`` / ``input_path`` mark a flag's value
+  (a ``str`` subclass that remembers its role); ``check_args`` then checks every marked value
+  in the namespace on the file system: output folders exist and take a new file, outputs are
+  not folders, inputs exist and can be read. Checks that touch the disk run only after parsing,
+  so a default path that a ``--no-...`` flag turns off is never checked.
+- ``run_command`` calls a subcommand's handler and turns PipeoffloadError, OSError,
+  UnicodeDecodeError and KeyboardInterrupt into one ``pipeoffload CMD: error: ...`` line and a
+  non-zero exit status; no traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeoffload.errors import ConfigError, PipeoffloadError
+
+INPUT_ERROR = 2  # bad input, refused before any work (argparse uses 2 as well)
+FAILED = 1  # the work itself failed (a file could not be written, a run failed)
+INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+
+# Far above any real use, low enough that a typo (an extra zero or three) is refused instead of
+# building millions of actions.
+MAX_RANKS = 4096
+MAX_MICROBATCHES = 1 << 16
+MAX_CHUNKS = 64
+
+
+def count(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
+    """argparse type: a whole number in [minimum, maximum]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+            raise argparse.ArgumentTypeError(f"must be a whole number {bound}, got {text!r}")
+        return value
+    parse.__name__ = "count"
+    return parse
+
+
+def number(minimum: float | None = None, above: float | None = None,
+           maximum: float | None = None) -> Callable[[str], float]:
+    """argparse type: a finite number with ``minimum <= x``, ``above < x``, ``x <= maximum``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        rules = []
+        if minimum is not None:
+            rules.append(f">= {minimum:g}")
+        if above is not None:
+            rules.append(f"> {above:g}")
+        if maximum is not None:
+            rules.append(f"<= {maximum:g}")
+        if not math.isfinite(value) or (minimum is not None and value < minimum) or (
+                above is not None and value <= above) or (
+                maximum is not None and value > maximum):
+            rule = " and ".join(rules)
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number{' ' + rule if rule else ''}, got {text!r}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+def counts(minimum: int = 1, maximum: int | None = None) -> Callable[[str], tuple[int, ...]]:
+    """argparse type: a comma-separated list of whole numbers, each in [minimum, maximum]."""
+    one = count(minimum, maximum)
+
+    def parse(text: str) -> tuple[int, ...]:
+        values = tuple(one(part.strip()) for part in text.split(",") if part.strip())
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return values
+    parse.__name__ = "counts"
+    return parse
+
+
+class CheckedPath(str):
+    """A path from the command line; the subclass says what it is for (``check_path``)."""
+
+
+class OutputFile(CheckedPath):
+    """A file to write: its folder must take new files, and it must not be a folder."""
+
+
+class OutputDir(CheckedPath):
+    """A folder to write into (made if missing): it or its nearest parent must be writable."""
+
+
+class InputFile(CheckedPath):
+    """A UTF-8 text file to read."""
+
+
+class InputPath(CheckedPath):
+    """A file or folder to read."""
+
+
+def output_file(*suffixes: str) -> Callable[[str], OutputFile]:
+    """argparse type: a file to write; with ``suffixes``, its name must end in one of them."""
+    def parse(text: str) -> OutputFile:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("expected a file name, got ''")
+        if suffixes and Path(text).suffix.lower() not in suffixes:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: the file name must end in {' or '.join(suffixes)} (it sets the "
+                "format)")
+        return OutputFile(text)
+    parse.__name__ = "output_file"
+    return parse
+
+
+def _path_type(kind: type[CheckedPath]) -> Callable[[str], CheckedPath]:
+    def parse(text: str) -> CheckedPath:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("expected a path, got ''")
+        return kind(text)
+    parse.__name__ = kind.__name__
+    return parse
+
+
+output_dir = _path_type(OutputDir)
+input_file = _path_type(InputFile)
+input_path = _path_type(InputPath)
+
+
+def resume_path(text: str) -> str:
+    """argparse type of --resume: the word ``latest`` (also its bare form's value) or a path."""
+    return text if text == "latest" else input_path(text)
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _writable_folder(folder: Path) -> str | None:
+    """Why a new file cannot be made in ``folder`` (None if it can): tried for real, since
+    permission bits say nothing for root or on a read-only mount."""
+    if not folder.exists():
+        return f"its folder {folder} does not exist; create it first or choose another path"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".pipeoffload-check-", dir=folder)
+    except OSError as error:
+        return f"cannot create files in {folder} ({error.strerror or error})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def _not_text(path: Path, head_bytes: int = 1 << 16) -> str | None:
+    """Why ``path`` cannot be read as UTF-8 text (None if its first bytes can)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(head_bytes)
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as error:
+        return f"is not UTF-8 text (byte {error.start}: {error.reason}); pass a text file"
+    return None
+
+
+def check_path(flag: str, path: CheckedPath) -> None:
+    """Raise ConfigError naming ``flag`` if ``path`` cannot serve as its role."""
+    where = Path(path)
+    problem = None
+    if isinstance(path, OutputFile):
+        if where.is_dir():
+            problem = "is a folder; name a file"
+        elif where.exists():
+            try:
+                with open(where, "ab"):
+                    pass
+            except OSError as error:
+                problem = f"cannot be written ({error.strerror or error})"
+        else:
+            problem = _writable_folder(where.parent)
+    elif isinstance(path, OutputDir):
+        if where.exists():
+            problem = ("is a file; name a folder" if not where.is_dir()
+                       else _writable_folder(where))
+        else:
+            ancestor = where.parent
+            while not ancestor.exists() and ancestor != ancestor.parent:
+                ancestor = ancestor.parent
+            problem = _writable_folder(ancestor)
+    elif isinstance(path, (InputFile, InputPath)):
+        if not where.exists():
+            problem = "does not exist"
+        elif isinstance(path, InputFile) and where.is_dir():
+            problem = "is a folder; name a file"
+        elif isinstance(path, InputFile):
+            problem = _not_text(where)
+    if problem:
+        raise ConfigError(f"{flag} {path}: {problem}")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse non-finite floats in any flag and check every marked path (see the module doc)."""
+    for dest, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag_name(dest)} must be a finite number, got {value}")
+        if isinstance(value, CheckedPath):
+            check_path(flag_name(dest), value)
+
+
+def note(command: str, text: str) -> None:
+    """A line on stderr about something skipped or worth knowing (never an error)."""
+    print(f"pipeoffload {command}: note: {text}", file=sys.stderr, flush=True)
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+MATPLOTLIB_MISSING = ("matplotlib is not installed, so {what} was not written; "
+                      "pip install 'pipeoffload[plot]' to get it")
+
+
+def run_command(command: str, handler: Callable[[argparse.Namespace], int],
+                args: argparse.Namespace,
+                on_interrupt: Callable[[argparse.Namespace], str] | None = None) -> int:
+    """Check ``args``, run ``handler`` and map every expected failure to an `error:` line and
+    an exit status (2 input, 1 failed work, 130 interrupted); ``on_interrupt`` adds a word on
+    what survives a Ctrl-C."""
+    prefix = f"pipeoffload {command}: error:"
+    try:
+        check_args(args)
+        return handler(args)
+    except BrokenPipeError:  # the reader (head, less) went away: not an error
+        return 0
+    except PipeoffloadError as error:
+        print(f"{prefix} {error}", file=sys.stderr)
+        return INPUT_ERROR
+    except UnicodeDecodeError as error:
+        print(f"{prefix} an input file is not UTF-8 text ({error.reason} at byte "
+              f"{error.start}); pass a text file", file=sys.stderr)
+        return INPUT_ERROR
+    except OSError as error:
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"{prefix} {where}{error.strerror or error}", file=sys.stderr)
+        return FAILED
+    except KeyboardInterrupt:
+        extra = on_interrupt(args) if on_interrupt is not None else ""
+        print(f"{prefix} interrupted (Ctrl-C){'; ' + extra if extra else ''}", file=sys.stderr)
+        return INTERRUPTED

@@ -1,0 +1,41 @@
+"""What `pipeoffload train` tells its user around the run: the start-up line (what runs, where
+outputs go, which checkpoint is resumed) and what a Ctrl-C leaves behind."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def startup_line(config: Any, report: Any, processes: int, schedule: str) -> str:
+    """What is about to run and where its outputs go (said before the first slow step)."""
+    from pipeoffload.app.checkpoint import describe_resume
+
+    model = config.model
+    data = config.data.source or "the Python standard library's sources"
+    where = (f"{processes} local processes (pp {config.pp} x dp {config.dp} x tp {config.tp})"
+             if processes > 1 else f"one process (all {config.pp} pipeline ranks)")
+    parts = [f"pipeoffload train: {where}, device {config.device}; schedule {schedule}, "
+             f"{config.num_microbatches} microbatches; model {model.n_layers} layers x dim "
+             f"{model.dim}, {config.dtype}, recompute {config.recompute}; data {data}; "
+             f"steps up to {config.steps}"]
+    if config.resume is not None:
+        parts.append(describe_resume(config.resume, config.checkpoint_dir))
+    outputs = [f"checkpoints in {config.checkpoint_dir}" if config.checkpoint_dir
+               else "no checkpoints (no --checkpoint-dir)"]
+    outputs.append(f"picture {report.png}" if report.png else "no picture")
+    parts.append("writes " + ", ".join(outputs))
+    return "; ".join(parts)
+
+
+def interrupt_note(args: argparse.Namespace) -> str:
+    """What a Ctrl-C leaves: the newest complete checkpoint, if any."""
+    if getattr(args, "checkpoint_dir", None) is None:
+        return "no checkpoint was saved (no --checkpoint-dir)"
+    from pipeoffload.app.checkpoint import complete_checkpoints
+
+    found = complete_checkpoints(args.checkpoint_dir)
+    if not found:
+        return f"no complete checkpoint in {args.checkpoint_dir} yet"
+    return (f"the latest complete checkpoint is {found[-1]}; continue with --resume "
+            f"--checkpoint-dir {args.checkpoint_dir}")
