@@ -183,14 +183,33 @@ def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> N
         made.append(list(members))
         return object()
 
+    class FakeMesh:  # init_device_mesh's groups (pp, dp, tp), as the mesh would make them
+        def get_group(self, name: str) -> object:
+            return f"the {name} group"
+
+        def __getitem__(self, name: str) -> FakeMesh:
+            return self
+
+    def init_device_mesh(device_type: str, shape: tuple[int, ...], **kw) -> FakeMesh:
+        calls["mesh"] = dict(kw, device_type=device_type, shape=shape)
+        return FakeMesh()
+
+    import torch.distributed.device_mesh as device_mesh
+
+    monkeypatch.setattr(device_mesh, "init_device_mesh", init_device_mesh)
+    monkeypatch.setattr(launch, "_options", lambda backend, timeout: (backend, timeout))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "new_group", new_group)
     topology = launch.connect(pp=2, dp=1, device="cuda",
                               env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
     init = calls["init"]
     assert init["backend"] == "nccl" and init["device_id"] == torch.device("cuda", 1)
+    assert calls["mesh"]["device_type"] == "cuda" and calls["mesh"]["shape"] == (2, 1, 1)
+    assert topology.pp_group == "the pp group"
     assert set(topology.channel_groups) == set(Channel)
     assert len({id(g) for g in topology.channel_groups.values()}) == 4
-    assert made.count([0, 1]) == 5  # the pipeline group and its four channels
+    assert made == [[0, 1]] * 4  # the pipeline's four channels
 
 
 def _consumed(action: Action) -> tuple[str, int, int] | None:
