@@ -81,7 +81,8 @@ class Action(NamedTuple):
 _KIND_ALTERNATIVES = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATIVES})(\d+)")
 # Kinds torch may write that we deliberately do not execute.
-_UNSUPPORTED_TORCH_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "OVERLAP_F_B")
+_UNSUPPORTED_TORCH_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+_OVERLAP_SUFFIX = ")OVERLAP_F_B"
 
 
 def parse_action(token: str, where: str = "") -> Action:
@@ -96,6 +97,17 @@ def parse_action(token: str, where: str = "") -> Action:
         raise ParseError(f"{where}invalid action {token!r}: {hint}")
     stage, kind, microbatch = match.groups()
     return Action(int(stage), Kind(kind), int(microbatch))
+
+
+def parse_cell(cell: str, where: str = "") -> list[Action]:
+    """The actions of one CSV cell: one action, or torch's overlapped pair
+    ``(0F3;7B2)OVERLAP_F_B`` read as its passes in order (Note: [overlapped pair],
+    sim/simulator.py)."""
+    text = cell.strip()
+    if text.startswith("(") and text.endswith(_OVERLAP_SUFFIX):
+        inner = text[1:-len(_OVERLAP_SUFFIX)]
+        return [parse_action(part, where) for part in inner.split(";") if part.strip()]
+    return [parse_action(text, where)]
 
 
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - mirrors the text form

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeoffload.core.errors import ConfigError
 from pipeoffload.core.families import gpipe, grouped, interleaved, one_f_one_b, v_shape, zero_bubble
+from pipeoffload.core.families import dualpipe, dualpipev
 from pipeoffload.core.families.base import FamilySpec
 from pipeoffload.core.schedule import Schedule
 
@@ -30,6 +31,8 @@ FAMILIES: MappingProxyType[str, FamilySpec] = MappingProxyType({
         v_shape.SPEC_V_HALF,
         v_shape.SPEC_V_MIN,
         grouped.SPEC,
+        dualpipe.SPEC,
+        dualpipev.SPEC,
     )
 })
 

@@ -12,9 +12,9 @@ import io
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind, parse_action
+from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind, parse_cell
 from pipeoffload.core.errors import ParseError
-from pipeoffload.core.schedule import Schedule, infer_stage_to_rank
+from pipeoffload.core.schedule import Schedule, infer_routes, infer_stage_to_rank
 
 
 def parse_rows(text: str, source: str = "<text>") -> list[list[Action]]:
@@ -24,7 +24,7 @@ def parse_rows(text: str, source: str = "<text>") -> list[list[Action]]:
         actions = []
         for col_no, cell in enumerate(row, start=1):
             if cell.strip():
-                actions.append(parse_action(cell, where=f"{source}:{row_no}:{col_no}: "))
+                actions.extend(parse_cell(cell, where=f"{source}:{row_no}:{col_no}: "))
         rows.append(actions)
     while rows and not rows[-1]:
         rows.pop()
@@ -44,7 +44,8 @@ def schedule_from_rows(
     if microbatches is None:
         microbatches = 1 + max((a.microbatch for acts in rows for a in acts), default=0)
     placement = tuple(stage_to_rank) if stage_to_rank is not None else infer_stage_to_rank(rows)
-    return Schedule(tuple(tuple(r) for r in rows), placement, microbatches, name)
+    return Schedule(tuple(tuple(r) for r in rows), placement, microbatches, name,
+                    routes=infer_routes(rows, microbatches))
 
 
 def read_csv(path: str | Path, *, microbatches: int | None = None) -> Schedule:
