@@ -50,6 +50,10 @@ class CostModel:
     - Transfers: ``offload_ratio`` = one-way copy time of one stage's activations / that stage's
       ``f_time + i_time + w_time`` (the authors' --offload-time). Without it, copy time is
       ``activation_bytes / d2h_bytes_per_s`` (``h2d_bytes_per_s`` back); without either, 0.
+    - ``overlap_f_b``: None (default) runs a forward and the backward after it back to back, as
+      our runtime does; a share in [0, 1] times them as DeepSeek's overlapped pair: one unit
+      taking F&B = F + B - overlap_f_b * min(F, B), both outputs ready at its end (Note:
+      [overlapped pair], sim/simulator.py).
     - ``activation_bytes``: bytes one microbatch keeps on one stage (one value for every stage,
       or ``stage_activation_bytes`` per stage). Peaks are also reported in M_a units, where one
       unit is one microbatch through all of a rank's stages.
@@ -66,11 +70,14 @@ class CostModel:
     h2d_bytes_per_s: float | None = None
     stage_time_scale: tuple[float, ...] = ()
     host_link: HostLink = field(default_factory=HostLink)
+    overlap_f_b: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("f_time", "i_time", "w_time", "p2p_time"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
+        if self.overlap_f_b is not None and not 0.0 <= self.overlap_f_b <= 1.0:
+            raise ConfigError(f"CostModel.overlap_f_b must be in [0, 1], got {self.overlap_f_b}")
         if self.offload_ratio is not None and self.offload_ratio < 0:
             raise ConfigError(f"CostModel.offload_ratio must be >= 0, got {self.offload_ratio}")
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
