@@ -37,6 +37,9 @@ class Pipeline:
     - ``step(inputs, target=...)`` splits the batch along dim 0 into the schedule's
       microbatches, runs the actions, accumulates gradients into ``.grad`` as the mean over
       microbatches, and returns the mean loss where the last stage lives (None elsewhere).
+      With several routes (DualPipe, Note: [routes] in core/schedule.py) a process holding
+      the last stage of only some routes returns its share, sum(its losses) / microbatches:
+      the shares of all ranks add up to the mean loss.
       The last stage computes ``loss_fn(output, *target_microbatch)`` (``loss_fn(output)``
       without target); every rank may pass inputs and target, each uses what it needs.
     - ``meter``: an ActivationMeter to measure resident activation bytes per rank (optional).
@@ -81,9 +84,9 @@ class Pipeline:
         self._check_stages(stages)
         modules = dict(stages)
         self.device = torch.device(device) if device is not None else _device_of(modules)
-        last = schedule.num_stages - 1
         self._runners = {
-            s: StageRunner(s, module, s == 0, s == last, loss_fn, schedule.microbatches)
+            s: StageRunner(s, module, schedule.is_first_stage(s), schedule.is_last_stage(s),
+                           loss_fn, schedule.microbatches)
             for s, module in modules.items()
         }
         params = [p for m in modules.values() for p in (*m.parameters(), *m.buffers())]
@@ -163,13 +166,13 @@ class Pipeline:
     def step(self, inputs: Tensors | None = None,
              target: Tensors | None = None) -> torch.Tensor | None:
         """Run one training step's forward and backward; see the class docstring."""
-        has_first = 0 in self._runners
-        has_last = self.schedule.num_stages - 1 in self._runners
+        has_first = any(runner.is_first for runner in self._runners.values())
+        has_last = any(runner.is_last for runner in self._runners.values())
         m = self.schedule.microbatches
         batch = as_tuple(inputs, "inputs")
         targets = as_tuple(target, "target")
         if has_first and not batch:
-            raise ConfigError("this process holds stage 0, so step() needs inputs")
+            raise ConfigError("this process holds a first stage, so step() needs inputs")
         if batch and targets and batch[0].shape[0] != targets[0].shape[0]:
             raise ConfigError(f"inputs have batch size {batch[0].shape[0]} but target has "
                               f"{targets[0].shape[0]} (dim 0); they must match")
@@ -197,6 +200,8 @@ class Pipeline:
             raise
         if not has_last:
             return None
+        if len(data.losses) < m:  # the last stage of some routes only: this rank's share
+            return torch.stack([data.losses[i] for i in sorted(data.losses)]).sum() / m
         losses = [data.losses[i] for i in range(m)]
         return torch.stack(losses).mean()
 
