@@ -128,3 +128,11 @@ def test_offload_all_halves_the_peak_at_ratio_quarter_without_slowing(name: str)
     assert max(report.peak_after) <= max(report.peak_before) / 2
     assert report.makespan_after == report.makespan_before
     assert sum(report.stall_time) == 0
+
+
+def test_the_planner_refuses_dualpipe_and_names_dualpipev() -> None:
+    from pipeoffload.planner.search import SearchSpace
+
+    with pytest.raises(ConfigError, match="search dualpipev"):
+        SearchSpace(schedules=("zbv", "dualpipe"))
+    assert SearchSpace(schedules=("dualpipev",)).schedules == ("dualpipev",)
