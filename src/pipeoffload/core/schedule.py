@@ -185,7 +185,8 @@ def _check_routes(routes: tuple[tuple[int, ...], ...], stages: int, microbatches
                             f"got {microbatches}")
 
 
-def infer_routes(rows: Sequence[Sequence[Action]], microbatches: int) -> tuple[tuple[int, ...], ...]:
+def infer_routes(rows: Sequence[Sequence[Action]],
+                 microbatches: int) -> tuple[tuple[int, ...], ...]:
     """The routes read off which stages run each microbatch's F (``()``: every microbatch runs
     every stage). Used when loading a CSV, which has no other place to say it."""
     forward: dict[int, set[int]] = {}

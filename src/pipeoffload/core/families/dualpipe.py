@@ -15,11 +15,11 @@ Where we differ: the overlapped pairs are two actions in order (Note: [overlappe
 
 from __future__ import annotations
 
+from pipeoffload.core.errors import ConfigError
 from pipeoffload.core.families.base import FamilySpec, check_common
 from pipeoffload.core.families.dual_program import dual_program
 from pipeoffload.core.schedule import Schedule, v_placement
 from pipeoffload.core.validate import validate
-from pipeoffload.core.errors import ConfigError
 
 DUALPIPE = "dualpipe"
 

@@ -11,11 +11,11 @@ sim/simulator.py), and we need no SEND/RECV in the generated schedule (the runti
 
 from __future__ import annotations
 
+from pipeoffload.core.errors import ConfigError
 from pipeoffload.core.families.base import FamilySpec, check_common
 from pipeoffload.core.families.dual_program import dual_program
 from pipeoffload.core.schedule import Schedule, v_placement
 from pipeoffload.core.validate import validate
-from pipeoffload.core.errors import ConfigError
 
 DUALPIPEV = "dualpipev"
 
