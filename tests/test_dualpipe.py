@@ -4,6 +4,8 @@ overlapped pair's timing, and offload planned into them (pure core; torch only t
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeoffload.core.actions import Action, Kind, parse_cell
 from pipeoffload.core.families.dualpipe import twin_stage
@@ -14,6 +16,8 @@ from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError, ParseError, ScheduleError
 from pipeoffload.offload.plan import add_offload
 from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.render_text import render_grid
+from pipeoffload.sim.render_trace import to_chrome_trace
 from pipeoffload.sim.simulator import simulate
 
 
@@ -65,6 +69,40 @@ def test_dualpipe_reproduces_deepseek_table2_bubble_and_activation(pp: int) -> N
     ours = simulate(sched)
     assert ours.makespan <= paired.makespan
     assert ours.peak_activation == paired.peak_activation
+
+
+@settings(max_examples=25, deadline=None)
+@given(half_pp=st.integers(1, 6), per_rank=st.integers(2, 6), extra=st.integers(0, 5))
+def test_table2_holds_at_every_even_shape(half_pp: int, per_rank: int, extra: int) -> None:
+    pp = 2 * half_pp
+    m = pp * per_rank + 2 * extra
+    result = simulate(build_schedule("dualpipe", pp, m), CostModel(overlap_f_b=0.0))
+    assert {result.makespan - busy for busy in result.compute_time} == {(pp / 2 - 1) * 2}
+    assert set(result.peak_activation) == {(pp + 1) / 2}
+
+
+@settings(max_examples=25, deadline=None)
+@given(pp=st.integers(2, 9), extra=st.integers(0, 20))
+def test_dualpipev_has_zbvs_makespan_and_half_a_microbatch_more(pp: int, extra: int) -> None:
+    m = 2 * pp + extra
+    ours, zbv = (simulate(build_schedule(n, pp, m)) for n in ("dualpipev", "zbv"))
+    assert ours.makespan == zbv.makespan
+    assert set(ours.peak_activation) == {pp + 0.5}
+
+
+def test_pictures_draw_the_pairs_back_to_back() -> None:
+    result = simulate(build_schedule("dualpipe", 4, 8), CostModel(overlap_f_b=0.5))
+    grid = render_grid(result, width=120)
+    assert grid.count("rank ") >= 4
+    events = [e for e in to_chrome_trace(result)["traceEvents"] if e.get("ph") == "X"]
+    assert {e["args"]["action"] for e in events} >= {"0F0", "7B5", "3B1"}
+    shortened = [t for rank in result.timeline for t in rank
+                 if t.action.kind is Kind.F and t.end - t.start < 1]
+    assert shortened  # the pairs' forwards, at (1 + 2 - 0.5) / 3 of their time
+    for rank in result.timeline:  # a compute lane never runs two things at once
+        compute = sorted((t.start, t.end) for t in rank if t.lane.value == "compute")
+        assert all(a_end <= b_start + 1e-9 for (_, a_end), (b_start, _) in
+                   zip(compute, compute[1:]))
 
 
 def test_overlap_shortens_pairs_only() -> None:
