@@ -136,6 +136,27 @@ def test_routes_must_split_the_stages_into_runs(routes) -> None:
         Schedule(rows, v_placement(2), 4, routes=routes)
 
 
+def test_cli_simulates_torchs_dualpipev_csv_like_ours(tmp_path, capsys) -> None:
+    import json
+
+    from pipeoffload.app.cli import main
+
+    rows = torch_dualpipev(4, 8)  # skips without torch's class
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    order = schedules.ScheduleDualPipeV.__new__(schedules.ScheduleDualPipeV)
+    order.pp_group_size, order._n_microbatches = 4, 8
+    order.pipeline_order = {r: order._calculate_single_rank_operations(r) for r in range(4)}
+    path = tmp_path / "torch_dualpipev.csv"
+    order._dump_csv(str(path), format="compute_only")
+    assert "OVERLAP_F_B" in path.read_text()
+    assert main(["simulate", "--from-csv", str(path), "--json"]) == 0
+    loaded = json.loads(capsys.readouterr().out)
+    ours = simulate(build_schedule("dualpipev", 4, 8))
+    assert rows == [list(r) for r in ours.schedule.ranks]
+    assert (loaded["makespan"], loaded["peak_activation"]) == (ours.makespan,
+                                                               list(ours.peak_activation))
+
+
 def test_csv_keeps_the_routes_and_reads_torchs_overlap_cells() -> None:
     sched = build_schedule("dualpipe", 4, 8)
     back = schedule_from_rows(parse_rows(to_csv_text(sched)), name="dualpipe")

@@ -54,5 +54,4 @@ SPEC = FamilySpec(
                 "overlapped F/B pairs; even pp, m >= 2p",
     build=dualpipe,
     fixed_chunks=2,
-    aliases=("dual-pipe", "bidirectional"),
 )

@@ -38,5 +38,4 @@ SPEC = FamilySpec(
                 "chunks, needs m >= 2p",
     build=dualpipev,
     fixed_chunks=2,
-    aliases=("dual-pipe-v", "scheduledualpipev"),
 )
