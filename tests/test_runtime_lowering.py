@@ -34,3 +34,11 @@ def test_v_schedules_mix_directions_but_each_direction_is_ordered() -> None:
     assert order_conflicts(lowered)  # one communicator for both directions would mismatch
     assert order_conflicts(lowered, per_direction=True) == []
     assert order_conflicts(with_comms(build_schedule("1f1b", pp=4, microbatches=8))) == []
+
+
+@pytest.mark.parametrize(("name", "pp", "m"), [("dualpipe", 4, 8), ("dualpipe", 8, 32),
+                                               ("dualpipev", 4, 8), ("dualpipev", 8, 32)])
+def test_dualpipe_orders_messages_per_direction(name: str, pp: int, m: int) -> None:
+    """NCCL-ready with a backward_group, as ZB-V: each direction's messages in one order."""
+    assert order_conflicts(with_comms(build_schedule(name, pp=pp, microbatches=m)),
+                           per_direction=True) == []
