@@ -24,8 +24,8 @@ def dualpipev(pp: int, microbatches: int) -> Schedule:
     """DualPipeV on ``pp`` ranks (2 stages each); needs microbatches >= 2 * pp."""
     check_common(DUALPIPEV, pp, microbatches)
     if microbatches < 2 * pp:
-        raise ConfigError(f"{DUALPIPEV}: needs microbatches >= 2 * pp = {2 * pp} (the first "
-                          f"rank's warm-up alone runs 2p forwards), got {microbatches}; "
+        raise ConfigError(f"{DUALPIPEV}: needs microbatches >= 2 * pp = {2 * pp} (as DeepSeek's "
+                          f"and torch's DualPipeV: one per stage), got {microbatches}; "
                           f"use more microbatches or fewer ranks")
     stream = tuple(range(microbatches))
     ranks = [dual_program(pp, r, (r, 2 * pp - 1 - r), (stream, stream)) for r in range(pp)]
