@@ -10,6 +10,9 @@ and stage p+j are the same model part: the user ties their weights (local mode) 
 gradients across the two ranks (distributed), as DeepSeek does.
 Each rank runs the shared DualPipe program (dual_program.py) with n = p/2 and h = min(r, p-1-r):
 phase 0 is the direction that enters on its own half of the pipeline.
+Checked by reading ``DualPipe.step`` in deepseek-ai/DualPipe: the same eight steps and counts
+(its step 4 runs half_num_chunks - num_ranks + half_rank + 1 times, our c - 2n + h + 1), the
+same phases per half of the ranks, and its m >= 2p, even m and even p.
 Where we differ: the overlapped pairs are two actions in order (Note: [overlapped pair]).
 """
 
