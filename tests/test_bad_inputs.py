@@ -26,6 +26,8 @@ TRAIN = ["train", "--model", "tiny", "--pp", "2", "--batch-size", "8", "--microb
 # (argv, what the error line must name). "{tmp}" is a fresh folder with a text file "t.csv",
 # a binary file "bin.dat" and a folder "sub"; "/proc" takes no new files, even for root.
 SIMULATE_CASES = [
+    (["--overlap-f-b", "2"], "--overlap-f-b"),
+    (["--overlap-f-b", "nan"], "--overlap-f-b"),
     (["--microbatches", "0"], "--microbatches"),
     (["--microbatches", "-3"], "--microbatches"),
     (["--microbatches", "1e9"], "--microbatches"),

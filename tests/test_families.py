@@ -43,7 +43,9 @@ def gaps(result: SimResult, rank: int) -> float:
 
 def buildable(name: str, p: int, m: int) -> bool:
     return not ((name == "zb-h2" and m < 2 * p - 1)
-                or (name == "interleaved-1f1b" and m % max(1, m // p)))
+                or (name == "interleaved-1f1b" and m % max(1, m // p))
+                or (name == "dualpipev" and m < 2 * p)
+                or (name == "dualpipe" and (p % 2 or m % 2 or m < 2 * p)))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -57,11 +59,15 @@ def test_every_schedule_validates_with_its_name_and_placement(name: str, p: int,
     assert validate(schedule) is schedule
     assert schedule.name == name
     assert (schedule.num_ranks, schedule.microbatches) == (p, m)
-    expected = Placement.V if name in ("zbv", "v-half", "v-min") else Placement.LOOP
+    v_shaped = ("zbv", "v-half", "v-min", "dualpipe", "dualpipev")
+    expected = Placement.V if name in v_shaped else Placement.LOOP
     assert schedule.placement is expected
     split = name in ("zb-h1", "zb-h2", "zbv", "v-half", "v-min", "grouped-interleaved")
     kinds = {a.kind for acts in schedule.ranks for a in acts}
-    assert kinds == ({Kind.F, Kind.I, Kind.W} if split else {Kind.F, Kind.B})
+    if name in ("dualpipe", "dualpipev"):  # full backwards in the middle, split at both ends
+        assert kinds == {Kind.F, Kind.B, Kind.I, Kind.W}
+    else:
+        assert kinds == ({Kind.F, Kind.I, Kind.W} if split else {Kind.F, Kind.B})
     assert result.peak_activation == pytest.approx(
         [peak / len(schedule.stages_on_rank(r))
          for r, peak in enumerate(order_peaks(schedule.ranks))]

@@ -242,3 +242,11 @@ def test_recompute_and_offload_mix_per_chunk() -> None:
     assert mixed.memory.activations < offload_only.memory.activations
     assert mixed.step_time > offload_only.step_time
     assert f"--offload {RECOMPUTE_AND_OFFLOAD}" in mixed.candidate.command()
+
+
+def test_dualpipev_is_searched_as_a_v_schedule() -> None:
+    result = _small_search(40.0, schedules=("dualpipev",), pp=(4,))
+    assert result.candidates
+    for plan in result.candidates:
+        assert (plan.candidate.schedule, plan.candidate.chunks) == ("dualpipev", 2)
+        assert plan.candidate.microbatches >= 2 * plan.candidate.pp

@@ -12,7 +12,7 @@ from pipeoffload.errors import ConfigError, ScheduleError
 from pipeoffload.sim.simulator import simulate
 
 CANONICAL = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "v-min",
-             "grouped-interleaved"]
+             "grouped-interleaved", "dualpipe", "dualpipev"]
 
 
 def test_schedule_names_lists_every_family_with_a_description() -> None:

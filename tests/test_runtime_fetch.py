@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from test_runtime_support import (
     launch,
     one_thread,  # noqa: F401 - autouse fixture
+    part_index,
     token_batch,
     token_loss,
     transformer_stages,
@@ -34,7 +35,8 @@ from pipeoffload.sim.simulator import simulate
 
 CPU = torch.device("cpu")
 EVERYTHING = RuntimeConfig(offload=OffloadConfig(min_offload_elements=0))
-CASES = {"1f1b": (2, 4), "zb-h1": (2, 4), "zbv": (2, 4), "po-f": (3, 6)}  # name: (pp, m)
+CASES = {"1f1b": (2, 4), "zb-h1": (2, 4), "zbv": (2, 4), "po-f": (3, 6),  # name: (pp, m)
+         "dualpipe": (2, 4), "dualpipev": (2, 4)}
 
 
 def with_fetch(schedule: Schedule) -> Schedule:
@@ -71,9 +73,10 @@ def schedules(name: str) -> dict[str, Schedule]:
 def run(sched: Schedule, meter: ActivationMeter | None = None,
         config: RuntimeConfig = EVERYTHING):
     """One float64 step in local mode: (loss, every parameter gradient, the offloader)."""
-    stages = transformer_stages(sched.num_stages, torch.float64)
+    stages = transformer_stages(len(sched.route_of(0)), torch.float64)
     ids, target = token_batch(batch=2 * sched.microbatches)
-    pipe = Pipeline(dict(enumerate(stages)), sched, token_loss, config=config, meter=meter)
+    modules = {s: stages[part_index(sched, s)] for s in range(sched.num_stages)}
+    pipe = Pipeline(modules, sched, token_loss, config=config, meter=meter)
     loss = pipe.step(ids, target=target)
     return loss, [p.grad for s in stages for p in s.parameters()], pipe.offloader
 
@@ -88,7 +91,7 @@ def measured_and_simulated(sched: Schedule) -> tuple[tuple[int, ...], tuple[int,
     return tuple(meter.peak_bytes(r) for r in range(sched.num_ranks)), predicted
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv", "po-f"])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv", "po-f", "dualpipe", "dualpipev"])
 def test_fetch_gives_bitwise_the_losses_and_gradients_of_no_offload(name: str) -> None:
     plans = schedules(name)
     kept_loss, kept_grads, _ = run(plans["keep"])
@@ -120,7 +123,7 @@ def test_fetch_after_copies_started_at_the_offload_action_is_bitwise_too() -> No
     assert all(torch.equal(g, k) for g, k in zip(grads, kept_grads))
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv", "po-f"])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv", "po-f", "dualpipe", "dualpipev"])
 def test_measured_peaks_with_fetch_equal_the_simulator(name: str) -> None:
     measured, predicted = measured_and_simulated(schedules(name)["fetch"])
     assert measured == predicted

@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 from test_runtime_support import (
     max_relative_error,
     one_thread,  # noqa: F401 - autouse fixture
+    part_index,
     reference,
     token_batch,
     token_loss,
@@ -40,9 +41,12 @@ def schedule(name: str, pp: int = 2, microbatches: int = MICROBATCHES,
 
 
 def run(sched, dtype=torch.float64, config=None, meter=None, steps=1):
-    stages = transformer_stages(sched.num_stages, dtype)
+    """Run ``sched``; returns the model parts (DualPipe's twin stages share one module, so
+    their gradients add up in it, as autograd's do), the loss, and the batch."""
+    stages = transformer_stages(len(sched.route_of(0)), dtype)
     ids, target = token_batch()
-    pipe = Pipeline(dict(enumerate(stages)), sched, token_loss, config=config, meter=meter)
+    modules = {s: stages[part_index(sched, s)] for s in range(sched.num_stages)}
+    pipe = Pipeline(modules, sched, token_loss, config=config, meter=meter)
     for _ in range(steps):
         loss = pipe.step(ids, target=target)
     return stages, loss, ids, target

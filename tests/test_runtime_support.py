@@ -87,6 +87,14 @@ def transformer_stages(num_stages: int, dtype: torch.dtype = torch.float64,
     return [s.to(dtype) for s in stages]
 
 
+def part_index(schedule: Schedule, stage: int) -> int:
+    """The model part a stage runs: its position on its route (DualPipe's stages j and p+j are
+    both part j; Note: [routes] in core/schedule.py). For one route, the stage itself."""
+    routes = schedule.routes or (tuple(range(schedule.num_stages)),)
+    route = next(r for r in routes if stage in r)
+    return stage - route[0]
+
+
 def token_batch(batch: int = 8, seq: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 16, (batch, seq), generator=generator)

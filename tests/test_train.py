@@ -325,3 +325,9 @@ def test_config_errors_name_the_option() -> None:
     with pytest.raises(ConfigError, match="--inline runs one pipeline replica"):
         args = parse([*TINY_ARGS, "--dp", "2", "--inline", "--microbatches", "2"])
         args.handler(args)
+
+
+def test_dualpipe_is_refused_with_the_schedule_to_use_instead() -> None:
+    with pytest.raises(ConfigError, match="use dualpipev"):
+        args = parse([*TINY_ARGS, "--pp", "2", "--schedule", "dualpipe", "--microbatches", "4"])
+        args.handler(args)

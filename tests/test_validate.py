@@ -18,6 +18,8 @@ V_SHAPED = {"zbv", "v-half", "v-min"}
 
 
 def _schedule(name: str, pp: int, mult: int, offload_ratio: float):
+    if name == "dualpipe":  # needs an even pp (half of the microbatches enter at each end)
+        pp += pp % 2
     microbatches = pp * mult
     options = {}
     if name == "interleaved-1f1b" or name == "grouped-interleaved":

@@ -53,6 +53,10 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-i", type=time, default=1.0, help="input-gradient backward time")
     p.add_argument("--cost-w", type=time, default=1.0, help="weight-gradient backward time")
     p.add_argument("--p2p", type=time, default=0.0, help="latency of a cross-rank hand-off")
+    p.add_argument("--overlap-f-b", type=number(minimum=0, maximum=1), default=None,
+                   metavar="X",
+                   help="time an F followed by another microbatch's B as DeepSeek's overlapped "
+                   "pair, F+B-X*min(F,B) (0..1; default: back to back, as our runtime runs)")
     p.add_argument("--activation-bytes", type=number(above=0, maximum=1e18), default=None,
                    help="bytes one microbatch keeps on one stage (adds byte peaks)")
     p.add_argument("--half-duplex", action="store_true", help="host link copies one way at a time")
@@ -71,7 +75,7 @@ def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult 
 
     costs = resolve_costs(CostModel(
         f_time=args.cost_f, i_time=args.cost_i, w_time=args.cost_w, p2p_time=args.p2p,
-        activation_bytes=args.activation_bytes,
+        activation_bytes=args.activation_bytes, overlap_f_b=args.overlap_f_b,
         host_link=HostLink(Duplex.HALF if args.half_duplex else Duplex.FULL,
                            args.ranks_per_link),
     ), args.offload_ratio)

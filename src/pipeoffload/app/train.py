@@ -183,6 +183,11 @@ def preflight(config: TrainConfig, processes: int) -> OffloadPlan:
     """Check in one process what every rank would otherwise fail on in unison: the schedule,
     the split, the data and the checkpoint to resume (``processes``: how many will run)."""
     plan = build_plan(config)
+    if plan.schedule.routes:
+        raise ConfigError(f"--schedule {config.schedule}: its microbatches take several routes "
+                          "whose stages share weights (DualPipe's two copies), which train does "
+                          "not tie or all-reduce; use dualpipev (one copy, the same order folded "
+                          "into V placement)")
     stage_layer_ranges(config.model.n_layers, plan.schedule.num_stages)
     TextDataset.from_config(config.data, dp_size=config.dp)
     if config.resume is not None:

@@ -97,8 +97,9 @@ class Action(NamedTuple):
 # Longest kinds first so that "SEND_F" is never read as "S..." and "RECV_B" never as "RECV".
 _KIND_ALTERNATIVES = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATIVES})(\d*)")
-# Kinds torch may write that we deliberately do not read.
+# Kinds torch may write that we read only inside an overlapped pair's cell (parse_cell).
 _UNSUPPORTED_TORCH_KINDS = ("OVERLAP_F_B",)
+_OVERLAP_SUFFIX = ")OVERLAP_F_B"
 
 
 def parse_action(token: str, where: str = "") -> Action:
@@ -110,10 +111,22 @@ def parse_action(token: str, where: str = "") -> Action:
     if match is None:
         hint = "expected {stage}{KIND}{microbatch}, e.g. 0F3, 1I0, 2OFFLOAD5, 0REDUCE_GRAD"
         if any(kind in text for kind in _UNSUPPORTED_TORCH_KINDS):
-            hint = "torch's overlapped OVERLAP_F_B actions are not supported; write F and B"
+            hint = ("torch's overlapped pair is read as a whole cell, "
+                    "(0F3;7B2)OVERLAP_F_B, or write its F and B")
         raise ParseError(f"{where}invalid action {token!r}: {hint}")
     stage, kind, microbatch = match.groups()
     return Action(int(stage), Kind(kind), int(microbatch) if microbatch else None)
+
+
+def parse_cell(cell: str, where: str = "") -> list[Action]:
+    """The actions of one CSV cell: one action, or torch's overlapped pair
+    ``(0F3;7B2)OVERLAP_F_B`` read as its passes in order (Note: [overlapped pair],
+    sim/simulator.py)."""
+    text = cell.strip()
+    if text.startswith("(") and text.endswith(_OVERLAP_SUFFIX):
+        inner = text[1:-len(_OVERLAP_SUFFIX)]
+        return [parse_action(part, where) for part in inner.split(";") if part.strip()]
+    return [parse_action(text, where)]
 
 
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - mirrors the text form

@@ -11,6 +11,8 @@ Note: [data dependencies]
   RECOMPUTE needs F. (OFFLOAD_WAIT holds the rank's program until the copy out is done: it
   postpones a forward so that device memory is freed before the next allocation.)
 - SEND_F / SEND_B follow the computation they send; RECV_x follows the peer's SEND_x.
+"Stage s-1" and "stage s+1" are the neighbours on the microbatch's route: the first stage of a
+route needs no input and its last no output gradient (Note: [routes], core/schedule.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ class Dependencies:
 
     def __init__(self, schedule: Schedule) -> None:
         self._present = {a for acts in schedule.ranks for a in acts}
-        self._last_stage = schedule.num_stages - 1
+        stages = range(schedule.num_stages)
+        self._first = frozenset(s for s in stages if schedule.is_first_stage(s))
+        self._last = frozenset(s for s in stages if schedule.is_last_stage(s))
 
     def has(self, action: Action) -> bool:
         return action in self._present
@@ -41,14 +45,14 @@ class Dependencies:
             recv = Action(s, Kind.RECV_F, m)
             if recv in self._present:
                 return (recv,)
-            return (Action(s - 1, Kind.F, m),) if s > 0 else ()
+            return (Action(s - 1, Kind.F, m),) if s not in self._first else ()
         if kind in (Kind.I, Kind.B):
             deps = [Action(s, Kind.F, m)]
             for local in (Action(s, Kind.RELOAD, m), Action(s, Kind.FETCH, m),
                           Action(s, Kind.RECOMPUTE, m)):
                 if local in self._present:
                     deps.append(local)
-            if s < self._last_stage:
+            if s not in self._last:
                 recv = Action(s, Kind.RECV_B, m)
                 deps.append(recv if recv in self._present else self.backward_of(s + 1, m))
             return tuple(deps)

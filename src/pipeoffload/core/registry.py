@@ -15,7 +15,16 @@ from types import MappingProxyType
 from typing import Any
 
 from pipeoffload.core.errors import ConfigError
-from pipeoffload.core.families import gpipe, grouped, interleaved, one_f_one_b, v_shape, zero_bubble
+from pipeoffload.core.families import (
+    dualpipe,
+    dualpipev,
+    gpipe,
+    grouped,
+    interleaved,
+    one_f_one_b,
+    v_shape,
+    zero_bubble,
+)
 from pipeoffload.core.families.base import FamilySpec
 from pipeoffload.core.schedule import Schedule
 
@@ -31,6 +40,8 @@ FAMILIES: MappingProxyType[str, FamilySpec] = MappingProxyType({
         v_shape.SPEC_V_HALF,
         v_shape.SPEC_V_MIN,
         grouped.SPEC,
+        dualpipe.SPEC,
+        dualpipev.SPEC,
     )
 })
 

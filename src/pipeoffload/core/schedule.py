@@ -37,13 +37,26 @@ class Schedule:
     """Per-rank action lists (``ranks[r]`` runs in order on rank r) and the stage placement.
 
     ``stage_to_rank[s]`` is the rank holding stage s; every rank holds at least one stage.
+    ``routes`` is empty when every microbatch runs stages 0..S-1 (every family but DualPipe).
     Construction checks only the shape; ``validate`` checks that the schedule can run.
+
+    Note: [routes]
+    A bidirectional schedule (DualPipe) sends half of the microbatches through the model from
+    rank 0 and half from the last rank. We express it as several chains of stages: ``routes``
+    splits stages 0..S-1 into consecutive runs, and microbatch m runs through route
+    ``m * len(routes) // microbatches`` only (so the first half of the microbatches takes the
+    first route). The first stage of each route takes inputs, the last applies the loss; the
+    one dependency rule (core/deps.py) asks ``is_first_stage`` / ``is_last_stage`` instead of
+    "stage 0" / "stage S-1". Stages of different routes that stand for the same model part
+    (DualPipe's two copies) are separate stages here: their weights are the user's to tie and
+    their gradients to sum (see docs/schedules.md).
     """
 
     ranks: tuple[tuple[Action, ...], ...]
     stage_to_rank: tuple[int, ...]
     microbatches: int
     name: str = "custom"
+    routes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
@@ -61,6 +74,9 @@ class Schedule:
         empty = [r for r in range(len(self.ranks)) if r not in held]
         if empty:
             raise ScheduleError(f"rank {empty[0]} holds no stage; every rank needs at least one")
+        object.__setattr__(self, "routes", tuple(tuple(route) for route in self.routes))
+        if self.routes:
+            _check_routes(self.routes, len(self.stage_to_rank), self.microbatches)
 
     @property
     def num_ranks(self) -> int:
@@ -78,6 +94,22 @@ class Schedule:
         if stages == 2 * pp and self.stage_to_rank == v_placement(pp):
             return Placement.V
         return Placement.EXPLICIT
+
+    def route_of(self, microbatch: int) -> tuple[int, ...]:
+        """The stages ``microbatch`` runs through, in order (Note: [routes])."""
+        if not self.routes:
+            return tuple(range(self.num_stages))
+        return self.routes[microbatch * len(self.routes) // self.microbatches]
+
+    def is_first_stage(self, stage: int) -> bool:
+        """Does ``stage`` take the microbatches' inputs (the start of a route)?"""
+        return stage == 0 if not self.routes else any(r[0] == stage for r in self.routes)
+
+    def is_last_stage(self, stage: int) -> bool:
+        """Does ``stage`` apply the loss (the end of a route)?"""
+        if not self.routes:
+            return stage == self.num_stages - 1
+        return any(r[-1] == stage for r in self.routes)
 
     def stages_on_rank(self, rank: int) -> tuple[int, ...]:
         """The stages rank ``rank`` holds, in increasing order (its chunks 0, 1, ...)."""
@@ -139,6 +171,41 @@ class Schedule:
         width = max(len(c) for row in [header, *rows] for c in row[: len(header)])
         lines = ["  ".join(c.ljust(width) for c in row).rstrip() for row in [header, *rows]]
         return "\n".join(lines)
+
+
+def _check_routes(routes: tuple[tuple[int, ...], ...], stages: int, microbatches: int) -> None:
+    flat = [s for route in routes for s in route]
+    consecutive = all(list(r) == list(range(r[0], r[0] + len(r))) for r in routes if r)
+    if flat != list(range(stages)) or not consecutive:
+        raise ScheduleError(
+            f"routes {[list(r) for r in routes]} must split stages 0..{stages - 1} into "
+            "consecutive runs, in order (Note: [routes])")
+    if microbatches < len(routes):
+        raise ScheduleError(f"{len(routes)} routes need at least {len(routes)} microbatches, "
+                            f"got {microbatches}")
+
+
+def infer_routes(rows: Sequence[Sequence[Action]],
+                 microbatches: int) -> tuple[tuple[int, ...], ...]:
+    """The routes read off which stages run each microbatch's F (``()``: every microbatch runs
+    every stage). Used when loading a CSV, which has no other place to say it."""
+    forward: dict[int, set[int]] = {}
+    for actions in rows:
+        for action in actions:
+            if action.kind is Kind.F:
+                forward.setdefault(action.microbatch, set()).add(action.stage)
+    stage_sets = {frozenset(v) for v in forward.values()}
+    if len(stage_sets) <= 1:
+        return ()
+    routes = tuple(tuple(sorted(s)) for s in sorted(stage_sets, key=min))
+    try:
+        _check_routes(routes, 1 + max(max(r) for r in routes), microbatches)
+    except ScheduleError:
+        return ()  # not a split into routes: leave it to the validator to say what is missing
+    expected = [routes[m * len(routes) // microbatches] for m in range(microbatches)]
+    if any(tuple(sorted(forward.get(m, ()))) != expected[m] for m in range(microbatches)):
+        return ()
+    return routes
 
 
 def infer_stage_to_rank(rows: Sequence[Sequence[Action]]) -> tuple[int, ...]:

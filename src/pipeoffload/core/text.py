@@ -18,10 +18,10 @@ from pipeoffload.core.actions import (
     OFFLOAD_KINDS,
     Action,
     Kind,
-    parse_action,
+    parse_cell,
 )
 from pipeoffload.core.errors import ParseError
-from pipeoffload.core.schedule import Schedule, infer_stage_to_rank
+from pipeoffload.core.schedule import Schedule, infer_routes, infer_stage_to_rank
 
 
 def parse_rows(text: str, source: str = "<text>") -> list[list[Action]]:
@@ -31,7 +31,7 @@ def parse_rows(text: str, source: str = "<text>") -> list[list[Action]]:
         actions = []
         for col_no, cell in enumerate(row, start=1):
             if cell.strip():
-                actions.append(parse_action(cell, where=f"{source}:{row_no}:{col_no}: "))
+                actions.extend(parse_cell(cell, where=f"{source}:{row_no}:{col_no}: "))
         rows.append(actions)
     while rows and not rows[-1]:
         rows.pop()
@@ -52,7 +52,8 @@ def schedule_from_rows(
         microbatches = 1 + max((a.microbatch for acts in rows for a in acts
                                 if a.microbatch is not None), default=0)
     placement = tuple(stage_to_rank) if stage_to_rank is not None else infer_stage_to_rank(rows)
-    return Schedule(tuple(tuple(r) for r in rows), placement, microbatches, name)
+    return Schedule(tuple(tuple(r) for r in rows), placement, microbatches, name,
+                    routes=infer_routes(rows, microbatches))
 
 
 def read_csv(path: str | Path, *, microbatches: int | None = None) -> Schedule:

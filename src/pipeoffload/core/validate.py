@@ -46,6 +46,11 @@ def _check_indices_and_placement(schedule: Schedule) -> None:
             _fail(schedule, f"microbatch {action.microbatch} does not exist "
                   f"(the schedule has microbatches 0..{schedule.microbatches - 1})",
                   rank, position, action)
+        route = schedule.route_of(action.microbatch)
+        if action.stage not in route:
+            _fail(schedule, f"microbatch {action.microbatch} runs through stages "
+                  f"{route[0]}..{route[-1]} only (Note: [routes], core/schedule.py)",
+                  rank, position, action)
         owner = schedule.rank_of(action.stage)
         if owner != rank:
             _fail(schedule, f"stage {action.stage} lives on rank {owner}, not on rank {rank}",
@@ -63,6 +68,8 @@ def _check_counts(schedule: Schedule) -> None:
 
     for stage in range(schedule.num_stages):
         for mb in range(schedule.microbatches):
+            if stage not in schedule.route_of(mb):
+                continue
             has = {kind: Action(stage, kind, mb) in seen for kind in Kind}
             anchor = Action(stage, Kind.F, mb)
             # Point at the F if it exists, else at the start of the rank that should run it.

@@ -45,7 +45,7 @@ from pipeoffload.planner.transformer import Recompute, TransformerSpec
 from pipeoffload.sim.costs import CostModel
 
 #: Schedules whose stages sit in V placement (two per rank).
-V_SHAPED = frozenset({"zbv", "v-half", "v-min"})
+V_SHAPED = frozenset({"zbv", "v-half", "v-min", "dualpipev"})
 #: Schedules with a ``chunks`` option (the others run a fixed number of stages per rank).
 CHUNKED = frozenset({"interleaved-1f1b", "grouped-interleaved"})
 

@@ -71,6 +71,10 @@ class SearchSpace:
         if unknown:
             raise ConfigError(f"SearchSpace.offload: {unknown} not searchable; "
                               f"use some of {', '.join(OFFLOAD_ORDER)}")
+        if "dualpipe" in self.schedules:
+            raise ConfigError("SearchSpace: the planner's memory model has no schedule with two "
+                              "copies of the weights per rank, so dualpipe is not searched; "
+                              "search dualpipev (one copy, V placement) instead")
         if not self.schedules or not self.recompute or not self.micro_batch_sizes:
             raise ConfigError("SearchSpace: schedules, recompute and micro_batch_sizes "
                               "must each list at least one value")

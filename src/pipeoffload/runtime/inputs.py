@@ -10,7 +10,7 @@ position ids) travel on to the next stage and get no gradient. The last stage's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,15 +36,16 @@ class StageCall(nn.Module):
 
 
 def wrap_stages(stages: Mapping[int, nn.Module], stage_kwargs: Mapping[int, Mapping[str, Any]],
-                num_stages: int) -> dict[int, nn.Module]:
-    """Stage 0 (which may get dict inputs) and stages with constants, wrapped in StageCall."""
+                num_stages: int, is_first: Callable[[int], bool]) -> dict[int, nn.Module]:
+    """First stages (which may get dict inputs; stage 0, or each route's first with DualPipe)
+    and stages with constants, wrapped in StageCall."""
     unknown = sorted(set(stage_kwargs) - set(range(num_stages)))
     if unknown:
         raise ConfigError(f"stage_kwargs names stages {unknown}, but the schedule has stages "
                           f"0..{num_stages - 1}")
     wrapped = {}
     for s, module in stages.items():
-        if s == 0 or s in stage_kwargs:
+        if is_first(s) or s in stage_kwargs:
             for key in stage_kwargs.get(s, {}):
                 if not isinstance(key, str):
                     raise ConfigError(f"stage_kwargs[{s}] has key {key!r}; keys are the "

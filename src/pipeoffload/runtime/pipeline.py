@@ -65,6 +65,9 @@ class Pipeline:
     - ``step(inputs, target=...)`` splits the batch along dim 0 into the schedule's
       microbatches, runs the actions, accumulates gradients into ``.grad`` as the mean over
       microbatches, and returns the mean loss where the last stage lives (None elsewhere).
+      With several routes (DualPipe, Note: [routes] in core/schedule.py) a process holding
+      the last stage of only some routes returns its share, sum(its losses) / microbatches:
+      the shares of all ranks add up to the mean loss.
       The last stage computes ``loss_fn(output, *target_microbatch)`` (``loss_fn(output)``
       without target); every rank may pass inputs and target, each uses what it needs.
     - ``meter``: an ActivationMeter to measure resident activation bytes per rank (optional).
@@ -125,10 +128,11 @@ class Pipeline:
         self._check_stages(stages)
         nccl = self.distributed and dist.get_backend(group) == "nccl"
         self.device = torch.device(device) if device is not None else _device_of(stages, nccl)
-        modules = wrap_stages(stages, stage_kwargs or {}, schedule.num_stages)
-        last = schedule.num_stages - 1
+        modules = wrap_stages(stages, stage_kwargs or {}, schedule.num_stages,
+                              schedule.is_first_stage)
         self._runners = {
-            s: StageRunner(s, module, s == 0, s == last, loss_fn, schedule.microbatches)
+            s: StageRunner(s, module, schedule.is_first_stage(s), schedule.is_last_stage(s),
+                           loss_fn, schedule.microbatches)
             for s, module in modules.items()
         }
         params = [p for m in modules.values() for p in (*m.parameters(), *m.buffers())]
@@ -248,16 +252,16 @@ class Pipeline:
     def step(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
              target: Tensors | None = None) -> torch.Tensor | None:
         """Run one training step's forward and backward; see the class docstring. A dict of
-        ``inputs`` goes to stage 0 as keyword arguments (Note: [stage contract])."""
-        has_first = 0 in self._runners
-        has_last = self.schedule.num_stages - 1 in self._runners
+        ``inputs`` goes to the first stage(s) as keyword arguments (Note: [stage contract])."""
+        has_first = any(runner.is_first for runner in self._runners.values())
+        has_last = any(runner.is_last for runner in self._runners.values())
         m = self.schedule.microbatches
         names, inputs = positional(inputs)
         check_form(target, "target")
         batch = as_tuple(inputs, "inputs")
         targets = as_tuple(target, "target")
         if has_first and not batch:
-            raise ConfigError("this process holds stage 0, so step() needs inputs")
+            raise ConfigError("this process holds a first stage, so step() needs inputs")
         if batch and targets and batch[0].shape[0] != targets[0].shape[0]:
             raise ConfigError(f"inputs have batch size {batch[0].shape[0]} but target has "
                               f"{targets[0].shape[0]} (dim 0); they must match")
@@ -273,9 +277,10 @@ class Pipeline:
                     f"inputs are {_describe(names)}, but this Pipeline was set up for "
                     f"{_describe(self._input_names)}; pass the same form every step")
             check_same(self._input_sig, micro_inputs[0], "one microbatch of inputs")
-            first = self._runners[0].module
-            assert isinstance(first, StageCall)
-            first.names = names
+            for runner in self._runners.values():
+                if runner.is_first:
+                    assert isinstance(runner.module, StageCall)
+                    runner.module.names = names
         data = StepData(list(micro_inputs), list(micro_targets))
         del micro_inputs, micro_targets, batch, targets
         self._transport.begin_step()
@@ -294,6 +299,8 @@ class Pipeline:
             raise
         if not has_last:
             return None
+        if len(data.losses) < m:  # the last stage of some routes only: this rank's share
+            return torch.stack([data.losses[i] for i in sorted(data.losses)]).sum() / m
         losses = [data.losses[i] for i in range(m)]
         return torch.stack(losses).mean()
 

@@ -59,6 +59,10 @@ class CostModel:
     - Transfers: ``offload_ratio`` = one-way copy time of one stage's activations / that stage's
       ``f_time + i_time + w_time`` (the authors' --offload-time). Without it, copy time is
       ``activation_bytes / d2h_bytes_per_s`` (``h2d_bytes_per_s`` back); without either, 0.
+    - ``overlap_f_b``: None (default) runs a forward and the backward after it back to back, as
+      our runtime does; a share in [0, 1] times them as DeepSeek's overlapped pair: one unit
+      taking F&B = F + B - overlap_f_b * min(F, B), both outputs ready at its end (Note:
+      [overlapped pair], sim/simulator.py).
     - ``activation_bytes``: bytes one microbatch keeps on one stage (one value for every stage,
       or ``stage_activation_bytes`` per stage). Peaks are also reported in M_a units, where one
       unit is one microbatch through all of a rank's stages.
@@ -75,6 +79,7 @@ class CostModel:
     h2d_bytes_per_s: float | None = None
     stage_time_scale: tuple[float, ...] = ()
     host_link: HostLink = field(default_factory=HostLink)
+    overlap_f_b: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_activation_bytes", tuple(self.stage_activation_bytes))
@@ -83,6 +88,7 @@ class CostModel:
             check_number(f"CostModel.{name}", getattr(self, name), minimum=0, maximum=_MAX_TIME)
         check_optional("CostModel.offload_ratio", self.offload_ratio, minimum=0,
                        maximum=_MAX_RATIO)
+        check_optional("CostModel.overlap_f_b", self.overlap_f_b, minimum=0, maximum=1)
         check_optional("CostModel.activation_bytes", self.activation_bytes, minimum=0,
                        maximum=_MAX_BYTES)
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):

@@ -27,6 +27,20 @@ about what one B reads (``ActivationOffloader.fetched_bytes`` counts it). The re
 transfer on the rank's H2D queue, queued when the pass could start; the pass cannot end before
 its read does (a read slower than the pass stretches it: the difference is a stall). The
 timeline shows each read as a FETCH bar on the H2D lane, one per pass.
+
+Note: [overlapped pair]
+DualPipe runs a forward of one microbatch and a full backward of another at once, hiding the
+communication of each behind the compute of the other; DeepSeek's F&B. We write the pair as its
+two actions in order (torch's ``(0F3;7B2)OVERLAP_F_B`` cell loads as ``0F3, 7B2``), so the
+validator, the passes, the renderers, CSV and the runtime (which runs them one after the other,
+as torch does) need nothing new. By default (``CostModel.overlap_f_b`` None) the simulator times
+them as our runtime runs them: back to back, the F's output leaving when the F ends. Given
+``overlap_f_b`` (0..1) it times as DeepSeek's executor runs a pair: any F whose next blocking
+action on its rank is an I or B of another microbatch already free to start when the F is (a
+pair never delays the F) makes a pair with it; the pair takes F&B = F + B - overlap_f_b *
+min(F, B) (both passes shortened by one factor, so the lane still shows F then B), and both
+outputs leave when the pair ends. With overlap_f_b = 0 this reproduces DeepSeek-V3's Table 2
+bubble for DualPipe (docs/schedules.md).
 """
 
 from __future__ import annotations
@@ -150,6 +164,29 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
                if a.kind is Kind.FETCH}
     reading: dict[Action, float] = {}  # queued pass -> time its other inputs allowed
     blocked = [False] * schedule.num_ranks
+    paired: dict[Action, float] = {}  # the backward of an overlapped pair -> its time factor
+    pair_end: dict[Action, float] = {}  # the forward of an overlapped pair -> when the pair ends
+
+    def pair_factor(rank: int, forward: Action, ready: float) -> float:
+        """The time factor of ``forward`` and of its partner if they make an overlapped pair
+        (Note: [overlapped pair]); 1.0 otherwise."""
+        actions = schedule.ranks[rank]
+        partner = next((a for a in actions[pointer[rank]:] if a.kind.blocks), None)
+        if (partner is None or partner.kind not in (Kind.I, Kind.B)
+                or partner.microbatch == forward.microbatch
+                or (partner.stage, partner.microbatch) in fetched):
+            return 1.0
+        for dep in deps.of(partner):
+            hop = costs.p2p_time if rank_of[dep.stage] != rank else 0.0
+            if dep not in end or end[dep] + hop > ready:
+                return 1.0
+        f, b = costs.compute_time(forward), costs.compute_time(partner)
+        if f + b <= 0:
+            return 1.0
+        factor = 1.0 - (costs.overlap_f_b or 0.0) * min(f, b) / (f + b)
+        paired[partner] = factor
+        pair_end[forward] = ready + (f + b) * factor
+        return factor
 
     def ready_time(rank: int, action: Action) -> tuple[float, float] | None:
         """(time all dependencies allow, time all but RELOADs allow), or None if not timed."""
@@ -192,6 +229,10 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
                     blocked[rank] = True
                 continue
             duration = costs.compute_time(action)
+            if action in paired:
+                duration *= paired.pop(action)
+            elif costs.overlap_f_b is not None and action.kind is Kind.F:
+                duration *= pair_factor(rank, action, ready)
             waited = 0.0
             if action.kind.is_compute:
                 waited = ready - other
@@ -201,6 +242,8 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
             if action.kind is Kind.F:
                 forward_start[(action.stage, action.microbatch)] = ready
             finish(rank, action, ready, ready + duration, waited)
+            if action in pair_end:  # its output leaves with the pair's (runs before any waiter)
+                end[action] = pair_end.pop(action)
 
     def finish(rank: int, action: Action, start: float, stop: float, waited: float = 0.0) -> None:
         timed[rank].append(TimedAction(rank, action, start, stop, _lane(action.kind), waited))
