@@ -33,6 +33,7 @@ from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.report import OffloadPlan, OffloadReport, Skipped
 from pipeoffload.offload.select import Item, Lifespans
+from pipeoffload.offload.slack import latest_starts
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, activation_units, simulate
@@ -154,6 +155,7 @@ class _Planner:
                            if a.kind is Kind.RECOMPUTE}
         self.by_lifespan = [[it for it in items if it not in self.recomputed]
                             for items in self.spans.by_rank]
+        self._latest: dict[Action, float] | None = None
 
     def backward(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
@@ -262,8 +264,11 @@ class _Planner:
         for _ in range(self.policy.max_rounds):
             planned = self.insert(leads, waits, fetches)
             result = simulate(planned, self.costs)
-            if waits and result.makespan > self.base.makespan * (1 + self.policy.postpone_slack) \
-                    + self.policy.stall_tolerance:
+            if waits and result.makespan > self._horizon() + self.policy.stall_tolerance:
+                late = self._late_waits(waits, result)
+                if late and len(late) < len(waits):
+                    waits = {f: it for f, it in waits.items() if f not in late}
+                    continue
                 waits, postponing = {}, False  # postponing cost time: plan without it
                 leads = self.place_reloads(leads, timing, skipped)
                 continue
@@ -302,12 +307,33 @@ class _Planner:
         rank = self.schedule.rank_of(item[0])
         return self.compute[rank][self.position[rank][Action(item[0], Kind.F, item[1])] + 1]
 
+    def _horizon(self) -> float:
+        """The makespan postponing may not exceed."""
+        return self.base.makespan * (1 + self.policy.postpone_slack)
+
+    def _latest_starts(self) -> dict[Action, float]:
+        """Each action's latest start within the horizon in the plain schedule (computed once)."""
+        if self._latest is None:
+            self._latest = latest_starts(self.base, self._horizon())
+        return self._latest
+
+    def _late_waits(self, waits: dict[Action, Item], result: SimResult) -> set[Action]:
+        """The postponed forwards that started after their latest start: the waits that cost
+        makespan (postponing within the slack is free, see offload/slack.py)."""
+        latest = self._latest_starts()
+        tolerance = self.policy.stall_tolerance
+        return {t.action for rank in result.timeline for t in rank
+                if t.action in waits and t.start > latest[t.action] + tolerance}
+
     def _postpone(self, waits: dict[Action, Item], result: SimResult) -> bool:
         """Before each forward that would start while more than ``max_pending_offloads`` copies
-        out of its rank are unfinished, wait for enough of them (their memory is freed first)."""
+        out of its rank are unfinished, wait for enough of them (their memory is freed first),
+        or for as many as its slack allows: a wait never holds a forward past its latest start
+        in the plain schedule."""
         limit = self.policy.max_pending_offloads
         assert limit is not None
         tolerance = self.policy.stall_tolerance
+        latest = self._latest_starts()
         changed = False
         for rank_timeline in result.timeline:
             f_end = {t.action: t.end for t in rank_timeline if t.action.kind is Kind.F}
@@ -325,8 +351,11 @@ class _Planner:
                 recent = offloads[:issued][-4 * (limit + 1):]
                 pending = sorted((end, item) for _, end, item in recent if end > start + tolerance)
                 if len(pending) > limit:
-                    waits[forward] = pending[len(pending) - limit - 1][1]
-                    changed = True
+                    affordable = [item for end, item in pending[:len(pending) - limit]
+                                  if end <= latest[forward] + tolerance]
+                    if affordable:
+                        waits[forward] = affordable[-1]
+                        changed = True
         return changed
 
     def floor_reason(self, rank: int) -> str:
