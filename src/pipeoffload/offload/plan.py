@@ -36,7 +36,7 @@ from pipeoffload.offload.select import Item, Lifespans
 from pipeoffload.offload.slack import latest_starts
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
 from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.simulator import SimResult, activation_units, simulate
+from pipeoffload.sim.simulator import SimResult, TimedAction, activation_units, simulate
 
 __all__ = ["OffloadPlan", "OffloadPolicy", "OffloadReport", "Skipped", "add_offload"]
 
@@ -161,7 +161,7 @@ class _Planner:
         """The action that consumes the item's activation first (I, or B without a split)."""
         return self._backward[item]
 
-    def place_reloads(self, items: Iterable[Item], timing: dict[Action, tuple],
+    def place_reloads(self, items: Iterable[Item], timing: dict[Action, TimedAction],
                       skipped: dict[Item, str]) -> dict[Item, int]:
         """For each item, how many compute actions ahead of its backward its RELOAD goes.
 
@@ -179,20 +179,20 @@ class _Planner:
             comp, pos = self.compute[rank], self.position[rank]
             next_start = float("inf")
             for item in sorted(rank_items, key=lambda it: -pos[self.backward(it)]):
-                b_start, stall, _ = timing[self.backward(item)]
-                finish = min(b_start - stall - self.policy.reload_margin, next_start)
+                b = timing[self.backward(item)]
+                finish = min(b.start - b.stall - self.policy.reload_margin, next_start)
                 latest = finish - self.costs.transfer_time(item[0], Kind.RELOAD)
                 f_index = pos[Action(item[0], Kind.F, item[1])]
                 b_index = pos[self.backward(item)]
                 # The program reaches the point before comp[j] when comp[j-1] ends.
                 j = b_index
                 tolerance = self.policy.stall_tolerance
-                while j > f_index + 1 and timing[comp[j - 1]][2] > latest + tolerance:
+                while j > f_index + 1 and timing[comp[j - 1]].end > latest + tolerance:
                     j -= 1
-                issue = timing[comp[j - 1]][2]
+                issue = timing[comp[j - 1]].end
                 copied_out = timing.get(Action(item[0], Kind.OFFLOAD, item[1]))
-                f_start, _, f_end = timing[comp[f_index]]
-                out_end = copied_out[2] if copied_out else max(
+                f_start, f_end = timing[comp[f_index]].start, timing[comp[f_index]].end
+                out_end = copied_out.end if copied_out else max(
                     f_end, f_start + self.costs.transfer_time(item[0], Kind.OFFLOAD))
                 if issue <= out_end + self.policy.stall_tolerance or \
                         issue > latest + self.policy.stall_tolerance:
@@ -260,7 +260,8 @@ class _Planner:
         waits: dict[Action, Item] = {}
         postponing = self.policy.max_pending_offloads is not None
         leads = self.place_reloads([i for i in items if i not in fetches], timing, skipped)
-        planned, result = self.insert(leads, waits, fetches), self.base
+        planned, result = self.schedule, self.base
+        unpostponed: SimResult | None = None  # the last result without waits
         for _ in range(self.policy.max_rounds):
             planned = self.insert(leads, waits, fetches)
             result = simulate(planned, self.costs)
@@ -270,10 +271,14 @@ class _Planner:
                     waits = {f: it for f, it in waits.items() if f not in late}
                     continue
                 waits, postponing = {}, False  # postponing cost time: plan without it
+                if unpostponed is not None:
+                    timing = _timing(unpostponed)
                 leads = self.place_reloads(leads, timing, skipped)
                 continue
-            timing = _timing(result)
+            if not waits:
+                unpostponed = result
             if result.total_stall_time > self.policy.stall_tolerance:
+                timing = _timing(result)
                 new_leads = self.place_reloads(leads, timing, skipped)
                 if new_leads != leads:
                     leads = new_leads
@@ -298,10 +303,10 @@ class _Planner:
             result = simulate(planned, self.costs)
         return planned, result, skipped
 
-    def _stalled(self, item: Item, timing: dict[Action, tuple]) -> bool:
+    def _stalled(self, item: Item, timing: dict[Action, TimedAction]) -> bool:
         """Whether a backward pass of ``item`` waited for its copy back (a W only waits for a
         FETCH read)."""
-        return any(timing[p][1] > self.policy.stall_tolerance for p in self.passes(item))
+        return any(timing[p].stall > self.policy.stall_tolerance for p in self.passes(item))
 
     def _after_f(self, item: Item) -> Action:
         rank = self.schedule.rank_of(item[0])
@@ -405,6 +410,6 @@ class _Planner:
         return OffloadPlan(schedule=planned, report=report, result=result)
 
 
-def _timing(result: SimResult) -> dict[Action, tuple[float, float, float]]:
-    """action -> (start, stall, end)."""
-    return {t.action: (t.start, t.stall, t.end) for rank in result.timeline for t in rank}
+def _timing(result: SimResult) -> dict[Action, TimedAction]:
+    """action -> its timing (start, stall, end)."""
+    return {t.action: t for rank in result.timeline for t in rank}
