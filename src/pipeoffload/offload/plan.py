@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
+from pipeoffload.offload.forecast import copy_out_ends, latest_starts
 from pipeoffload.offload.report import OffloadPlan, OffloadReport, Skipped
 from pipeoffload.offload.select import Item, Lifespans
-from pipeoffload.offload.slack import latest_starts
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, TimedAction, activation_units, simulate
@@ -162,14 +162,15 @@ class _Planner:
         return self._backward[item]
 
     def place_reloads(self, items: Iterable[Item], timing: dict[Action, TimedAction],
-                      skipped: dict[Item, str]) -> dict[Item, int]:
+                      skipped: dict[Item, str], out_ends: dict[Item, float]) -> dict[Item, int]:
         """For each item, how many compute actions ahead of its backward its RELOAD goes.
 
         Per rank, a backward pass over the H2D queue in deadline order: each copy back must end
         ``reload_margin`` before its backward starts (as it would without stalls) and before
         the next copy back on the queue starts; it is then issued at the latest program point
         that lets it start in time. Items whose copy back would have to start before their copy
-        out ends gain nothing and are skipped (or kept, stalling, if the target demands it).
+        out ends (as simulated, else as ``out_ends`` forecasts) gain nothing and are skipped
+        (or kept, stalling, if the target demands it).
         """
         by_rank: list[list[Item]] = [[] for _ in self.schedule.ranks]
         for item in items:
@@ -191,9 +192,7 @@ class _Planner:
                     j -= 1
                 issue = timing[comp[j - 1]].end
                 copied_out = timing.get(Action(item[0], Kind.OFFLOAD, item[1]))
-                f_start, f_end = timing[comp[f_index]].start, timing[comp[f_index]].end
-                out_end = copied_out.end if copied_out else max(
-                    f_end, f_start + self.costs.transfer_time(item[0], Kind.OFFLOAD))
+                out_end = copied_out.end if copied_out else out_ends[item]
                 if issue <= out_end + self.policy.stall_tolerance or \
                         issue > latest + self.policy.stall_tolerance:
                     if not self.keep_stalling or issue <= out_end + self.policy.stall_tolerance:
@@ -257,9 +256,11 @@ class _Planner:
                 skipped[item] = "its backward directly follows its forward"
         fetches = {item for item in items if self.policy.fetch_on_use and self.reads_hide(item)}
         timing = _timing(self.base)
+        out_ends = copy_out_ends(self.base, items)
         waits: dict[Action, Item] = {}
         postponing = self.policy.max_pending_offloads is not None
-        leads = self.place_reloads([i for i in items if i not in fetches], timing, skipped)
+        leads = self.place_reloads([i for i in items if i not in fetches], timing, skipped,
+                                   out_ends)
         planned, result = self.schedule, self.base
         unpostponed: SimResult | None = None  # the last result without waits
         for _ in range(self.policy.max_rounds):
@@ -273,13 +274,13 @@ class _Planner:
                 waits, postponing = {}, False  # postponing cost time: plan without it
                 if unpostponed is not None:
                     timing = _timing(unpostponed)
-                leads = self.place_reloads(leads, timing, skipped)
+                leads = self.place_reloads(leads, timing, skipped, out_ends)
                 continue
             if not waits:
                 unpostponed = result
             if result.total_stall_time > self.policy.stall_tolerance:
                 timing = _timing(result)
-                new_leads = self.place_reloads(leads, timing, skipped)
+                new_leads = self.place_reloads(leads, timing, skipped, out_ends)
                 if new_leads != leads:
                     leads = new_leads
                     waits = {f: it for f, it in waits.items() if it in leads or it in fetches}

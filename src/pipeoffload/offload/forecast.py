@@ -1,17 +1,22 @@
-"""How late each action of a simulated schedule may start without growing the makespan.
+"""What the offload planner reads off the plain schedule's simulation before it simulates a
+plan: how late each action may start without growing the makespan, and when copies out end.
 
-The offload planner postpones forwards (OFFLOAD_WAIT) to let copies out drain; a postponement
-is free exactly when the forward still starts by its latest start, so the planner spends this
-slack instead of guessing and re-simulating.
+The planner postpones forwards (OFFLOAD_WAIT) to let copies out drain; a postponement is free
+exactly when the forward still starts by its latest start, so the planner spends this slack
+instead of guessing. A copy back that would have to start before its copy out ends gains
+nothing; copies out queue on their host link, so their ends are forecast with the queue.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
-from pipeoffload.core.actions import Action
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.deps import Dependencies
 from pipeoffload.sim.simulator import SimResult
+
+Item = tuple[int, int]  # (stage, microbatch)
 
 
 def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
@@ -63,3 +68,23 @@ def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
         if not progressed:
             raise AssertionError("latest_starts: the schedule's dependencies form a cycle")
     return latest
+
+
+def copy_out_ends(result: SimResult, items: Iterable[Item]) -> dict[Item, float]:
+    """When each item's copy out would end if every one of ``items`` were offloaded and the
+    forwards ran as in ``result``: the simulator's streaming rule (starts with its forward,
+    ends no earlier) on each host link's device-to-host queue, served in order of forward
+    start. An upper bound when fewer items end up offloaded."""
+    costs = result.costs
+    wanted = set(items)
+    starts = sorted((t.start, t.end, t.rank, t.action.stage, t.action.microbatch)
+                    for rank in result.timeline for t in rank
+                    if t.action.kind is Kind.F and (t.action.stage, t.action.microbatch) in wanted)
+    free: dict[tuple[int, str], float] = defaultdict(float)
+    ends: dict[Item, float] = {}
+    for f_start, f_end, rank, stage, microbatch in starts:
+        channel = costs.host_link.channel(rank, Kind.OFFLOAD)
+        begin = max(f_start, free[channel])
+        free[channel] = ends[(stage, microbatch)] = max(
+            begin + costs.transfer_time(stage, Kind.OFFLOAD), f_end)
+    return ends
