@@ -38,6 +38,8 @@ from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, TimedAction, activation_units, simulate
 
+_RankCopies = tuple[list[tuple[float, Action]], list[tuple[float, float, Item]]]
+
 __all__ = ["OffloadPlan", "OffloadPolicy", "OffloadReport", "Skipped", "add_offload"]
 
 
@@ -263,6 +265,8 @@ class _Planner:
                                    out_ends)
         planned, result = self.schedule, self.base
         unpostponed: SimResult | None = None  # the last result without waits
+        if postponing:  # a first guess from the forecast saves a round when it holds
+            self._postpone(waits, self._forecast_copies([*leads, *fetches]))
         for _ in range(self.policy.max_rounds):
             planned = self.insert(leads, waits, fetches)
             result = simulate(planned, self.costs)
@@ -285,7 +289,7 @@ class _Planner:
                     leads = new_leads
                     waits = {f: it for f, it in waits.items() if it in leads or it in fetches}
                     continue
-            if postponing and self._postpone(waits, result):
+            if postponing and self._postpone(waits, _simulated_copies(result)):
                 continue
             break
         # Dropping a stalled copy lets later compute start sooner, which can expose another
@@ -331,24 +335,18 @@ class _Planner:
         return {t.action for rank in result.timeline for t in rank
                 if t.action in waits and t.start > latest[t.action] + tolerance}
 
-    def _postpone(self, waits: dict[Action, Item], result: SimResult) -> bool:
+    def _postpone(self, waits: dict[Action, Item], copies: list[_RankCopies]) -> bool:
         """Before each forward that would start while more than ``max_pending_offloads`` copies
         out of its rank are unfinished, wait for enough of them (their memory is freed first),
         or for as many as its slack allows: a wait never holds a forward past its latest start
-        in the plain schedule."""
+        in the plain schedule. ``copies``: per rank, as ``_simulated_copies`` gives them."""
         limit = self.policy.max_pending_offloads
         assert limit is not None
         tolerance = self.policy.stall_tolerance
         latest = self._latest_starts()
         changed = False
-        for rank_timeline in result.timeline:
-            f_end = {t.action: t.end for t in rank_timeline if t.action.kind is Kind.F}
-            # Copies out in issue order (their F's end); the D2H queue serves them in that order.
-            offloads = sorted((f_end[Action(t.action.stage, Kind.F, t.action.microbatch)], t.end,
-                               (t.action.stage, t.action.microbatch))
-                              for t in rank_timeline if t.action.kind is Kind.OFFLOAD)
+        for forwards, offloads in copies:
             issued = 0
-            forwards = sorted((t.start, t.action) for t in rank_timeline if t.action.kind is Kind.F)
             for start, forward in forwards:
                 while issued < len(offloads) and offloads[issued][0] <= start:
                     issued += 1
@@ -363,6 +361,19 @@ class _Planner:
                         waits[forward] = affordable[-1]
                         changed = True
         return changed
+
+    def _forecast_copies(self, offloaded: Iterable[Item]) -> list[_RankCopies]:
+        """``_simulated_copies`` as the plain schedule's timeline and the queue forecast them
+        (offload/forecast.py), before any plan is simulated."""
+        ends = copy_out_ends(self.base, offloaded)
+        out: list[_RankCopies] = []
+        for rank_timeline in self.base.timeline:
+            forwards = [(t.start, t.action) for t in rank_timeline if t.action.kind is Kind.F]
+            offloads = sorted((t.end, ends[item], item) for t in rank_timeline
+                              if t.action.kind is Kind.F
+                              and (item := (t.action.stage, t.action.microbatch)) in ends)
+            out.append((sorted(forwards), offloads))
+        return out
 
     def floor_reason(self, rank: int) -> str:
         largest = max(self.units[s] for s in self.schedule.stages_on_rank(rank))
@@ -409,6 +420,20 @@ class _Planner:
             notes=notes,
         )
         return OffloadPlan(schedule=planned, report=report, result=result)
+
+
+def _simulated_copies(result: SimResult) -> list[_RankCopies]:
+    """Per rank: its forwards as (start, action) and its copies out as (forward end, copy end,
+    item), both in time order (the device-to-host queue serves copies in issue order)."""
+    out: list[_RankCopies] = []
+    for rank_timeline in result.timeline:
+        f_end = {t.action: t.end for t in rank_timeline if t.action.kind is Kind.F}
+        offloads = sorted((f_end[Action(t.action.stage, Kind.F, t.action.microbatch)], t.end,
+                           (t.action.stage, t.action.microbatch))
+                          for t in rank_timeline if t.action.kind is Kind.OFFLOAD)
+        forwards = sorted((t.start, t.action) for t in rank_timeline if t.action.kind is Kind.F)
+        out.append((forwards, offloads))
+    return out
 
 
 def _timing(result: SimResult) -> dict[Action, TimedAction]:
