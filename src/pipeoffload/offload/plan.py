@@ -352,7 +352,7 @@ class _Planner:
                     issued += 1
                 if forward in waits:
                     continue
-                recent = offloads[:issued][-4 * (limit + 1):]
+                recent = offloads[max(0, issued - 4 * (limit + 1)):issued]
                 pending = sorted((end, item) for _, end, item in recent if end > start + tolerance)
                 if len(pending) > limit:
                     affordable = [item for end, item in pending[:len(pending) - limit]
