@@ -345,6 +345,7 @@ class _Planner:
         tolerance = self.policy.stall_tolerance
         latest = self._latest_starts()
         changed = False
+        awaited = set(waits.values())  # one wait per copy (an action runs once)
         for forwards, offloads in copies:
             issued = 0
             for start, forward in forwards:
@@ -356,9 +357,10 @@ class _Planner:
                 pending = sorted((end, item) for _, end, item in recent if end > start + tolerance)
                 if len(pending) > limit:
                     affordable = [item for end, item in pending[:len(pending) - limit]
-                                  if end <= latest[forward] + tolerance]
+                                  if end <= latest[forward] + tolerance and item not in awaited]
                     if affordable:
                         waits[forward] = affordable[-1]
+                        awaited.add(affordable[-1])
                         changed = True
         return changed
 
