@@ -19,9 +19,12 @@ How (PipeOffload's selective offload, generalised to any schedule):
    the device; the simulator's [fetch on use] note), placed right before its backward.
 4. Simulate; re-place what stalled; drop what cannot hide (unless the target demands it, see
    OffloadTarget.demands) or gains nothing. Then postpone forwards that would start while
-   more than ``max_pending_offloads`` copies out are unfinished (OFFLOAD_WAIT), as long as the
-   makespan does not grow beyond ``postpone_slack``: back-to-back warm-up forwards would
-   otherwise pile activations up behind a slow link. Repeat until stable or ``max_rounds``.
+   more than ``max_pending_offloads`` copies out are unfinished (OFFLOAD_WAIT), each only
+   within its slack (its latest start in the plain schedule for a makespan grown by at most
+   ``postpone_slack``; offload/forecast.py): back-to-back warm-up forwards would otherwise
+   pile activations up behind a slow link. The first waits and which copies gain nothing are
+   forecast from the plain timeline and the host-link queue, so a plan whose forecast holds
+   is simulated once. Repeat until stable or ``max_rounds``.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class OffloadPolicy:
     unfinished, so back-to-back forwards (warm-up) do not pile activations up behind a slow
     link. None: never postpone."""
     postpone_slack: float = 0.0
-    """Postponing may grow the makespan by at most this fraction; beyond it, no waits."""
+    """Postponing may grow the makespan by at most this fraction: a forward waits only until
+    its latest start for that makespan (offload/forecast.py)."""
     fetch_on_use: bool = False
     """Bring an activation back by FETCH (each backward pass reads it from host memory as it
     uses it) where the reads hide behind the passes, instead of a RELOAD that holds it whole on
