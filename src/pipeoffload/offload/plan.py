@@ -333,7 +333,7 @@ class _Planner:
 
     def _late_waits(self, waits: dict[Action, Item], result: SimResult) -> set[Action]:
         """The postponed forwards that started after their latest start: the waits that cost
-        makespan (postponing within the slack is free, see offload/slack.py)."""
+        makespan (postponing within the slack is free, see offload/forecast.py)."""
         latest = self._latest_starts()
         tolerance = self.policy.stall_tolerance
         return {t.action for rank in result.timeline for t in rank
