@@ -14,9 +14,8 @@ from collections.abc import Iterable
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.deps import Dependencies
+from pipeoffload.offload.select import Item
 from pipeoffload.sim.simulator import SimResult
-
-Item = tuple[int, int]  # (stage, microbatch)
 
 
 def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:

@@ -35,13 +35,18 @@ from dataclasses import dataclass
 from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.forecast import copy_out_ends, latest_starts
+from pipeoffload.offload.postpone import (
+    RankCopies,
+    forecast_copies,
+    late_waits,
+    postpone,
+    simulated_copies,
+)
 from pipeoffload.offload.report import OffloadPlan, OffloadReport, Skipped
 from pipeoffload.offload.select import Item, Lifespans
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, TimedAction, activation_units, simulate
-
-_RankCopies = tuple[list[tuple[float, Action]], list[tuple[float, float, Item]]]
 
 __all__ = ["OffloadPlan", "OffloadPolicy", "OffloadReport", "Skipped", "add_offload"]
 
@@ -270,7 +275,7 @@ class _Planner:
         planned, result = self.schedule, self.base
         unpostponed: SimResult | None = None  # the last result without waits
         if postponing:  # a first guess from the forecast saves a round when it holds
-            self._postpone(waits, self._forecast_copies([*leads, *fetches]))
+            self._postpone(waits, forecast_copies(self.base, [*leads, *fetches]))
         for _ in range(self.policy.max_rounds):
             planned = self.insert(leads, waits, fetches)
             result = simulate(planned, self.costs)
@@ -293,7 +298,7 @@ class _Planner:
                     leads = new_leads
                     waits = {f: it for f, it in waits.items() if it in leads or it in fetches}
                     continue
-            if postponing and self._postpone(waits, _simulated_copies(result)):
+            if postponing and self._postpone(waits, simulated_copies(result)):
                 continue
             break
         # Dropping a stalled copy lets later compute start sooner, which can expose another
@@ -332,54 +337,14 @@ class _Planner:
         return self._latest
 
     def _late_waits(self, waits: dict[Action, Item], result: SimResult) -> set[Action]:
-        """The postponed forwards that started after their latest start: the waits that cost
-        makespan (postponing within the slack is free, see offload/forecast.py)."""
-        latest = self._latest_starts()
-        tolerance = self.policy.stall_tolerance
-        return {t.action for rank in result.timeline for t in rank
-                if t.action in waits and t.start > latest[t.action] + tolerance}
+        """The waits that cost makespan (see postpone.late_waits)."""
+        return late_waits(waits, result, self._latest_starts(), self.policy.stall_tolerance)
 
-    def _postpone(self, waits: dict[Action, Item], copies: list[_RankCopies]) -> bool:
-        """Before each forward that would start while more than ``max_pending_offloads`` copies
-        out of its rank are unfinished, wait for enough of them (their memory is freed first),
-        or for as many as its slack allows: a wait never holds a forward past its latest start
-        in the plain schedule. ``copies``: per rank, as ``_simulated_copies`` gives them."""
+    def _postpone(self, waits: dict[Action, Item], copies: list[RankCopies]) -> bool:
+        """Add waits where copies out pile up (see postpone.postpone)."""
         limit = self.policy.max_pending_offloads
         assert limit is not None
-        tolerance = self.policy.stall_tolerance
-        latest = self._latest_starts()
-        changed = False
-        awaited = set(waits.values())  # one wait per copy (an action runs once)
-        for forwards, offloads in copies:
-            issued = 0
-            for start, forward in forwards:
-                while issued < len(offloads) and offloads[issued][0] <= start:
-                    issued += 1
-                if forward in waits:
-                    continue
-                recent = offloads[max(0, issued - 4 * (limit + 1)):issued]
-                pending = sorted((end, item) for _, end, item in recent if end > start + tolerance)
-                if len(pending) > limit:
-                    affordable = [item for end, item in pending[:len(pending) - limit]
-                                  if end <= latest[forward] + tolerance and item not in awaited]
-                    if affordable:
-                        waits[forward] = affordable[-1]
-                        awaited.add(affordable[-1])
-                        changed = True
-        return changed
-
-    def _forecast_copies(self, offloaded: Iterable[Item]) -> list[_RankCopies]:
-        """``_simulated_copies`` as the plain schedule's timeline and the queue forecast them
-        (offload/forecast.py), before any plan is simulated."""
-        ends = copy_out_ends(self.base, offloaded)
-        out: list[_RankCopies] = []
-        for rank_timeline in self.base.timeline:
-            forwards = [(t.start, t.action) for t in rank_timeline if t.action.kind is Kind.F]
-            offloads = sorted((t.end, ends[item], item) for t in rank_timeline
-                              if t.action.kind is Kind.F
-                              and (item := (t.action.stage, t.action.microbatch)) in ends)
-            out.append((sorted(forwards), offloads))
-        return out
+        return postpone(waits, copies, self._latest_starts(), limit, self.policy.stall_tolerance)
 
     def floor_reason(self, rank: int) -> str:
         largest = max(self.units[s] for s in self.schedule.stages_on_rank(rank))
@@ -426,20 +391,6 @@ class _Planner:
             notes=notes,
         )
         return OffloadPlan(schedule=planned, report=report, result=result)
-
-
-def _simulated_copies(result: SimResult) -> list[_RankCopies]:
-    """Per rank: its forwards as (start, action) and its copies out as (forward end, copy end,
-    item), both in time order (the device-to-host queue serves copies in issue order)."""
-    out: list[_RankCopies] = []
-    for rank_timeline in result.timeline:
-        f_end = {t.action: t.end for t in rank_timeline if t.action.kind is Kind.F}
-        offloads = sorted((f_end[Action(t.action.stage, Kind.F, t.action.microbatch)], t.end,
-                           (t.action.stage, t.action.microbatch))
-                          for t in rank_timeline if t.action.kind is Kind.OFFLOAD)
-        forwards = sorted((t.start, t.action) for t in rank_timeline if t.action.kind is Kind.F)
-        out.append((forwards, offloads))
-    return out
 
 
 def _timing(result: SimResult) -> dict[Action, TimedAction]:
