@@ -77,3 +77,21 @@ def test_gpu_offload_cpu_tiny(tmp_path: Path) -> None:
             < by[(pp, "none")]["meter_peak"]
         assert by[(pp, "po-f+fetch")]["meter_peak"] <= by[(pp, "po-f")]["meter_peak"]
         assert by[(pp, "po-f+fetch")]["h2d_bytes"] > 0
+
+
+def test_offload_grid_quick(tmp_path: Path) -> None:
+    rows_path = tmp_path / "offload_grid.json"
+    out = _run("offload_grid.py", "--quick", "--json", str(rows_path))
+    rows = json.loads(rows_path.read_text())["rows"]
+    # p in (4, 8), v in (2, 3), g in (p/2, p), K in 1..v, 2 ratios, 2 cost models, 2 P2P.
+    assert len(rows) == 2 * (2 + 3) * 2 * 2 * 2 * 2 == 160
+    assert f"rows: {len(rows)}" in out and "planning time" in out
+    assert "peak above the bound: 0 rows" in out
+    for row in rows:
+        label = row["config"]
+        # The bound is a plan at the makespan of no offload, and ours never does worse than it.
+        assert abs(row["bound_growth"]) <= 1e-9, label
+        assert row["ours"] <= row["bound"] + 1e-9, label
+        assert row["ours"] <= row["before"] + 1e-9, label
+        assert row["growth"] <= 0.01, label
+    assert any(row["ours"] < row["bound"] - 1e-9 for row in rows)

@@ -19,9 +19,12 @@ How (PipeOffload's selective offload, generalised to any schedule):
    the device; the simulator's [fetch on use] note), placed right before its backward.
 4. Simulate; re-place what stalled; drop what cannot hide (unless the target demands it, see
    OffloadTarget.demands) or gains nothing. Then postpone forwards that would start while
-   more than ``max_pending_offloads`` copies out are unfinished (OFFLOAD_WAIT), as long as the
-   makespan does not grow beyond ``postpone_slack``: back-to-back warm-up forwards would
-   otherwise pile activations up behind a slow link. Repeat until stable or ``max_rounds``.
+   more than ``max_pending_offloads`` copies out are unfinished (OFFLOAD_WAIT), each only
+   within its slack (its latest start in the plain schedule for a makespan grown by at most
+   ``postpone_slack``; offload/forecast.py): back-to-back warm-up forwards would otherwise
+   pile activations up behind a slow link. The first waits and which copies gain nothing are
+   forecast from the plain timeline and the host-link queue, so a plan whose forecast holds
+   is simulated once. Repeat until stable or ``max_rounds``.
 """
 
 from __future__ import annotations
@@ -33,11 +36,19 @@ from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
+from pipeoffload.offload.forecast import copy_out_ends, latest_starts
+from pipeoffload.offload.postpone import (
+    RankCopies,
+    forecast_copies,
+    late_waits,
+    postpone,
+    simulated_copies,
+)
 from pipeoffload.offload.report import OffloadPlan, OffloadReport, Skipped
 from pipeoffload.offload.select import Item, Lifespans
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
 from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.simulator import SimResult, activation_units, simulate
+from pipeoffload.sim.simulator import SimResult, TimedAction, activation_units, simulate
 
 __all__ = ["OffloadPlan", "OffloadPolicy", "OffloadReport", "Skipped", "add_offload"]
 
@@ -58,7 +69,8 @@ class OffloadPolicy:
     unfinished, so back-to-back forwards (warm-up) do not pile activations up behind a slow
     link. None: never postpone."""
     postpone_slack: float = 0.0
-    """Postponing may grow the makespan by at most this fraction; beyond it, no waits."""
+    """Postponing may grow the makespan by at most this fraction: a forward waits only until
+    its latest start for that makespan (offload/forecast.py)."""
     fetch_on_use: bool = False
     """Bring an activation back by FETCH (each backward pass reads it from host memory as it
     uses it) where the reads hide behind the passes, instead of a RELOAD that holds it whole on
@@ -167,20 +179,22 @@ class _Planner:
                            if a.kind is Kind.RECOMPUTE}
         self.by_lifespan = [[it for it in items if it not in self.recomputed]
                             for items in self.spans.by_rank]
+        self._latest: dict[Action, float] | None = None
 
     def backward(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
         return self._backward[item]
 
-    def place_reloads(self, items: Iterable[Item], timing: dict[Action, tuple],
-                      skipped: dict[Item, str]) -> dict[Item, int]:
+    def place_reloads(self, items: Iterable[Item], timing: dict[Action, TimedAction],
+                      skipped: dict[Item, str], out_ends: dict[Item, float]) -> dict[Item, int]:
         """For each item, how many compute actions ahead of its backward its RELOAD goes.
 
         Per rank, a backward pass over the H2D queue in deadline order: each copy back must end
         ``reload_margin`` before its backward starts (as it would without stalls) and before
         the next copy back on the queue starts; it is then issued at the latest program point
         that lets it start in time. Items whose copy back would have to start before their copy
-        out ends gain nothing and are skipped (or kept, stalling, if the target demands it).
+        out ends (as simulated, else as ``out_ends`` forecasts) gain nothing and are skipped
+        (or kept, stalling, if the target demands it).
         """
         by_rank: list[list[Item]] = [[] for _ in self.schedule.ranks]
         for item in items:
@@ -190,21 +204,19 @@ class _Planner:
             comp, pos = self.compute[rank], self.position[rank]
             next_start = float("inf")
             for item in sorted(rank_items, key=lambda it: -pos[self.backward(it)]):
-                b_start, stall, _ = timing[self.backward(item)]
-                finish = min(b_start - stall - self.policy.reload_margin, next_start)
+                b = timing[self.backward(item)]
+                finish = min(b.start - b.stall - self.policy.reload_margin, next_start)
                 latest = finish - self.costs.transfer_time(item[0], Kind.RELOAD)
                 f_index = pos[Action(item[0], Kind.F, item[1])]
                 b_index = pos[self.backward(item)]
                 # The program reaches the point before comp[j] when comp[j-1] ends.
                 j = b_index
                 tolerance = self.policy.stall_tolerance
-                while j > f_index + 1 and timing[comp[j - 1]][2] > latest + tolerance:
+                while j > f_index + 1 and timing[comp[j - 1]].end > latest + tolerance:
                     j -= 1
-                issue = timing[comp[j - 1]][2]
+                issue = timing[comp[j - 1]].end
                 copied_out = timing.get(Action(item[0], Kind.OFFLOAD, item[1]))
-                f_start, _, f_end = timing[comp[f_index]]
-                out_end = copied_out[2] if copied_out else max(
-                    f_end, f_start + self.costs.transfer_time(item[0], Kind.OFFLOAD))
+                out_end = copied_out.end if copied_out else out_ends[item]
                 if issue <= out_end + self.policy.stall_tolerance or \
                         issue > latest + self.policy.stall_tolerance:
                     if not self.keep_stalling or issue <= out_end + self.policy.stall_tolerance:
@@ -268,26 +280,38 @@ class _Planner:
                 skipped[item] = "its backward directly follows its forward"
         fetches = {item for item in items if self.policy.fetch_on_use and self.reads_hide(item)}
         timing = _timing(self.base)
+        out_ends = copy_out_ends(self.base, items)
         waits: dict[Action, Item] = {}
         postponing = self.policy.max_pending_offloads is not None
-        leads = self.place_reloads([i for i in items if i not in fetches], timing, skipped)
-        planned, result = self.insert(leads, waits, fetches), self.base
+        leads = self.place_reloads([i for i in items if i not in fetches], timing, skipped,
+                                   out_ends)
+        planned, result = self.schedule, self.base
+        unpostponed: SimResult | None = None  # the last result without waits
+        if postponing:  # a first guess from the forecast saves a round when it holds
+            self._postpone(waits, forecast_copies(self.base, [*leads, *fetches]))
         for _ in range(self.policy.max_rounds):
             planned = self.insert(leads, waits, fetches)
             result = simulate(planned, self.costs)
-            if waits and result.makespan > self.base.makespan * (1 + self.policy.postpone_slack) \
-                    + self.policy.stall_tolerance:
+            if waits and result.makespan > self._horizon() + self.policy.stall_tolerance:
+                late = self._late_waits(waits, result)
+                if late and len(late) < len(waits):
+                    waits = {f: it for f, it in waits.items() if f not in late}
+                    continue
                 waits, postponing = {}, False  # postponing cost time: plan without it
-                leads = self.place_reloads(leads, timing, skipped)
+                if unpostponed is not None:
+                    timing = _timing(unpostponed)
+                leads = self.place_reloads(leads, timing, skipped, out_ends)
                 continue
-            timing = _timing(result)
+            if not waits:
+                unpostponed = result
             if result.total_stall_time > self.policy.stall_tolerance:
-                new_leads = self.place_reloads(leads, timing, skipped)
+                timing = _timing(result)
+                new_leads = self.place_reloads(leads, timing, skipped, out_ends)
                 if new_leads != leads:
                     leads = new_leads
                     waits = {f: it for f, it in waits.items() if it in leads or it in fetches}
                     continue
-            if postponing and self._postpone(waits, result):
+            if postponing and self._postpone(waits, simulated_copies(result)):
                 continue
             break
         # Dropping a stalled copy lets later compute start sooner, which can expose another
@@ -306,41 +330,34 @@ class _Planner:
             result = simulate(planned, self.costs)
         return planned, result, skipped
 
-    def _stalled(self, item: Item, timing: dict[Action, tuple]) -> bool:
+    def _stalled(self, item: Item, timing: dict[Action, TimedAction]) -> bool:
         """Whether a backward pass of ``item`` waited for its copy back (a W only waits for a
         FETCH read)."""
-        return any(timing[p][1] > self.policy.stall_tolerance for p in self.passes(item))
+        return any(timing[p].stall > self.policy.stall_tolerance for p in self.passes(item))
 
     def _after_f(self, item: Item) -> Action:
         rank = self.schedule.rank_of(item[0])
         return self.compute[rank][self.position[rank][Action(item[0], Kind.F, item[1])] + 1]
 
-    def _postpone(self, waits: dict[Action, Item], result: SimResult) -> bool:
-        """Before each forward that would start while more than ``max_pending_offloads`` copies
-        out of its rank are unfinished, wait for enough of them (their memory is freed first)."""
+    def _horizon(self) -> float:
+        """The makespan postponing may not exceed."""
+        return self.base.makespan * (1 + self.policy.postpone_slack)
+
+    def _latest_starts(self) -> dict[Action, float]:
+        """Each action's latest start within the horizon in the plain schedule (computed once)."""
+        if self._latest is None:
+            self._latest = latest_starts(self.base, self._horizon())
+        return self._latest
+
+    def _late_waits(self, waits: dict[Action, Item], result: SimResult) -> set[Action]:
+        """The waits that cost makespan (see postpone.late_waits)."""
+        return late_waits(waits, result, self._latest_starts(), self.policy.stall_tolerance)
+
+    def _postpone(self, waits: dict[Action, Item], copies: list[RankCopies]) -> bool:
+        """Add waits where copies out pile up (see postpone.postpone)."""
         limit = self.policy.max_pending_offloads
         assert limit is not None
-        tolerance = self.policy.stall_tolerance
-        changed = False
-        for rank_timeline in result.timeline:
-            f_end = {t.action: t.end for t in rank_timeline if t.action.kind is Kind.F}
-            # Copies out in issue order (their F's end); the D2H queue serves them in that order.
-            offloads = sorted((f_end[Action(t.action.stage, Kind.F, t.action.microbatch)], t.end,
-                               (t.action.stage, t.action.microbatch))
-                              for t in rank_timeline if t.action.kind is Kind.OFFLOAD)
-            issued = 0
-            forwards = sorted((t.start, t.action) for t in rank_timeline if t.action.kind is Kind.F)
-            for start, forward in forwards:
-                while issued < len(offloads) and offloads[issued][0] <= start:
-                    issued += 1
-                if forward in waits:
-                    continue
-                recent = offloads[:issued][-4 * (limit + 1):]
-                pending = sorted((end, item) for _, end, item in recent if end > start + tolerance)
-                if len(pending) > limit:
-                    waits[forward] = pending[len(pending) - limit - 1][1]
-                    changed = True
-        return changed
+        return postpone(waits, copies, self._latest_starts(), limit, self.policy.stall_tolerance)
 
     def floor_reason(self, rank: int) -> str:
         largest = max(self.units[s] for s in self.schedule.stages_on_rank(rank))
@@ -389,6 +406,6 @@ class _Planner:
         return OffloadPlan(schedule=planned, report=report, result=result)
 
 
-def _timing(result: SimResult) -> dict[Action, tuple[float, float, float]]:
-    """action -> (start, stall, end)."""
-    return {t.action: (t.start, t.stall, t.end) for rank in result.timeline for t in rank}
+def _timing(result: SimResult) -> dict[Action, TimedAction]:
+    """action -> its timing (start, stall, end)."""
+    return {t.action: t for rank in result.timeline for t in rank}

@@ -1,0 +1,89 @@
+"""What the offload planner reads off the plain schedule's simulation before it simulates a
+plan: how late each action may start without growing the makespan, and when copies out end.
+
+The planner postpones forwards (OFFLOAD_WAIT) to let copies out drain; a postponement is free
+exactly when the forward still starts by its latest start, so the planner spends this slack
+instead of guessing. A copy back that would have to start before its copy out ends gains
+nothing; copies out queue on their host link, so their ends are forecast with the queue.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.deps import Dependencies
+from pipeoffload.offload.select import Item
+from pipeoffload.sim.simulator import SimResult
+
+
+def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
+    """Per action of ``result``'s schedule, the latest start that lets every action still end
+    by ``horizon`` (at least the makespan), given the same durations and program order.
+
+    Contract: if every action starts no later than its value here, none ends after
+    ``horizon``. Each rank's next action is treated as waiting for the previous one to end,
+    transfers included (a conservative reading of non-blocking actions: less slack, never
+    more), and a dependency across ranks costs the cost model's P2P latency.
+    """
+    schedule, costs = result.schedule, result.costs
+    deps = Dependencies(schedule)
+    rank_of = schedule.stage_to_rank
+    duration = {t.action: t.end - t.start for rank in result.timeline for t in rank}
+    successors: dict[Action, list[Action]] = defaultdict(list)
+    for actions in schedule.ranks:
+        for action in actions:
+            for dep in deps.of(action):
+                successors[dep].append(action)
+    latest: dict[Action, float] = {}
+    # Program order within a rank plus data edges across ranks form a DAG; visit it in
+    # reverse topological order with a pointer per rank, like the simulator's forward pass.
+    pointer = [len(actions) - 1 for actions in schedule.ranks]
+    remaining = sum(len(actions) for actions in schedule.ranks)
+    while remaining:
+        progressed = False
+        for rank, actions in enumerate(schedule.ranks):
+            while pointer[rank] >= 0:
+                action = actions[pointer[rank]]
+                finish = horizon
+                if pointer[rank] + 1 < len(actions):
+                    finish = latest[actions[pointer[rank] + 1]]
+                blocked = False
+                for after in successors.get(action, ()):
+                    at = latest.get(after)
+                    if at is None:
+                        blocked = True
+                        break
+                    if rank_of[after.stage] != rank:
+                        at -= costs.p2p_time
+                    finish = min(finish, at)
+                if blocked:
+                    break
+                latest[action] = finish - duration.get(action, 0.0)
+                pointer[rank] -= 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise AssertionError("latest_starts: the schedule's dependencies form a cycle")
+    return latest
+
+
+def copy_out_ends(result: SimResult, items: Iterable[Item]) -> dict[Item, float]:
+    """When each item's copy out would end if every one of ``items`` were offloaded and the
+    forwards ran as in ``result``: the simulator's streaming rule (starts with its forward,
+    ends no earlier) on each host link's device-to-host queue, served in order of forward
+    start. An upper bound when fewer items end up offloaded."""
+    costs = result.costs
+    wanted = set(items)
+    starts = sorted((t.start, t.end, t.rank, t.action.stage, t.action.microbatch)
+                    for rank in result.timeline for t in rank
+                    if t.action.kind is Kind.F and (t.action.stage, t.action.microbatch) in wanted)
+    free: dict[tuple[int, str], float] = defaultdict(float)
+    ends: dict[Item, float] = {}
+    for f_start, f_end, rank, stage, microbatch in starts:
+        channel = costs.host_link.channel(rank, Kind.OFFLOAD)
+        begin = max(f_start, free[channel])
+        free[channel] = ends[(stage, microbatch)] = max(
+            begin + costs.transfer_time(stage, Kind.OFFLOAD), f_end)
+    return ends
