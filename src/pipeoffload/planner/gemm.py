@@ -34,8 +34,9 @@ REFERENCE_SIZE = 8192
 #: time is the p-norm of (math time, memory time); p = 1 adds them (no overlap), p -> inf is the
 #: guide's max (perfect overlap). 2 is our assumption in between.
 ROOF_SHARPNESS = 2.0
-#: Intensities (FLOP/byte) at which ``roofline_points`` samples the default curve.
-CURVE_INTENSITIES = (8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0)
+#: Intensities (FLOP/byte) at which ``roofline_points`` samples the default curve (it adds the
+#: reference GEMM's, where the curve reaches 1).
+CURVE_INTENSITIES = (8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def roofline_points(ridge_flops_per_byte: float) -> tuple[tuple[float, float], .
     reference = _roof(reference_intensity(), ridge_flops_per_byte)
     return tuple(
         (intensity, min(1.0, _roof(intensity, ridge_flops_per_byte) / reference))
-        for intensity in CURVE_INTENSITIES
+        for intensity in (*CURVE_INTENSITIES, reference_intensity())
     )
 
 
