@@ -110,6 +110,7 @@ def test_probed_gemm_rates_replace_the_default_curve() -> None:
         ({"gemm_points": ((100.0, 0.5), (50.0, 0.9))}, "sorted by increasing intensity"),
         ({"gemm_points": ((100.0, 1.5),)}, r"fraction in \(0, 1\]"),
         ({"gemm_points": (3.0,)}, r"\[intensity, fraction\] pairs"),
+        ({"gemm_points": 3.0}, r"\[intensity, fraction\] pairs"),
         ({"intra_node_busbw_fraction": 1.2}, r"must be in \(0, 1\]"),
         ({"gemm_ridge_flops_per_byte": -1.0}, "must be >= 0"),
     ],

@@ -22,6 +22,7 @@ leaves out (tile and wave quantization, which only a probe sees).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -71,6 +72,7 @@ def _roof(intensity: float, ridge: float) -> float:
     return (1.0 + (ridge / intensity) ** p) ** (-1.0 / p)
 
 
+@functools.lru_cache(maxsize=16)  # a pure function of one number, asked per matmul priced
 def roofline_points(ridge_flops_per_byte: float) -> tuple[tuple[float, float], ...]:
     """The default curve for a GPU whose math rate over memory bandwidth is
     ``ridge_flops_per_byte``, as fractions of the reference GEMM's rate (capped at 1)."""

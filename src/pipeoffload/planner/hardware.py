@@ -58,7 +58,8 @@ class Hardware:
     gemm_points: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not all(isinstance(point, (list, tuple)) for point in self.gemm_points):
+        if not isinstance(self.gemm_points, (list, tuple)) or not all(
+                isinstance(point, (list, tuple)) for point in self.gemm_points):
             raise ConfigError(
                 f"hardware {self.name!r}: gemm_points must be [intensity, fraction] pairs"
             )
