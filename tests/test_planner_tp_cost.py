@@ -24,7 +24,7 @@ from pipeoffload.planner.gemm import (
 )
 from pipeoffload.planner.hardware import Hardware, hardware_preset
 from pipeoffload.planner.layer_time import collective_s, layer_compute_s, layer_seconds
-from pipeoffload.planner.ratio import OptimizerSpec, RunConfig, dp_s, dp_traffic, p2p_s
+from pipeoffload.planner.ratio import OptimizerSpec, RunConfig, dp_s, dp_traffic, layer_cost, p2p_s
 from pipeoffload.planner.transformer import (
     FlopCount,
     MlpKind,
@@ -171,3 +171,16 @@ def test_mt_nlg_530b_stays_within_two_points_of_megatron(recompute: Recompute) -
     evaluator = Evaluator(MT_NLG, A100, MemoryConfig(), math.inf)
     plan = evaluator.evaluate(Candidate("1f1b", 8, 8, 35, 1, 1, 2240 // 8, recompute=recompute))
     assert plan.mfu == pytest.approx(MEGATRON_MFU[recompute], abs=0.02)
+
+
+def test_search_tries_a_larger_microbatch_only_when_its_wider_matmuls_may_pay() -> None:
+    """Wider matmuls make b = 4 faster per sequence for a narrow TP8 layer; that wins with many
+    microbatches (bubble negligible), not with few; at one matmul rate it never does."""
+    from pipeoffload.planner.search import _larger_b_may_win
+
+    per_sequence = [layer_cost(GPT_2K, A100, RunConfig(b, 8)).chunk_s / b for b in (1, 4)]
+    assert per_sequence[1] < per_sequence[0]
+    assert _larger_b_may_win(GPT_2K, A100, Candidate("1f1b", 1, 8, 2, 1, 4, 256))
+    assert not _larger_b_may_win(GPT_2K, A100, Candidate("1f1b", 1, 8, 8, 1, 4, 4))
+    flat = dataclasses.replace(A100, gemm_ridge_flops_per_byte=0.0)
+    assert not _larger_b_may_win(GPT_2K, flat, Candidate("1f1b", 1, 8, 2, 1, 4, 256))
