@@ -2,25 +2,31 @@
 
 (a) per-device activation memory vs pipeline size (po-f falls, 1F1B and interleaved stay flat);
 (b) the paper's case: PP with offload against interleaved 1F1B + TP8 + SP on 32 A100s;
-(c) an impossible budget and the nearest plan.
+(c) an impossible budget and the nearest plan;
+(d) MT-NLG 530B against Megatron's measured MFU (Korthikanti et al. 2022);
+(e) the default GEMM curve: linear-layer efficiency by model, TP degree and GPU.
 
-    python benchmarks/planner_tables.py            # all three (a few minutes on 2 cores)
+    python benchmarks/planner_tables.py            # all four (a few minutes on 2 cores)
     python benchmarks/planner_tables.py --only a   # one of them
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from pathlib import Path
 
-from pipeoffload.planner.costing import GIB, Layout, MemoryConfig, stage_costs
+from pipeoffload.planner.costing import GIB, MemoryConfig
 from pipeoffload.planner.evaluate import Candidate, Evaluator
-from pipeoffload.planner.hardware import hardware_preset
+from pipeoffload.planner.gemm import layer_gemms
+from pipeoffload.planner.hardware import Hardware, hardware_preset
+from pipeoffload.planner.layer_time import layer_compute_s
 from pipeoffload.planner.presets import model_preset
-from pipeoffload.planner.ratio import RunConfig, offload_ratio
+from pipeoffload.planner.ratio import RunConfig, layer_cost, offload_ratio
 from pipeoffload.planner.report import render_table
 from pipeoffload.planner.search import SearchConfig, SearchSpace, search
+from pipeoffload.planner.transformer import MlpKind, Recompute, TransformerSpec
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PPS = (4, 8, 16, 32)
@@ -93,8 +99,6 @@ def table_b(global_batch: int) -> str:
                              budget_bytes=tp8.memory.total)
     pp = search(spec, hw, pp_config, SearchSpace(tp=(1,), offload=("chunks:1", "all"))).best
     assert pp is not None
-    layer = stage_costs(spec, hw, Layout(1, 8, 4, 1, RunConfig(tp=8)))[1]
-    compute = layer.flops.total / hw.bf16_flops_per_s
     lines = [f"(b) {spec.name}, seq 16384, 32 x {hw.name}, global batch {global_batch}: "
              f"best interleaved 1F1B + TP8 + SP, then the best TP=1 plan with offload within "
              f"its memory ({tp8.memory_gib:.1f} GiB)", "", render_table([tp8, pp]), ""]
@@ -103,9 +107,61 @@ def table_b(global_batch: int) -> str:
                      f"offload, at {pp.memory_gib:.1f} vs {tp8.memory_gib:.1f} GiB per device")
     else:
         lines.append("no TP=1 plan with offload fits in the TP8 plan's memory")
-    lines.append(f"TP8 + SP collectives add {layer.chunk_s / compute - 1:.1%} to a layer's "
-                 f"F+I+W (not overlapped); the TP8 plan's bubble is {tp8.bubble_rate:.1%}, the "
-                 f"PP plan's {pp.bubble_rate:.1%}")
+    lines += [tp_breakdown(spec, hw, 8), "", sensitivity(spec, hw, tp8.candidate, pp.candidate)]
+    lines.append(f"bubble: TP8 plan {tp8.bubble_rate:.1%}, PP plan {pp.bubble_rate:.1%}")
+    return "\n".join(lines)
+
+
+def tp_breakdown(spec: TransformerSpec, hw: Hardware, tp: int) -> str:
+    """What TP adds to one layer's F + I + W over its FLOPs at the preset's flat rate: the
+    GEMM-shape penalty and the exposed collectives (layer_time.py)."""
+    run = RunConfig(tp=tp)
+    flat = layer_cost(spec, hw, run).flops.total / hw.bf16_flops_per_s
+    compute = layer_compute_s(spec, hw, 1, tp, run.flop_count)
+    compute_s = compute.f_s + compute.i_s + compute.w_s
+    cost = layer_cost(spec, hw, run)
+    exposed = cost.chunk_s - compute_s
+    return (f"TP{tp} per layer over its FLOPs at {hw.bf16_flops_per_s / 1e12:.0f} TFLOP/s: "
+            f"GEMM shapes {compute_s / flat - 1:+.1%}, exposed collectives "
+            f"{exposed / flat:+.1%} (F {cost.f_s - compute.f_s:.2e} s, I "
+            f"{cost.i_s - compute.i_s:.2e} s, W {cost.w_s - compute.w_s:.2e} s), total "
+            f"{cost.chunk_s / flat - 1:+.1%}")
+
+
+def sensitivity(spec: TransformerSpec, hw: Hardware, tp8: Candidate, pp: Candidate) -> str:
+    """The two plans re-priced with TP made dearer: what the paper's 12-19% would need."""
+    evaluator = lambda h: Evaluator(spec, h, MemoryConfig(), math.inf)  # noqa: E731
+    rows = ["| NVLink busbw | GEMM curve | TP8 MFU | PP + offload MFU | PP + offload lead |",
+            "|---|---|---|---|---|"]
+    for fraction in (hw.intra_node_busbw_fraction, 0.5, 0.3):
+        for ridge, curve in ((hw.gemm_ridge_flops_per_byte, "roofline"),
+                             (4 * hw.gemm_ridge_flops_per_byte, "ridge x4")):
+            h = dataclasses.replace(hw, intra_node_busbw_fraction=fraction,
+                                    gemm_ridge_flops_per_byte=ridge)
+            a, b = evaluator(h).evaluate(tp8).mfu, evaluator(h).evaluate(pp).mfu
+            rows.append(f"| {fraction * hw.intra_node_bytes_per_s / 1e9:.0f} GB/s | {curve} | "
+                        f"{a:.1%} | {b:.1%} | {b / a - 1:+.1%} |")
+    return "\n".join(rows)
+
+
+MT_NLG = TransformerSpec(num_layers=105, hidden=20480, heads=128, kv_heads=128,
+                         ffn_hidden=4 * 20480, vocab=50257, seq_len=2048, mlp=MlpKind.GELU,
+                         dropout=True, name="mt-nlg-530b")
+
+
+def table_d() -> str:
+    """Korthikanti et al. 2022 trained MT-NLG 530B on 2240 A100s, TP8 x PP35 x DP8, global
+    batch 2240, microbatch 1, and measured 54.2% MFU (selective recompute) / 42.1% (full)."""
+    hw = hardware_preset("a100-80gb")
+    evaluator = Evaluator(MT_NLG, hw, MemoryConfig(), math.inf)
+    lines = [f"(d) {MT_NLG.name} on 2240 x {hw.name}, 1f1b, TP8 x PP35 x DP8, global batch "
+             f"2240", "", "| recompute | predicted MFU | Megatron measured | step s | bubble |",
+             "|---|---|---|---|---|"]
+    for recompute, measured in ((Recompute.LGD, 0.542), (Recompute.FULL, 0.421)):
+        plan = evaluator.evaluate(Candidate("1f1b", 8, 8, 35, 1, 1, 280, recompute=recompute))
+        lines.append(f"| {recompute.value} | {plan.mfu:.1%} | {measured:.1%} | "
+                     f"{plan.step_time:.2f} | {plan.bubble_rate:.1%} |")
+    lines += ["", tp_breakdown(MT_NLG, hw, 8)]
     return "\n".join(lines)
 
 
@@ -119,9 +175,33 @@ def table_c() -> str:
     return "\n".join(lines)
 
 
+def table_e() -> str:
+    """Time-weighted efficiency of a layer's four linear matmuls (b = 1) under each preset's
+    default curve: what the GEMM shape model charges TP shards."""
+    models = [(model_preset("pipeoffload-5.8b", seq_len=16384), "s 16384"),
+              (model_preset("pipeoffload-42.9b", seq_len=16384), "s 16384"),
+              (model_preset("pipeoffload-42.9b", seq_len=4096), "s 4096"),
+              (model_preset("llama3-70b"), "s 8192"),
+              (MT_NLG, "s 2048")]
+    tps = (1, 2, 4, 8)
+    lines = ["(e) linear-layer GEMM efficiency (fraction of the large-GEMM rate), b = 1", "",
+             "| model | hardware | " + " | ".join(f"tp {t}" for t in tps) + " |",
+             "|---|---|" + "---|" * len(tps)]
+    for spec, note in models:
+        for name in ("a100-80gb", "h100-80gb"):
+            hw = hardware_preset(name)
+            cells = []
+            for tp in tps:
+                gemms = layer_gemms(spec, 1, tp).all()
+                shaped = sum(hw.gemm_s(g) for g in gemms)
+                cells.append(f"{sum(g.flops for g in gemms) / hw.bf16_flops_per_s / shaped:.3f}")
+            lines.append(f"| {spec.name} ({note}) | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("a", "b", "c"), default=None)
+    parser.add_argument("--only", choices=("a", "b", "c", "d", "e"), default=None)
     parser.add_argument("--no-png", action="store_true")
     args = parser.parse_args()
     if args.only in (None, "a"):
@@ -130,7 +210,11 @@ def main() -> None:
         for global_batch in (256, 512):
             print(table_b(global_batch), end="\n\n")
     if args.only in (None, "c"):
-        print(table_c())
+        print(table_c(), end="\n\n")
+    if args.only in (None, "d"):
+        print(table_d(), end="\n\n")
+    if args.only in (None, "e"):
+        print(table_e())
 
 
 if __name__ == "__main__":

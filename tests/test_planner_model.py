@@ -184,7 +184,8 @@ def test_communication_bytes() -> None:
     spec = tiny()
     one = (4 - 1) / 4 * B * S * H * 2
     comm = layer_tp_comm_bytes(spec, B, tp=4)
-    assert (comm.forward, comm.backward) == (pytest.approx(4 * one), pytest.approx(4 * one))
+    # backward: the four conjugates and Megatron's re-gather of the two column-parallel inputs
+    assert (comm.forward, comm.backward) == (pytest.approx(4 * one), pytest.approx(6 * one))
     assert layer_tp_comm_bytes(spec, B, tp=1).forward == 0
     assert p2p_bytes(spec, B, tp=2) == B * S * H * 2 / 2
     traffic = dp_traffic(spec, 1000.0, OptimizerSpec(), dp=4)
@@ -203,21 +204,29 @@ def fake_hw(**changes: object) -> Hardware:
 
 
 def test_times_from_flops_and_bytes() -> None:
+    """Flat GEMM rate and nominal links (fake_hw's defaults): F pays its 4 collectives, I the
+    2 exposed ones plus the re-run forward under full recompute; the column-parallel re-gather
+    (I) and reduce-scatter (W) cost only what sticks out of the QKV and MLP-in matmuls."""
     spec, hw = tiny(), fake_hw()
     run = RunConfig(micro_batch=B, tp=2, recompute="full")
     cost = layer_cost(spec, hw, run)
     flops = layer_flops(spec, B, tp=2)
-    comm = layer_tp_comm_bytes(spec, B, tp=2).forward
-    assert cost.f_s == pytest.approx(flops.f / 1e3 + comm / 10.0)
-    assert cost.i_s == pytest.approx((flops.i + flops.f) / 1e3 + 2 * comm / 10.0)
-    assert cost.w_s == pytest.approx(flops.w / 1e3)
+    one = layer_tp_comm_bytes(spec, B, tp=2).forward / 4 / 10.0
+    column = (mm(B * S, H, (H + 2 * KV * D) // 2) / 1e3, mm(B * S, H, FFN // 2) / 1e3)
+    overhang = sum(max(0.0, one - matmul) for matmul in column)
+    assert overhang > 0  # tiny matmuls: the collectives stick out
+    forward = flops.f / 1e3 + 4 * one
+    assert cost.f_s == pytest.approx(forward)
+    assert cost.i_s == pytest.approx(flops.i / 1e3 + 2 * one + overhang + forward)
+    assert cost.w_s == pytest.approx(flops.w / 1e3 + overhang)
     across_nodes = layer_cost(spec, hw, RunConfig(micro_batch=B, tp=8))
     assert across_nodes.f_s == pytest.approx(
         layer_flops(spec, B, tp=8).f / 1e3 + layer_tp_comm_bytes(spec, B, tp=8).forward / 1.0
     )
     last = stage_cost(spec, hw, run, layers=3, head=True)
     assert last.chunk_s == pytest.approx(
-        3 * cost.chunk_s + head_flops(spec, B, tp=2).total / 1e3 + 2 * (comm / 4) / 10.0
+        3 * cost.chunk_s + head_flops(spec, B, tp=2).total / 1e3 + one
+        + 2 * max(0.0, one - mm(B * S, H, V // 2) / 1e3)
     )
     assert last.activation_bytes == pytest.approx(
         3 * cost.activation_bytes + head_activation_bytes(spec, B, "full", tp=2)
@@ -240,13 +249,17 @@ def test_k_reproduces_paper_notes(hidden: int, expected: float) -> None:
     assert ratio.k == pytest.approx(expected, rel=0.02)
     assert ratio.k == pytest.approx(closed, rel=0.005)
     assert f"{ratio.k:.3f}" in str(ratio)
-    # k does not depend on the microbatch size.
+    # At one matmul rate k does not depend on the microbatch size; with the GEMM shape model
+    # larger microbatches run their matmuls a little faster, so k rises a little.
+    flat = dataclasses.replace(a100, gemm_ridge_flops_per_byte=0.0)
+    bigger = offload_ratio(spec, flat, dataclasses.replace(run, micro_batch=4))
+    assert bigger.k == pytest.approx(offload_ratio(spec, flat, run).k)
     bigger = offload_ratio(spec, a100, dataclasses.replace(run, micro_batch=4))
-    assert bigger.k == pytest.approx(ratio.k)
+    assert ratio.k <= bigger.k < 1.01 * ratio.k
 
 
 def test_hardware_flop_count_lowers_k_by_flash_recompute() -> None:
-    a100 = hardware_preset("a100")
+    a100 = dataclasses.replace(hardware_preset("a100"), gemm_ridge_flops_per_byte=0.0)
     h, s = 4096, 8192
     spec, run = paper_layer(h, s)
     model_k = offload_ratio(spec, a100, run).k

@@ -87,6 +87,7 @@ def test_base_preset_by_device_name() -> None:
 @needs_cuda
 def test_measure_tiny_sizes_on_cuda() -> None:
     assert measure_matmul(256, 3, warmup=1) > 0
+    assert probe_module.measure_gemm(256, 64, 256, 3, warmup=1) > 0
     rates = measure_copies(1 << 20, 2, warmup=1)
     assert len(rates) == 4 and all(r > 0 for r in rates)
 
@@ -100,5 +101,6 @@ def test_cli_on_cuda_writes_a_loadable_preset(monkeypatch, tmp_path, capsys) -> 
     assert run_probe_cli(str(out)) == 0
     saved = Hardware.from_json(out.read_text())
     assert saved.name.startswith("probed-")
+    assert len(saved.gemm_points) == len(tiny.gemm_widths)  # one point per measured width
     assert json.loads(out.read_text())["d2h_bytes_per_s"] > 0
     assert "bf16 matmul" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """Measure the local GPU and turn the numbers into a hardware preset (`pipeoffload probe`).
 
-What is measured: the bf16 matmul rate of large square products, and pinned-memory copy
+What is measured: the bf16 matmul rate of large square products and of narrower ones (the
+GEMM efficiency curve of planner/gemm.py), and pinned-memory copy
 bandwidth device-to-host and host-to-device, each alone and both at once (which tells a full
 duplex link from a half duplex one). What is not: NVLink / network bandwidth and how many GPUs
 share a host link; those come from the preset of the same GPU model (``base``).
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeoffload.planner.gemm import Gemm
 from pipeoffload.planner.hardware import Hardware, hardware_preset
 
 NO_DEVICE_MESSAGE = "no CUDA device; nothing to probe"
@@ -27,11 +29,14 @@ class ProbeConfig:
     ``layer_efficiency``: fraction of the measured large-GEMM rate a whole transformer layer
     achieves; 0.75 maps an A100's ~290 TFLOP/s bf16 GEMM to the 220 TFLOP/s the PipeOffload
     authors use. ``duplex_threshold``: a link is full duplex when each direction keeps at least
-    this fraction of its solo bandwidth while the other runs.
+    this fraction of its solo bandwidth while the other runs. ``gemm_widths``: n of the
+    (matmul_size x matmul_size) @ (matmul_size x n) products whose rates, over the square's,
+    become the preset's GEMM efficiency curve (the intensities a TP shard's matmuls span).
     """
 
     matmul_size: int = 8192
     matmul_iters: int = 10
+    gemm_widths: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
     copy_bytes: int = 512 * 2**20
     copy_iters: int = 5
     warmup_iters: int = 2
@@ -51,6 +56,17 @@ class ProbeResult:
     h2d_bytes_per_s: float
     d2h_both_bytes_per_s: float
     h2d_both_bytes_per_s: float
+    gemm_rates: tuple[tuple[int, int, int, float], ...] = ()
+    """(m, n, k, FLOP/s) of the narrower products."""
+
+    def gemm_points(self) -> tuple[tuple[float, float], ...]:
+        """(intensity, rate over the square product's rate, at most 1) by increasing
+        intensity: the curve of planner/gemm.py, Note [GEMM efficiency curve]."""
+        points = {
+            Gemm(m, n, k).intensity: min(1.0, rate / self.matmul_flops_per_s)
+            for m, n, k, rate in self.gemm_rates
+        }
+        return tuple(sorted(points.items()))
 
     def full_duplex(self, threshold: float) -> bool:
         return (
@@ -63,6 +79,8 @@ class ProbeResult:
             f"device            {self.device_name} ({self.gpu_count} visible, "
             f"{self.hbm_bytes / 2**30:.1f} GiB)",
             f"bf16 matmul       {self.matmul_flops_per_s / 1e12:.1f} TFLOP/s",
+            *(f"  {m} x {k} @ {k} x {n}: {rate / 1e12:.1f} TFLOP/s"
+              for m, n, k, rate in self.gemm_rates),
             f"D2H pinned        {self.d2h_bytes_per_s / 1e9:.2f} GB/s alone, "
             f"{self.d2h_both_bytes_per_s / 1e9:.2f} GB/s with H2D running",
             f"H2D pinned        {self.h2d_bytes_per_s / 1e9:.2f} GB/s alone, "
@@ -90,6 +108,7 @@ def to_hardware(
         base,
         name="probed-" + "-".join(result.device_name.lower().split()),
         bf16_flops_per_s=result.matmul_flops_per_s * config.layer_efficiency,
+        gemm_points=result.gemm_points(),
         hbm_bytes=result.hbm_bytes,
         d2h_bytes_per_s=result.d2h_bytes_per_s,
         h2d_bytes_per_s=result.h2d_bytes_per_s,
@@ -112,16 +131,16 @@ def cuda_available() -> bool:
     return torch is not None and torch.cuda.is_available()
 
 
-def measure_matmul(
-    size: int, iters: int, *, warmup: int = 2, device: int = 0
+def measure_gemm(
+    m: int, n: int, k: int, iters: int, *, warmup: int = 2, device: int = 0
 ) -> float:
-    """FLOP/s of ``size`` x ``size`` bf16 products (2 size^3 FLOPs each), timed with CUDA events."""
+    """FLOP/s of (m x k) @ (k x n) bf16 products (2 m n k FLOPs each), timed with CUDA events."""
     import torch
 
     dev = torch.device("cuda", device)
-    a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
-    out = torch.empty(size, size, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
     for _ in range(warmup):
         torch.matmul(a, b, out=out)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -130,7 +149,14 @@ def measure_matmul(
         torch.matmul(a, b, out=out)
     end.record()
     end.synchronize()
-    return 2 * size**3 * iters / (start.elapsed_time(end) / 1e3)
+    return 2 * m * n * k * iters / (start.elapsed_time(end) / 1e3)
+
+
+def measure_matmul(
+    size: int, iters: int, *, warmup: int = 2, device: int = 0
+) -> float:
+    """FLOP/s of ``size`` x ``size`` bf16 products (2 size^3 FLOPs each)."""
+    return measure_gemm(size, size, size, iters, warmup=warmup, device=device)
 
 
 def _copy_buffers(torch: Any, nbytes: int, dev: Any) -> tuple[Any, Any]:
@@ -193,6 +219,12 @@ def measure(config: ProbeConfig = ProbeConfig(), *, device: int = 0) -> ProbeRes
     flops = measure_matmul(
         config.matmul_size, config.matmul_iters, warmup=config.warmup_iters, device=device
     )
+    size = config.matmul_size
+    gemm_rates = tuple(
+        (size, n, size, measure_gemm(size, n, size, config.matmul_iters,
+                                     warmup=config.warmup_iters, device=device))
+        for n in config.gemm_widths
+    )
     d2h, h2d, d2h_both, h2d_both = measure_copies(
         config.copy_bytes, config.copy_iters, warmup=config.warmup_iters, device=device
     )
@@ -205,6 +237,7 @@ def measure(config: ProbeConfig = ProbeConfig(), *, device: int = 0) -> ProbeRes
         h2d_bytes_per_s=h2d,
         d2h_both_bytes_per_s=d2h_both,
         h2d_both_bytes_per_s=h2d_both,
+        gemm_rates=gemm_rates,
     )
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.planner.gemm import Gemm, check_points, curve_fraction, roofline_points
 from pipeoffload.sim.costs import Duplex, HostLink
 
 _MIB = 2**20
@@ -31,6 +32,15 @@ class Hardware:
     - ``intra_node_bytes_per_s`` / ``inter_node_bytes_per_s``: per-GPU, per-direction bandwidth
       of collectives and P2P inside a node (NVLink) and across nodes (NIC per GPU).
     - ``gpus_per_host_link``: GPUs that share one host link (two A100s behind one PCIe switch).
+    - ``intra_node_busbw_fraction`` / ``inter_node_busbw_fraction``: the share of those nominal
+      link rates NCCL achieves as bus bandwidth (nccl-tests' busbw at large messages); every
+      collective and P2P transfer is priced at the achieved rate. 1.0 means nominal.
+    - ``gemm_ridge_flops_per_byte``: the datasheet math rate over HBM bandwidth (NVIDIA's
+      ops:byte ratio), which draws the default GEMM efficiency curve; 0 means every matmul runs
+      at ``bf16_flops_per_s`` whatever its shape.
+    - ``gemm_points``: measured (intensity FLOP/byte, fraction of the large-GEMM rate) pairs from
+      ``pipeoffload probe``; when present they replace the default curve (gemm.py, Note [GEMM
+      efficiency curve]).
     """
 
     name: str
@@ -43,11 +53,39 @@ class Hardware:
     gpus_per_node: int = 8
     gpus_per_host_link: int = 1
     full_duplex: bool = True
+    intra_node_busbw_fraction: float = 1.0
+    inter_node_busbw_fraction: float = 1.0
+    gemm_ridge_flops_per_byte: float = 0.0
+    gemm_points: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.gemm_points, (list, tuple)) or not all(
+                isinstance(point, (list, tuple)) for point in self.gemm_points):
+            raise ConfigError(
+                f"hardware {self.name!r}: gemm_points must be [intensity, fraction] pairs"
+            )
+        points = tuple(tuple(point) for point in self.gemm_points)
+        object.__setattr__(self, "gemm_points", points)
+        check_points(points, f"hardware {self.name!r}")
+        for field in ("intra_node_busbw_fraction", "inter_node_busbw_fraction"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value <= 1:
+                raise ConfigError(
+                    f"hardware {self.name!r}: {field} must be in (0, 1] (achieved over nominal "
+                    f"bandwidth), got {value!r}"
+                )
+        ridge = self.gemm_ridge_flops_per_byte
+        if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or ridge < 0:
+            raise ConfigError(
+                f"hardware {self.name!r}: gemm_ridge_flops_per_byte must be >= 0 (0: no shape "
+                f"model), got {ridge!r}"
+            )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in ("name", "full_duplex"):
+            if field.name in ("name", "full_duplex", "intra_node_busbw_fraction",
+                              "inter_node_busbw_fraction", "gemm_ridge_flops_per_byte",
+                              "gemm_points"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                     not 0 < value < math.inf:
@@ -72,6 +110,20 @@ class Hardware:
         """Seconds to run ``flops`` of matmul work."""
         return flops / self.bf16_flops_per_s
 
+    def gemm_fraction(self, gemm: Gemm) -> float:
+        """The fraction of ``bf16_flops_per_s`` a GEMM of this shape reaches: the probe's
+        measured curve, else the default roofline curve, else 1."""
+        if self.gemm_points:
+            return curve_fraction(self.gemm_points, gemm.intensity)
+        if self.gemm_ridge_flops_per_byte > 0:
+            return curve_fraction(roofline_points(self.gemm_ridge_flops_per_byte),
+                                  gemm.intensity)
+        return 1.0
+
+    def gemm_s(self, gemm: Gemm) -> float:
+        """Seconds to run one GEMM, its shape's efficiency included."""
+        return gemm.flops / (self.bf16_flops_per_s * self.gemm_fraction(gemm))
+
     def d2h_s(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` from this GPU to pinned host memory."""
         return nbytes / self.d2h_bytes_per_s
@@ -81,11 +133,16 @@ class Hardware:
         return nbytes / self.h2d_bytes_per_s
 
     def link_bytes_per_s(self, group_size: int) -> float:
-        """Per-GPU bandwidth of a collective among ``group_size`` consecutive GPUs: NVLink when the
-        group fits in one node, else the inter-node network (the slowest hop sets a ring's pace)."""
-        return self.intra_node_bytes_per_s if group_size <= self.gpus_per_node else (
-            self.inter_node_bytes_per_s
-        )
+        """Per-GPU bandwidth NCCL achieves in a collective among ``group_size`` consecutive GPUs:
+        NVLink when the group fits in one node, else the inter-node network (the slowest hop sets
+        a ring's pace); nominal rate times its busbw fraction."""
+        return self.achieved_bytes_per_s(cross_node=group_size > self.gpus_per_node)
+
+    def achieved_bytes_per_s(self, *, cross_node: bool) -> float:
+        """Per-GPU, per-direction bandwidth NCCL achieves inside a node or across nodes."""
+        if cross_node:
+            return self.inter_node_bytes_per_s * self.inter_node_busbw_fraction
+        return self.intra_node_bytes_per_s * self.intra_node_busbw_fraction
 
     def host_link(self) -> HostLink:
         """The simulator's view of how this machine's GPUs reach host memory."""
@@ -122,6 +179,8 @@ class Hardware:
         missing = [n for n in required if n not in data]
         if missing:
             raise ConfigError(f"{source}: missing hardware field(s) {', '.join(missing)}")
+        if "gemm_points" in data and not isinstance(data["gemm_points"], list):
+            raise ConfigError(f"{source}: gemm_points must be a list of [intensity, fraction]")
         return cls(**data)
 
 
@@ -136,6 +195,11 @@ def _preset(**kwargs: object) -> Hardware:
 # - Network: one 200 Gb/s (A100) / 400 Gb/s (H100, H200) NIC per GPU, as in DGX systems.
 # - A100s share a PCIe switch in pairs (PipeOffload paper, section 4.2).
 # - H200: the H100's compute die and PCIe 5 link, so the H100's 440 TFLOP/s and 21 GB/s.
+# - busbw fractions: nccl-tests' large-message bus bandwidth over the nominal link rate,
+#   A100 NVLink 3 ~235 of 300 GB/s; H100 / H200 all-gather and reduce-scatter ~360 of 450
+#   [assumption]; networks 0.9 of line rate [assumption].
+# - GEMM ridge: datasheet dense bf16 over HBM bandwidth (A100 80GB 312 TFLOP/s / 2.039 TB/s,
+#   H100 SXM 989 / 3.35, H200 989 / 4.8), NVIDIA's ops:byte ratio.
 _PRESETS: dict[str, Hardware] = {
     "a100-80gb": _preset(
         name="a100-80gb",
@@ -147,6 +211,9 @@ _PRESETS: dict[str, Hardware] = {
         inter_node_bytes_per_s=25e9,
         gpus_per_node=8,
         gpus_per_host_link=2,
+        intra_node_busbw_fraction=0.78,
+        inter_node_busbw_fraction=0.9,
+        gemm_ridge_flops_per_byte=312e12 / 2.039e12,
     ),
     "h100-80gb": _preset(
         name="h100-80gb",
@@ -158,6 +225,9 @@ _PRESETS: dict[str, Hardware] = {
         inter_node_bytes_per_s=50e9,
         gpus_per_node=8,
         gpus_per_host_link=1,
+        intra_node_busbw_fraction=0.8,
+        inter_node_busbw_fraction=0.9,
+        gemm_ridge_flops_per_byte=989e12 / 3.35e12,
     ),
     "h200": _preset(
         name="h200",
@@ -169,6 +239,9 @@ _PRESETS: dict[str, Hardware] = {
         inter_node_bytes_per_s=50e9,
         gpus_per_node=8,
         gpus_per_host_link=1,
+        intra_node_busbw_fraction=0.8,
+        inter_node_busbw_fraction=0.9,
+        gemm_ridge_flops_per_byte=989e12 / 4.8e12,
     ),
 }
 

@@ -13,6 +13,12 @@ from dataclasses import dataclass
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.hardware import Hardware, hardware_preset
+from pipeoffload.planner.layer_time import (
+    PassSeconds,
+    embedding_seconds,
+    head_seconds,
+    layer_seconds,
+)
 from pipeoffload.planner.transformer import (
     CommBytes,
     FlopCount,
@@ -30,6 +36,7 @@ from pipeoffload.planner.transformer import (
     head_activation_bytes,
     head_flops,
     head_params,
+    head_tp_comm_bytes,
     layer_activation_bytes,
     layer_flops,
     layer_params,
@@ -63,10 +70,10 @@ class RunConfig:
 class PieceCost:
     """One microbatch through a piece of the model (layers, embedding, head) on one GPU.
 
-    ``f_s`` = F compute + forward TP collectives; ``i_s`` = I compute + recomputed forward +
-    backward TP collectives; ``w_s`` = W compute. Collectives are not overlapped with compute
-    (Megatron's sequence-parallel collectives mostly are not). ``flops``, ``recompute_flops``
-    and ``tp_comm`` are the inputs those times came from.
+    ``f_s`` = F compute + exposed forward TP collectives; ``i_s`` = I compute + recomputed
+    forward + exposed backward TP collectives; ``w_s`` = W compute + what the input gradient's
+    reduce-scatter leaves exposed (layer_time.py, Note [exposed TP communication]). ``flops``,
+    ``recompute_flops`` and ``tp_comm`` (bytes sent, hidden or not) are the inputs.
     """
 
     flops: PassFlops
@@ -110,38 +117,36 @@ class PieceCost:
 
 
 def _piece(
-    hw: Hardware,
-    run: RunConfig,
+    seconds: PassSeconds,
     flops: PassFlops,
     recomputed: float,
     comm: CommBytes,
     activation_bytes: float,
     params: ParamCount,
 ) -> PieceCost:
-    link = hw.link_bytes_per_s(run.tp)
     return PieceCost(
         flops=flops,
         recompute_flops=recomputed,
         tp_comm=comm,
-        f_s=hw.compute_s(flops.f) + comm.forward / link,
-        i_s=hw.compute_s(flops.i + recomputed) + comm.backward / link,
-        w_s=hw.compute_s(flops.w),
+        f_s=seconds.f_s,
+        i_s=seconds.i_s,
+        w_s=seconds.w_s,
         activation_bytes=activation_bytes,
         params=params,
     )
 
 
 def layer_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig()) -> PieceCost:
-    """One transformer layer. Under full recompute (HARDWARE count) the backward also re-runs
-    the forward's collectives."""
+    """One transformer layer: matmuls by shape, exposed TP collectives (layer_time.py, Note
+    [exposed TP communication]). Under full recompute (HARDWARE count) the backward also re-runs
+    the forward and its collectives."""
     b, tp = run.micro_batch, run.tp
     recomputed = recompute_flops(spec, b, run.recompute, tp=tp, count=run.flop_count)
     comm = layer_tp_comm_bytes(spec, b, tp=tp)
     if recomputed:
         comm = CommBytes(comm.forward, comm.backward + comm.forward)
     return _piece(
-        hw,
-        run,
+        layer_seconds(spec, hw, b, tp, run.recompute, run.flop_count),
         layer_flops(spec, b, tp=tp, count=run.flop_count),
         recomputed,
         comm,
@@ -154,8 +159,7 @@ def embedding_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConf
     """The input embedding (no matmul FLOPs: its time is its TP collectives only)."""
     b, tp = run.micro_batch, run.tp
     return _piece(
-        hw,
-        run,
+        embedding_seconds(spec, hw, b, tp),
         embedding_flops(spec, b, tp=tp),
         0.0,
         end_tp_comm_bytes(spec, b, tp=tp),
@@ -168,11 +172,10 @@ def head_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig())
     """Final norm, output projection and loss."""
     b, tp = run.micro_batch, run.tp
     return _piece(
-        hw,
-        run,
+        head_seconds(spec, hw, b, tp),
         head_flops(spec, b, tp=tp),
         0.0,
-        end_tp_comm_bytes(spec, b, tp=tp),
+        head_tp_comm_bytes(spec, b, tp=tp),
         head_activation_bytes(spec, b, run.recompute, tp=tp),
         head_params(spec, tp=tp),
     )
@@ -205,7 +208,7 @@ def p2p_s(
     spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig(), *, cross_node: bool
 ) -> float:
     """Seconds to send one microbatch's boundary activation (or its gradient) to the next stage."""
-    link = hw.inter_node_bytes_per_s if cross_node else hw.intra_node_bytes_per_s
+    link = hw.achieved_bytes_per_s(cross_node=cross_node)
     return p2p_bytes(spec, run.micro_batch, tp=run.tp) / link
 
 
@@ -280,8 +283,9 @@ def dp_traffic(
 
 
 def dp_s(traffic: DpTraffic, hw: Hardware, *, cross_node: bool) -> float:
-    """Seconds of the data-parallel exchange of one step, not overlapped with compute."""
-    link = hw.inter_node_bytes_per_s if cross_node else hw.intra_node_bytes_per_s
+    """Seconds of the data-parallel exchange of one step, not overlapped with compute, at
+    NCCL's achieved bus bandwidth."""
+    link = hw.achieved_bytes_per_s(cross_node=cross_node)
     return traffic.total / link
 
 

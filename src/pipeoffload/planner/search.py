@@ -17,9 +17,10 @@ Pruning, cheapest first (each count is reported in ``SearchStats``):
    and the walk stops at the first that fits: offload planning only inserts transfers and waits,
    never reorders compute, so a later variant cannot be faster. An infeasible variant's time
    bounds its offloaded siblings from below, so they are skipped when it is above the bound.
-4. Microbatch size: in this cost model every time and byte scales linearly with b, so b > 1 only
-   adds bubble and memory; a larger b is simulated only when the same configuration with a
-   smaller b could not be built.
+4. Microbatch size: bytes scale linearly with b, and times nearly so (larger b only widens
+   the matmuls, gemm.py), so b > 1 mostly adds bubble and memory. A larger b is simulated when
+   the same configuration with a smaller b could not be built, or when its per-sequence speed-up
+   outweighs the bubble it adds (``_larger_b_may_win``).
 """
 
 from __future__ import annotations
@@ -230,6 +231,18 @@ def _variants(spec: TransformerSpec, hw: Hardware, base: Candidate,
     return [replace(base, recompute=r, offload=o) for r in kept for o in offloads]
 
 
+def _larger_b_may_win(spec: TransformerSpec, hw: Hardware, candidate: Candidate) -> bool:
+    """Whether microbatch size b > 1 may beat b = 1 on the same configuration: a step of M
+    sequences takes about t_b (M / b + (p-1) / v) for t_b per microbatch, so b wins only if
+    t_b / b (M + b (p-1) / v) < t_1 (M + (p-1) / v)."""
+    b, tp = candidate.micro_batch, candidate.tp
+    t_b = layer_cost(spec, hw, RunConfig(b, tp, candidate.recompute)).chunk_s
+    t_1 = layer_cost(spec, hw, RunConfig(1, tp, candidate.recompute)).chunk_s
+    sequences = candidate.microbatches * b
+    fill = (candidate.pp - 1) / candidate.chunks
+    return t_b / b * (sequences + b * fill) < t_1 * (sequences + fill)
+
+
 def _estimate(evaluator: Evaluator, variants: list[Candidate]) -> float:
     first = variants[0]
     bubble = (first.pp - 1) / (first.chunks * first.microbatches)
@@ -265,7 +278,7 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                      f"{evaluator.simulations} simulations{best}")
         first = variants[0]
         shape = (first.schedule, first.dp, first.tp, first.pp, first.chunks, first.group_size)
-        if first.micro_batch > 1 and shape in built_b:
+        if first.micro_batch > 1 and shape in built_b and not _larger_b_may_win(spec, hw, first):
             stats["dominated"] += len(variants)
             continue
         lower = evaluator.time_bound(first)

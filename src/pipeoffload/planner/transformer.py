@@ -362,20 +362,28 @@ class CommBytes:
 
 def layer_tp_comm_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int) -> CommBytes:
     """Tensor + sequence parallelism (Korthikanti et al. 2022 s4.2.2): per layer, two all-gathers
-    and two reduce-scatters of b s h elements in F, and as many in the backward."""
+    and two reduce-scatters of b s h elements in F; in the backward their four conjugates plus
+    Megatron's re-gather of the two column-parallel inputs for the weight gradients (six; which
+    of them overlap is layer_time.py's Note [exposed TP communication])."""
     _check(micro_batch, tp)
     bsh = micro_batch * spec.seq_len * spec.hidden
     one = ring_collective_bytes(bsh, tp, spec.activation_bytes)
-    return CommBytes(4 * one, 4 * one)
+    return CommBytes(4 * one, 6 * one)
 
 
 def end_tp_comm_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int) -> CommBytes:
-    """The embedding (reduce-scatter of its output in F, all-gather in B) and the head
-    (all-gather of its input in F, reduce-scatter in B) each run one collective per pass."""
+    """The embedding: a reduce-scatter of its output in F, an all-gather of its gradient in B."""
     _check(micro_batch, tp)
     bsh = micro_batch * spec.seq_len * spec.hidden
     one = ring_collective_bytes(bsh, tp, spec.activation_bytes)
     return CommBytes(one, one)
+
+
+def head_tp_comm_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int) -> CommBytes:
+    """The head (column-parallel): an all-gather of its input in F; in B the input's re-gather
+    for the weight gradient and the reduce-scatter of the input gradient."""
+    one = end_tp_comm_bytes(spec, micro_batch, tp=tp).forward
+    return CommBytes(one, 2 * one)
 
 
 def p2p_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int = 1) -> float:

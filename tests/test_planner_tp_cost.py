@@ -1,0 +1,186 @@
+"""TP priced honestly: matmul efficiency by GEMM shape, NCCL's achieved bus bandwidth, and the
+exposed part of Megatron's sequence-parallel collectives; and the MT-NLG 530B check that the
+model still matches Megatron's measured MFU (Korthikanti et al. 2022)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeoffload.app.probe import ProbeConfig, ProbeResult, to_hardware
+from pipeoffload.errors import ConfigError
+from pipeoffload.planner.costing import MemoryConfig
+from pipeoffload.planner.evaluate import Candidate, Evaluator
+from pipeoffload.planner.gemm import (
+    Gemm,
+    curve_fraction,
+    layer_gemms,
+    reference_intensity,
+    roofline_points,
+)
+from pipeoffload.planner.hardware import Hardware, hardware_preset
+from pipeoffload.planner.layer_time import collective_s, layer_compute_s, layer_seconds
+from pipeoffload.planner.ratio import OptimizerSpec, RunConfig, dp_s, dp_traffic, layer_cost, p2p_s
+from pipeoffload.planner.transformer import (
+    FlopCount,
+    MlpKind,
+    Recompute,
+    TransformerSpec,
+    layer_flops,
+)
+
+A100 = hardware_preset("a100-80gb")
+GPT_2K = TransformerSpec(num_layers=4, hidden=2048, heads=16, kv_heads=16, ffn_hidden=8192,
+                         vocab=32000, seq_len=2048, mlp=MlpKind.GELU, name="gpt-2k")
+
+dims = st.integers(min_value=1, max_value=1 << 16)
+
+
+@given(dims, dims, dims)
+def test_gemm_intensity_is_the_same_for_forward_and_both_gradients(m, n, k) -> None:
+    """Y = X W (m, n, k), dX = dY W^T (m, k, n) and dW = X^T dY (k, n, m) share one intensity,
+    so one efficiency prices a linear layer's F, I and W."""
+    forward = Gemm(m, n, k).intensity
+    assert Gemm(m, k, n).intensity == pytest.approx(forward)
+    assert Gemm(k, n, m).intensity == pytest.approx(forward)
+
+
+@settings(max_examples=50)
+@given(st.floats(min_value=0.1, max_value=1e5), st.floats(min_value=1.0, max_value=4.0))
+def test_default_curve_is_a_rounded_roofline(intensity: float, factor: float) -> None:
+    points = roofline_points(A100.gemm_ridge_flops_per_byte)
+    low, high = curve_fraction(points, intensity), curve_fraction(points, intensity * factor)
+    assert 0 < low <= high <= 1  # never faster than a large GEMM, monotone in intensity
+    if intensity * factor <= points[0][0]:  # memory-bound: rate proportional to intensity
+        assert high == pytest.approx(low * factor)
+
+
+def test_default_curve_values() -> None:
+    points = roofline_points(A100.gemm_ridge_flops_per_byte)
+    assert curve_fraction(points, reference_intensity()) == 1.0
+    ridge = A100.gemm_ridge_flops_per_byte  # 153 FLOP/byte: half-way between the two roofs
+    assert curve_fraction(points, ridge) == pytest.approx(2 ** -0.5, abs=0.02)  # sampled
+    # TP8 shards of an h = 2048 layer are narrow enough to cost; unsharded ones are not.
+    tp1 = [A100.gemm_fraction(g) for g in layer_gemms(GPT_2K, 1, 1).all()]
+    tp8 = [A100.gemm_fraction(g) for g in layer_gemms(GPT_2K, 1, 8).all()]
+    assert min(tp1) > 0.97 and max(tp8) < 0.97 and min(tp8) < 0.8
+    flat = dataclasses.replace(A100, gemm_ridge_flops_per_byte=0.0)
+    assert all(flat.gemm_fraction(g) == 1.0 for g in layer_gemms(GPT_2K, 1, 8).all())
+
+
+def test_layer_gemms_cover_the_linear_flops() -> None:
+    for mlp in MlpKind:
+        spec = dataclasses.replace(GPT_2K, mlp=mlp, kv_heads=4)
+        flat = dataclasses.replace(A100, gemm_ridge_flops_per_byte=0.0)
+        compute = layer_compute_s(spec, flat, 2, 4, FlopCount.HARDWARE)
+        flops = layer_flops(spec, 2, tp=4)
+        assert compute.f_s == pytest.approx(flops.f / flat.bf16_flops_per_s)
+        assert compute.i_s == pytest.approx(flops.i / flat.bf16_flops_per_s)
+        assert compute.w_s == pytest.approx(flops.w / flat.bf16_flops_per_s)
+
+
+def fake_probe(**changes: object) -> ProbeResult:
+    values = dict(
+        device_name="NVIDIA A100-SXM4-80GB", hbm_bytes=85_000_000_000, gpu_count=1,
+        matmul_flops_per_s=280e12, d2h_bytes_per_s=20e9, h2d_bytes_per_s=24e9,
+        d2h_both_bytes_per_s=19e9, h2d_both_bytes_per_s=23e9,
+        gemm_rates=((8192, 256, 8192, 70e12), (8192, 1024, 8192, 140e12),
+                    (8192, 4096, 8192, 290e12)),
+    )
+    values.update(changes)
+    return ProbeResult(**values)  # type: ignore[arg-type]
+
+
+def test_probed_gemm_rates_replace_the_default_curve() -> None:
+    hw = to_hardware(fake_probe(), ProbeConfig())
+    assert [round(f, 3) for _, f in hw.gemm_points] == [0.25, 0.5, 1.0]  # capped at 1
+    assert hw.gemm_fraction(Gemm(8192, 1024, 8192)) == pytest.approx(0.5)
+    assert hw.gemm_fraction(Gemm(4096, 4096, 4096)) != A100.gemm_fraction(Gemm(4096, 4096, 4096))
+    assert Hardware.from_json(hw.to_json()) == hw
+    assert "8192 x 8192 @ 8192 x 1024: 140.0 TFLOP/s" in str(fake_probe())
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"gemm_points": ((100.0, 0.5), (50.0, 0.9))}, "sorted by increasing intensity"),
+        ({"gemm_points": ((100.0, 1.5),)}, r"fraction in \(0, 1\]"),
+        ({"gemm_points": (3.0,)}, r"\[intensity, fraction\] pairs"),
+        ({"gemm_points": 3.0}, r"\[intensity, fraction\] pairs"),
+        ({"intra_node_busbw_fraction": 1.2}, r"must be in \(0, 1\]"),
+        ({"gemm_ridge_flops_per_byte": -1.0}, "must be >= 0"),
+    ],
+)
+def test_bad_hardware_fields_are_rejected(changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(A100, **changes)
+
+
+def test_links_run_at_the_achieved_bus_bandwidth() -> None:
+    assert A100.link_bytes_per_s(8) == pytest.approx(0.78 * 300e9)
+    assert A100.link_bytes_per_s(16) == pytest.approx(0.9 * 25e9)
+    nominal = dataclasses.replace(A100, intra_node_busbw_fraction=1.0,
+                                  inter_node_busbw_fraction=1.0)
+    run = RunConfig(tp=2)
+    for cross_node in (False, True):
+        assert p2p_s(GPT_2K, A100, run, cross_node=cross_node) > p2p_s(
+            GPT_2K, nominal, run, cross_node=cross_node)
+    traffic = dp_traffic(GPT_2K, 1e9, OptimizerSpec(), dp=4)
+    assert dp_s(traffic, A100, cross_node=True) == pytest.approx(
+        dp_s(traffic, nominal, cross_node=True) / 0.9)
+
+
+@pytest.mark.parametrize("link_scale", [1e-3, 1e3])
+def test_exposed_collectives_follow_megatrons_sequence_parallel_pattern(
+    link_scale: float,
+) -> None:
+    """F: 4 collectives exposed; I: 2 exposed + the re-gathers' overhang beyond the QKV and
+    MLP-in input-gradient matmuls; W: the reduce-scatters' overhang beyond their weight-gradient
+    matmuls. Slow links (1e-3) stick out, fast ones (1e3) hide."""
+    hw = dataclasses.replace(A100, intra_node_bytes_per_s=300e9 * link_scale)
+    b, tp = 1, 8
+    compute = layer_compute_s(GPT_2K, hw, b, tp, FlopCount.HARDWARE)
+    one = collective_s(GPT_2K, hw, b, tp)
+    gemms = layer_gemms(GPT_2K, b, tp)
+    overhang = sum(max(0.0, one - hw.gemm_s(g)) for g in (gemms.qkv, gemms.mlp_in))
+    seconds = layer_seconds(GPT_2K, hw, b, tp, Recompute.LGD, FlopCount.HARDWARE)
+    assert seconds.f_s == pytest.approx(compute.f_s + 4 * one)
+    assert seconds.i_s == pytest.approx(compute.i_s + 2 * one + overhang)
+    assert seconds.w_s == pytest.approx(compute.w_s + overhang)
+    assert (overhang > 0) == (link_scale < 1)
+    full = layer_seconds(GPT_2K, hw, b, tp, Recompute.FULL, FlopCount.HARDWARE)
+    assert full.i_s == pytest.approx(seconds.i_s + seconds.f_s)  # the forward re-runs
+    assert collective_s(GPT_2K, hw, b, 1) == 0.0
+
+
+# MT-NLG 530B as Korthikanti et al. 2022 trained it: 105 layers, h 20480, 128 heads, seq 2048,
+# GPT-2 vocabulary, TP8 x PP35 x DP8 on 2240 A100s, global batch 2240, microbatch 1, 1F1B.
+# Their measured MFU: 54.2% with selective recompute, 42.1% with full recompute.
+MT_NLG = TransformerSpec(num_layers=105, hidden=20480, heads=128, kv_heads=128,
+                         ffn_hidden=4 * 20480, vocab=50257, seq_len=2048, mlp=MlpKind.GELU,
+                         dropout=True, name="mt-nlg-530b")
+MEGATRON_MFU = {Recompute.LGD: 0.542, Recompute.FULL: 0.421}
+
+
+@pytest.mark.parametrize("recompute", list(MEGATRON_MFU))
+def test_mt_nlg_530b_stays_within_two_points_of_megatron(recompute: Recompute) -> None:
+    evaluator = Evaluator(MT_NLG, A100, MemoryConfig(), math.inf)
+    plan = evaluator.evaluate(Candidate("1f1b", 8, 8, 35, 1, 1, 2240 // 8, recompute=recompute))
+    assert plan.mfu == pytest.approx(MEGATRON_MFU[recompute], abs=0.02)
+
+
+def test_search_tries_a_larger_microbatch_only_when_its_wider_matmuls_may_pay() -> None:
+    """Wider matmuls make b = 4 faster per sequence for a narrow TP8 layer; that wins with many
+    microbatches (bubble negligible), not with few; at one matmul rate it never does."""
+    from pipeoffload.planner.search import _larger_b_may_win
+
+    per_sequence = [layer_cost(GPT_2K, A100, RunConfig(b, 8)).chunk_s / b for b in (1, 4)]
+    assert per_sequence[1] < per_sequence[0]
+    assert _larger_b_may_win(GPT_2K, A100, Candidate("1f1b", 1, 8, 2, 1, 4, 256))
+    assert not _larger_b_may_win(GPT_2K, A100, Candidate("1f1b", 1, 8, 8, 1, 4, 4))
+    flat = dataclasses.replace(A100, gemm_ridge_flops_per_byte=0.0)
+    assert not _larger_b_may_win(GPT_2K, flat, Candidate("1f1b", 1, 8, 2, 1, 4, 256))
