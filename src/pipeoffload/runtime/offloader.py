@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
