@@ -307,6 +307,15 @@ def test_simulate_warns_when_offload_lowers_no_peak(capsys) -> None:
     assert code == 0 and "lowers no rank's peak" not in err
 
 
+def test_train_warns_when_offload_lowers_no_peak(capsys, no_training) -> None:
+    argv = [*TRAIN, "--schedule", "1f1b"]
+    code, _, err = run([*argv, "--offload", "fraction:0.01"], capsys)
+    assert code == 0 and no_training
+    assert "note: the plan copies activations to host memory but lowers no rank's peak" in err
+    code, _, err = run([*argv, "--offload", "all"], capsys)
+    assert code == 0 and "lowers no rank's peak" not in err
+
+
 def test_ctrl_c_in_train_names_the_latest_checkpoint(tmp, capsys, monkeypatch) -> None:
     from pipeoffload.app import train_cli
 

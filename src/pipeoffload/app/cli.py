@@ -128,14 +128,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from pipeoffload.sim.render_trace import write_trace
 
         write_trace(result, args.trace)
-    if args.fetch_on_use and not report.offloaded:
-        preflight.note("simulate", "--fetch-on-use has no effect: the plan offloads nothing "
-                       "(give --offload SPEC, or a po-h / po-f schedule)")
-    if report.offloaded and all(after >= before - 1e-9 for after, before
-                                in zip(result.peak_activation, report.peak_before)):
-        preflight.note("simulate", "the plan copies activations to host memory but lowers "
-                       "no rank's peak, so the copies only cost host-link time; try a larger "
-                       "--offload target (all, chunks:K) or another schedule")
+    preflight.offload_notes("simulate", report, args.fetch_on_use, result.peak_activation)
     if args.json:
         print(json.dumps(_simulate_json(plan), sort_keys=True))
         return 0

@@ -23,8 +23,9 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pipeoffload.errors import ConfigError, PipeoffloadError
 
@@ -227,6 +228,21 @@ def check_args(args: argparse.Namespace) -> None:
 def note(command: str, text: str) -> None:
     """A line on stderr about something skipped or worth knowing (never an error)."""
     print(f"pipeoffload {command}: note: {text}", file=sys.stderr, flush=True)
+
+
+def offload_notes(command: str, report: Any, fetch_on_use: bool,
+                  peaks_after: Sequence[float] | None = None) -> None:
+    """Notes on an offload plan that will run but does less than asked: FETCH with nothing
+    offloaded, or copies that lower no rank's peak (``peaks_after``: the simulated peaks, the
+    plan's own by default)."""
+    if fetch_on_use and not report.offloaded:
+        note(command, "--fetch-on-use has no effect: the plan offloads nothing "
+             "(give --offload SPEC, or a po-h / po-f schedule)")
+    after = report.peak_after if peaks_after is None else peaks_after
+    if report.offloaded and all(a >= b - 1e-9 for a, b in zip(after, report.peak_before)):
+        note(command, "the plan copies activations to host memory but lowers no rank's peak, "
+             "so the copies only cost host-link time; try a larger --offload target (all, "
+             "chunks:K) or another schedule")
 
 
 def have_matplotlib() -> bool:

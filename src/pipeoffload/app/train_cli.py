@@ -225,9 +225,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                               "pass --device cpu (or auto)")
     processes = 1 if args.inline else config.pp * config.dp * config.tp
     plan = check_run(config, processes=processes)
-    if config.fetch_on_use and not plan.report.offloaded:
-        preflight.note("train", "--fetch-on-use has no effect: the plan offloads nothing "
-                       "(give --offload SPEC, or a po-h / po-f schedule)")
+    preflight.offload_notes("train", plan.report, config.fetch_on_use)
     print(startup_line(config, report, processes, plan.schedule.name),
           file=sys.stderr if report.json else sys.stdout, flush=True)
     if processes == 1:
