@@ -2,8 +2,10 @@
 recorded: same schedule (CSV text), same report, same simulated timeline and memory curve, over
 200 fixed random inputs (po-f / po-h / grouped-interleaved / interleaved-1f1b / zbv / dualpipev,
 p = 2..8, every target kind, copy ratios, P2P latency, full and half duplex, shared links,
-RELOAD and FETCH, postponing settings). It guards work on the planner's and the simulator's
-speed: such work must not change a plan. tests/data/offload_golden.py records the file.
+RELOAD and FETCH, postponing settings), and the simulator alone on every zoo family (with
+SEND / RECV, RECOMPUTE, torch's markers, overlapped pairs). It guards work on the planner's and
+the simulator's speed: such work must not change a plan or a timeline.
+tests/data/offload_golden.py records the file.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ def _golden_module() -> ModuleType:
 
 
 GOLDEN = _golden_module()
-ENTRIES: list[dict[str, Any]] = GOLDEN.load()
+RECORDED = GOLDEN.load()
+ENTRIES: list[dict[str, Any]] = RECORDED["plans"]
+SIMULATIONS: list[dict[str, Any]] = RECORDED["simulations"]
 
 
 def test_the_golden_file_covers_the_inputs_it_claims() -> None:
@@ -53,3 +57,11 @@ def test_plan_equals_the_recorded_one(index: int) -> None:
     assert got["csv"] == want["csv"], entry["input"]
     for key in want:  # one field at a time, so a failure names it
         assert got[key] == want[key], (key, entry["input"])
+
+
+@pytest.mark.parametrize("index", range(len(SIMULATIONS)))
+def test_simulation_equals_the_recorded_one(index: int) -> None:
+    entry = SIMULATIONS[index]
+    got = GOLDEN.simulate_case(entry["input"])
+    for key, want in entry["output"].items():
+        assert got[key] == want, (key, entry["input"]["costs"], entry["input"]["ranks"][0][:6])

@@ -8,6 +8,10 @@ planned schedule's simulation, so that work on the planner's or the simulator's 
 it changed no plan (tests/test_offload_plan_stable.py). Inputs are drawn with a fixed seed and
 stored with the outputs: the test reads them back and never draws anything itself. Rewrite the
 file only for a change that is meant to alter plans, and say so in the commit.
+
+A second list pins the simulator alone on what the plans do not exercise: every zoo family,
+with explicit SEND / RECV, with RECOMPUTE and with torch's markers, each stored as its action
+lists (so the check needs no generator and no torch).
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeoffload.api import plan_schedule
+from pipeoffload.core import registry
+from pipeoffload.core.actions import Action, Kind, parse_action
+from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.text import to_csv_text
 from pipeoffload.errors import PipeoffloadError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
+from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.sim.costs import CostModel, Duplex, HostLink
+from pipeoffload.sim.simulator import SimResult, simulate
 
 GOLDEN = Path(__file__).with_name("offload_golden.json.xz")
 SEED = 2026
@@ -81,12 +90,17 @@ def plan_case(case: dict[str, Any]) -> OffloadPlan:
                          policy=OffloadPolicy(**case["policy"]), **case["options"])
 
 
+def digests(result: SimResult) -> dict[str, str]:
+    """sha256 of the whole timeline (action, start, end, stall, lane) and memory curves."""
+    timeline = repr([(str(t.action), t.start, t.end, t.stall, t.lane.value)
+                     for rank in result.timeline for t in rank])
+    return {"timeline_sha256": hashlib.sha256(timeline.encode()).hexdigest(),
+            "memory_sha256": hashlib.sha256(repr(result.memory).encode()).hexdigest()}
+
+
 def outcome(plan: OffloadPlan) -> dict[str, Any]:
     """What the plan is, in exact (repr) floats."""
     r = plan.report
-    timeline = repr([(str(t.action), t.start, t.end, t.stall) for rank in plan.result.timeline
-                     for t in rank])
-    memory = repr(plan.result.memory)
     return {
         "csv": to_csv_text(plan.schedule),
         "offloaded": [list(item) for item in r.offloaded],
@@ -100,9 +114,73 @@ def outcome(plan: OffloadPlan) -> dict[str, Any]:
         "stall_time": [repr(x) for x in r.stall_time],
         "skipped": [[s.stage, s.microbatch, s.reason] for s in r.skipped],
         "notes": list(r.notes),
-        "timeline_sha256": hashlib.sha256(timeline.encode()).hexdigest(),
-        "memory_sha256": hashlib.sha256(memory.encode()).hexdigest(),
+        **digests(plan.result),
     }
+
+
+def _with_comms(schedule: Schedule) -> Schedule:
+    """SEND / RECV around every cross-rank boundary (what runtime/lowering.py adds; written out
+    here so that recording needs no runtime import)."""
+    ranks = []
+    for rank, actions in enumerate(schedule.ranks):
+        out: list[Action] = []
+        for a in actions:
+            s, m = a.stage, a.microbatch
+            remote_before = not schedule.is_first_stage(s) and schedule.rank_of(s - 1) != rank
+            remote_after = not schedule.is_last_stage(s) and schedule.rank_of(s + 1) != rank
+            if a.kind is Kind.F and remote_before:
+                out.append(Action(s, Kind.RECV_F, m))
+            if a.kind in (Kind.I, Kind.B) and remote_after:
+                out.append(Action(s, Kind.RECV_B, m))
+            out.append(a)
+            if a.kind is Kind.F and remote_after:
+                out.append(Action(s, Kind.SEND_F, m))
+            if a.kind in (Kind.I, Kind.B) and remote_before:
+                out.append(Action(s, Kind.SEND_B, m))
+        ranks.append(out)
+    return schedule.with_ranks(ranks)
+
+
+def simulation_cases() -> list[dict[str, Any]]:
+    """Schedules and cost models for the simulator alone (small: p <= 4)."""
+    cases = []
+    costs = [{"p2p_time": 0.0}, {"i_time": 2.0, "w_time": 0.5, "p2p_time": 0.1},
+             {"activation_bytes": 3.0, "stage_time_scale": [1.0, 2.0, 1.0, 0.5, 1.5]}]
+    for name in registry.FAMILIES:
+        for pp in (2, 4):
+            m = 2 * pp
+            options = {"chunks": 2} if name in ("interleaved-1f1b", "grouped-interleaved") else {}
+            schedule = registry.build_schedule(name, pp, m, **options)
+            variants = [schedule, _with_comms(schedule)]
+            if name in ("grouped-interleaved", "zbv", "1f1b"):
+                variants.append(add_recompute(schedule, target="fraction:0.5").schedule)
+            if name == "1f1b":
+                variants.append(schedule.with_ranks(
+                    [[Action(r, Kind.UNSHARD, None), *acts, Action(r, Kind.REDUCE_GRAD, None)]
+                     for r, acts in enumerate(schedule.ranks)]))
+            for variant in variants:
+                for cost in costs + ([{"overlap_f_b": 0.5}] if name.startswith("dual") else []):
+                    cases.append({"ranks": [[str(a) for a in acts] for acts in variant.ranks],
+                                  "stage_to_rank": list(variant.stage_to_rank),
+                                  "microbatches": variant.microbatches,
+                                  "routes": [list(r) for r in variant.routes], "costs": cost})
+    return cases
+
+
+def simulate_case(case: dict[str, Any]) -> dict[str, Any]:
+    schedule = Schedule(tuple(tuple(parse_action(t) for t in acts) for acts in case["ranks"]),
+                        tuple(case["stage_to_rank"]), case["microbatches"],
+                        routes=tuple(tuple(r) for r in case["routes"]))
+    costs = dict(case["costs"])
+    if "stage_time_scale" in costs:
+        costs["stage_time_scale"] = tuple(costs["stage_time_scale"])
+    result = simulate(schedule, CostModel(**costs))
+    return {"makespan": repr(result.makespan), "bubble_rate": repr(result.bubble_rate),
+            "peak_activation": [repr(x) for x in result.peak_activation],
+            "peak_bytes": None if result.peak_bytes is None else
+            [repr(x) for x in result.peak_bytes],
+            "stall_time": [repr(x) for x in result.stall_time],
+            "compute_time": [repr(x) for x in result.compute_time], **digests(result)}
 
 
 def record() -> list[dict[str, Any]]:
@@ -118,7 +196,8 @@ def record() -> list[dict[str, Any]]:
     return entries
 
 
-def load() -> list[dict[str, Any]]:
+def load() -> dict[str, list[dict[str, Any]]]:
+    """{"plans": [{"input", "output"}], "simulations": [{"input", "output"}]}"""
     with lzma.open(GOLDEN, "rt") as fh:
         return json.load(fh)
 
@@ -128,14 +207,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args(argv)
     if args.check:
-        bad = [i for i, e in enumerate(load()) if outcome(plan_case(e["input"])) != e["output"]]
-        print(f"{len(bad)} cases differ: {bad}")
-        return 1 if bad else 0
-    entries = record()
+        golden = load()
+        bad = [i for i, e in enumerate(golden["plans"])
+               if outcome(plan_case(e["input"])) != e["output"]]
+        bad_sim = [i for i, e in enumerate(golden["simulations"])
+                   if simulate_case(e["input"]) != e["output"]]
+        print(f"{len(bad)} plans differ: {bad}; {len(bad_sim)} simulations differ: {bad_sim}")
+        return 1 if bad or bad_sim else 0
+    entries = {"plans": record(),
+               "simulations": [{"input": c, "output": simulate_case(c)}
+                               for c in simulation_cases()]}
     text = json.dumps(entries, sort_keys=True, separators=(",", ":"))
     # xz, not gzip: the schedules repeat across cases further apart than gzip's 32 KB window.
     GOLDEN.write_bytes(lzma.compress(text.encode(), preset=9 | lzma.PRESET_EXTREME))
-    print(f"wrote {len(entries)} cases to {GOLDEN} ({GOLDEN.stat().st_size} bytes)")
+    print(f"wrote {len(entries['plans'])} plans and {len(entries['simulations'])} simulations "
+          f"to {GOLDEN} ({GOLDEN.stat().st_size} bytes)")
     return 0
 
 
