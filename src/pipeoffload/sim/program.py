@@ -37,7 +37,7 @@ class Program:
     """``schedule`` with every action numbered rank by rank (rank r holds indices
     ``first[r]`` to ``first[r + 1] - 1``, in program order).
 
-    Per index: ``actions``, ``owner`` (its rank), ``step``, ``duration`` (compute time),
+    Per index: ``actions`` (``index`` maps them back), ``owner`` (its rank), ``step``, ``duration`` (compute time),
     ``needs`` (its dependencies' indices; one the schedule lacks is ``len(actions)``, which
     never completes), ``source`` (an OFFLOAD's forward, else -1), ``channel`` and
     ``copy_time`` (the host-link queue and duration of its copy or read), ``blocks``,
@@ -53,7 +53,7 @@ class Program:
         first = [0]
         for acts in schedule.ranks:
             first.append(first[-1] + len(acts))
-        self.schedule, self.actions, self.first = schedule, actions, first
+        self.schedule, self.actions, self.index, self.first = schedule, actions, index, first
         self.owner = [r for r, acts in enumerate(schedule.ranks) for _ in acts]
         deps = Dependencies(schedule)
         missing = len(actions)

@@ -49,7 +49,7 @@ import gc
 import heapq
 import operator
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
@@ -98,6 +98,9 @@ class SimResult:
     peak_bytes: tuple[float, ...] | None
     memory: tuple[tuple[tuple[float, float], ...], ...]
     stall_time: tuple[float, ...]
+    program: Program | None = field(default=None, repr=False, compare=False)
+    """The numbered schedule the run used, for passes that walk the same dependencies again
+    (offload/forecast.py); None where a result was made another way."""
 
     @property
     def total_stall_time(self) -> float:
@@ -124,8 +127,9 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        timeline, stall = _run(schedule, costs)
-        return _summarise(schedule, costs, timeline, stall)
+        program = Program(schedule, costs)
+        timeline, stall = _run(program, costs)
+        return _summarise(schedule, costs, timeline, stall, program)
     finally:
         if collecting:
             gc.enable()
@@ -149,12 +153,12 @@ _RUN, _COPY_OUT, _COPY_BACK = Step.RUN, Step.COPY_OUT, Step.COPY_BACK
 _FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
 
 
-def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]], list[float]]:
+def _run(program: Program, costs: CostModel) -> tuple[list[list[TimedAction]], list[float]]:
     """The event loop. Compute is placed as soon as its dependencies are timed (a rank's lane
     has no contention); transfers are placed in order of readiness, since host links can be
     shared between ranks. Works on ``Program`` indices: actions are looked up once, not per
     visit."""
-    program = Program(schedule, costs)
+    schedule = program.schedule
     actions, step, needs, duration = (program.actions, program.step, program.needs,
                                       program.duration)
     blocks, is_compute, is_forward = program.blocks, program.is_compute, program.is_forward
@@ -323,7 +327,7 @@ def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
 
 
 def _summarise(schedule: Schedule, costs: CostModel, timed: list[list[TimedAction]],
-               stall: list[float]) -> SimResult:
+               stall: list[float], program: Program) -> SimResult:
     units = activation_units(schedule, costs)
     byte_sizes = [costs.bytes_of(s) for s in range(schedule.num_stages)]
     have_bytes = all(b is not None for b in byte_sizes)
@@ -350,4 +354,5 @@ def _summarise(schedule: Schedule, costs: CostModel, timed: list[list[TimedActio
         peak_bytes=tuple(peak_bytes) if have_bytes else None,
         memory=tuple(memory),
         stall_time=tuple(stall),
+        program=program,
     )
