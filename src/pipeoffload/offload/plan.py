@@ -47,6 +47,7 @@ from pipeoffload.offload.postpone import (
 from pipeoffload.offload.report import OffloadPlan, OffloadReport, Skipped
 from pipeoffload.offload.select import Item, Lifespans
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
+from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, TimedAction, activation_units, simulate
 
@@ -97,6 +98,12 @@ def add_offload(
     policy: OffloadPolicy | None = None,
 ) -> OffloadPlan:
     """Plan activation offload into ``schedule`` (see the module docstring for the contract)."""
+    with cyclic_gc_paused():
+        return _add_offload(schedule, costs, target, policy)
+
+
+def _add_offload(schedule: Schedule, costs: CostModel | None,
+                 target: str | OffloadTarget | None, policy: OffloadPolicy | None) -> OffloadPlan:
     costs = costs or CostModel()
     policy = policy or OffloadPolicy()
     target = parse_target(target)

@@ -45,7 +45,6 @@ bubble for DualPipe (docs/schedules.md).
 
 from __future__ import annotations
 
-import gc
 import heapq
 import operator
 from collections import defaultdict
@@ -57,6 +56,7 @@ from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ScheduleError
 from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.memory import curve, memory_changes, peak
 from pipeoffload.sim.program import Program, Step
 
@@ -122,17 +122,10 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     costs = costs or CostModel()
     if schedule.has_kind(*MARKER_KINDS):
         schedule = schedule.without(*MARKER_KINDS)
-    # The run makes tens of thousands of small tuples and no reference cycles: pausing the
-    # cyclic collector keeps it from rescanning them again and again (a third of the time).
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with cyclic_gc_paused():
         program = Program(schedule, costs)
         timeline, stall = _run(program, costs)
         return _summarise(schedule, costs, timeline, stall, program)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _lane(kind: Kind) -> Lane:
