@@ -82,14 +82,16 @@ def copy_out_ends(result: SimResult, items: Iterable[Item]) -> dict[Item, float]
     start. An upper bound when fewer items end up offloaded."""
     costs = result.costs
     wanted = set(items)
-    starts = sorted((t.start, t.end, t.rank, t.action.stage, t.action.microbatch)
+    forward = Kind.F  # Note: [hot loops], core/actions.py
+    starts = sorted((t.start, t.end, t.rank, t.action[0], t.action[2])
                     for rank in result.timeline for t in rank
-                    if t.action.kind is Kind.F and (t.action.stage, t.action.microbatch) in wanted)
+                    if t.action[1] is forward and (t.action[0], t.action[2]) in wanted)
     free: dict[tuple[int, str], float] = defaultdict(float)
     ends: dict[Item, float] = {}
+    channels = [costs.host_link.channel(r, Kind.OFFLOAD) for r in range(len(result.timeline))]
+    copy_time = [costs.transfer_time(s, Kind.OFFLOAD) for s in range(result.schedule.num_stages)]
     for f_start, f_end, rank, stage, microbatch in starts:
-        channel = costs.host_link.channel(rank, Kind.OFFLOAD)
+        channel = channels[rank]
         begin = max(f_start, free[channel])
-        free[channel] = ends[(stage, microbatch)] = max(
-            begin + costs.transfer_time(stage, Kind.OFFLOAD), f_end)
+        free[channel] = ends[(stage, microbatch)] = max(begin + copy_time[stage], f_end)
     return ends

@@ -53,6 +53,10 @@ from pipeoffload.sim.simulator import SimResult, TimedAction, activation_units, 
 
 __all__ = ["OffloadPlan", "OffloadPolicy", "OffloadReport", "Skipped", "add_offload"]
 
+# The kinds as module names (Note: [hot loops], core/actions.py).
+_F, _I, _B, _OFFLOAD = Kind.F, Kind.I, Kind.B, Kind.OFFLOAD
+_COMPUTE = frozenset(kind for kind in Kind if kind.is_compute)
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -176,10 +180,10 @@ class _Planner:
         self.schedule, self.costs, self.policy, self.base = schedule, costs, policy, base
         self.keep_stalling = keep_stalling
         self.units = activation_units(schedule, costs)
-        self.compute = [[a for a in acts if a.kind.is_compute] for acts in schedule.ranks]
+        self.compute = [[a for a in acts if a[1] in _COMPUTE] for acts in schedule.ranks]
         self.position = [{a: i for i, a in enumerate(c)} for c in self.compute]
         self._backward = {(a.stage, a.microbatch): a for c in self.compute for a in c
-                          if a.kind.is_backward}
+                          if a[1] is _I or a[1] is _B}
         self.spans = Lifespans(base)
         # Recomputed items keep nothing to offload (see offload/recompute.py).
         self.recomputed = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts
@@ -187,6 +191,8 @@ class _Planner:
         self.by_lifespan = [[it for it in items if it not in self.recomputed]
                             for items in self.spans.by_rank]
         self._latest: dict[Action, float] | None = None
+        self._reload_time = [costs.transfer_time(s, Kind.RELOAD)
+                             for s in range(schedule.num_stages)]
 
     def backward(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
@@ -207,29 +213,32 @@ class _Planner:
         for item in items:
             by_rank[self.schedule.rank_of(item[0])].append(item)
         leads: dict[Item, int] = {}
+        tolerance, margin = self.policy.stall_tolerance, self.policy.reload_margin
         for rank, rank_items in enumerate(by_rank):
+            if not rank_items:
+                continue
             comp, pos = self.compute[rank], self.position[rank]
+            ends = [timing[a].end for a in comp]  # the scan below reads many of them
             next_start = float("inf")
-            for item in sorted(rank_items, key=lambda it: -pos[self.backward(it)]):
-                b = timing[self.backward(item)]
-                finish = min(b.start - b.stall - self.policy.reload_margin, next_start)
-                latest = finish - self.costs.transfer_time(item[0], Kind.RELOAD)
-                f_index = pos[Action(item[0], Kind.F, item[1])]
-                b_index = pos[self.backward(item)]
+            backwards = sorted(((pos[self.backward(it)], it) for it in rank_items),
+                               key=lambda pair: -pair[0])
+            for b_index, item in backwards:
+                b = timing[comp[b_index]]
+                finish = min(b.start - b.stall - margin, next_start)
+                latest = finish - self._reload_time[item[0]]
+                f_index = pos[Action(item[0], _F, item[1])]
                 # The program reaches the point before comp[j] when comp[j-1] ends.
                 j = b_index
-                tolerance = self.policy.stall_tolerance
-                while j > f_index + 1 and timing[comp[j - 1]].end > latest + tolerance:
+                while j > f_index + 1 and ends[j - 1] > latest + tolerance:
                     j -= 1
-                issue = timing[comp[j - 1]].end
-                copied_out = timing.get(Action(item[0], Kind.OFFLOAD, item[1]))
+                issue = ends[j - 1]
+                copied_out = timing.get(Action(item[0], _OFFLOAD, item[1]))
                 out_end = copied_out.end if copied_out else out_ends[item]
-                if issue <= out_end + self.policy.stall_tolerance or \
-                        issue > latest + self.policy.stall_tolerance:
-                    if not self.keep_stalling or issue <= out_end + self.policy.stall_tolerance:
+                if issue <= out_end + tolerance or issue > latest + tolerance:
+                    if not self.keep_stalling or issue <= out_end + tolerance:
                         skipped[item] = ("too short-lived: the copy back would have to start "
                                          "before the copy out ends" if issue <= out_end +
-                                         self.policy.stall_tolerance else
+                                         tolerance else
                                          "its copies cannot hide behind compute (stall)")
                         continue
                 leads[item] = b_index - j
@@ -281,10 +290,12 @@ class _Planner:
         nothing stalls; then postpone forwards that would start while too many copies out are
         pending (only while that does not grow the makespan beyond ``postpone_slack``)."""
         skipped: dict[Item, str] = {}
-        items = [item for item in chosen if self.backward(item) != self._after_f(item)]
+        items = []
         for item in chosen:
             if self.backward(item) == self._after_f(item):
                 skipped[item] = "its backward directly follows its forward"
+            else:
+                items.append(item)
         fetches = {item for item in items if self.policy.fetch_on_use and self.reads_hide(item)}
         timing = _timing(self.base)
         out_ends = copy_out_ends(self.base, items)
