@@ -30,7 +30,8 @@ class Step(IntEnum):
 
 _STEPS = {kind: Step.RUN for kind in Kind} | {
     Kind.OFFLOAD: Step.COPY_OUT, Kind.RELOAD: Step.COPY_BACK, Kind.FETCH: Step.FETCH_MARK}
-_RUN, _FETCH_MARK = Step.RUN, Step.FETCH_MARK
+_RUN, _COPY_OUT, _COPY_BACK = Step.RUN, Step.COPY_OUT, Step.COPY_BACK
+_FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
 
 
 class Program:
@@ -75,15 +76,20 @@ class Program:
         self.source = [-1] * len(actions)
         self.channel: list[tuple[int, str] | None] = [None] * len(actions)
         self.copy_time = [0.0] * len(actions)
+        queue_of = {_COPY_OUT: Kind.OFFLOAD, _COPY_BACK: Kind.RELOAD, _READ_PASS: Kind.RELOAD}
+        channels = {(rank, queue): costs.host_link.channel(rank, queue)
+                    for rank in range(schedule.num_ranks) for queue in set(queue_of.values())}
+        copy_times = {(stage, queue): costs.transfer_time(stage, queue)
+                      for stage in stages for queue in set(queue_of.values())}
         for i, step in enumerate(self.step):
             if step is _RUN or step is _FETCH_MARK:
                 continue
-            a, rank = actions[i], self.owner[i]
-            queue = Kind.OFFLOAD if step is Step.COPY_OUT else Kind.RELOAD
-            self.channel[i] = costs.host_link.channel(rank, queue)
-            self.copy_time[i] = costs.transfer_time(a.stage, queue)
-            if step is Step.COPY_OUT:
-                self.source[i] = index.get(Action(a.stage, Kind.F, a.microbatch), missing)
+            stage, _, microbatch = actions[i]
+            queue = queue_of[step]
+            self.channel[i] = channels[(self.owner[i], queue)]
+            self.copy_time[i] = copy_times[(stage, queue)]
+            if step is _COPY_OUT:
+                self.source[i] = index.get((stage, forward, microbatch), missing)
 
     @staticmethod
     def _reject_repeats(schedule: Schedule) -> None:

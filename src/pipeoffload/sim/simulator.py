@@ -45,6 +45,7 @@ bubble for DualPipe (docs/schedules.md).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import operator
 from collections import defaultdict
@@ -55,8 +56,8 @@ from typing import NamedTuple
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ScheduleError
-from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.collector import cyclic_gc_paused
+from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.memory import curve, memory_changes, peak
 from pipeoffload.sim.program import Program, Step
 
@@ -141,6 +142,8 @@ def _lane(kind: Kind) -> Lane:
 _LANES = {kind: _lane(kind) for kind in Kind}
 _COMPUTE_PASSES = frozenset({Kind.F, Kind.I, Kind.W, Kind.B})  # what compute_time counts
 _BY_START_END = operator.itemgetter(2, 3)  # a TimedAction's (start, end)
+# TimedAction from a full tuple of its fields, without NamedTuple's Python-level __new__.
+_timed_action = functools.partial(tuple.__new__, TimedAction)
 # The steps as module names (Note: [hot loops], core/actions.py).
 _RUN, _COPY_OUT, _COPY_BACK = Step.RUN, Step.COPY_OUT, Step.COPY_BACK
 _FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
@@ -232,7 +235,12 @@ def _run(program: Program, costs: CostModel) -> tuple[list[list[TimedAction]], l
                     issue[rank] = ready + took
                 if is_forward[j]:
                     began[j] = ready
-                finish(rank, j, ready, ready + took, waited)
+                done = ready + took  # finish(), inlined: this is the path most actions take
+                timed[rank].append(_timed_action((rank, actions[j], ready, done, lane[j], waited)))
+                end[j] = done
+                woken = waiting.pop(j, None)
+                if woken:
+                    runnable.extend(woken)
                 if pair_end and j in pair_end:  # its output leaves with the pair's
                     end[j] = pair_end.pop(j)
             elif kind_step is _FETCH_MARK:  # a marker: ready once its copy out is done
@@ -248,7 +256,7 @@ def _run(program: Program, costs: CostModel) -> tuple[list[list[TimedAction]], l
                     blocked[rank] = True
 
     def finish(rank: int, j: int, start: float, stop: float, waited: float = 0.0) -> None:
-        timed[rank].append(TimedAction(rank, actions[j], start, stop, lane[j], waited))
+        timed[rank].append(_timed_action((rank, actions[j], start, stop, lane[j], waited)))
         end[j] = stop
         woken = waiting.pop(j, None)
         if woken:
