@@ -75,26 +75,28 @@ def memory_changes(schedule: Schedule, rank_timeline: Sequence[TimedAction],
             fetched.add((s, m))
         elif kind is _RECOMPUTE:
             recomputed.add((s, m))
+    copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s, _ in copies}
     changes: list[Change] = []
+    add = changes.append
     for t in rank_timeline:
-        s, kind, m = t.action
+        action = t.action
+        s, kind, m = action
         if kind is _F:
             copy = copies.get((s, m)) if copies else None
             if copy is not None:
-                part = streamed_fraction(t.start, t.end, copy.start,
-                                         costs.transfer_time(s, _OFFLOAD))
-                at = order[t.action]
-                changes.append((t.start, at, s, part))
-                changes.append((copy.end, at + 0.5, s, -part))
-            elif (s, m) not in recomputed:
-                changes.append((t.start, order[t.action], s, 1.0))
+                part = streamed_fraction(t.start, t.end, copy.start, copy_time[s])
+                at = order[action]
+                add((t.start, at, s, part))
+                add((copy.end, at + 0.5, s, -part))
+            elif not recomputed or (s, m) not in recomputed:
+                add((t.start, order[action], s, 1.0))
         elif kind is _W or kind is _B:
-            if (s, m) not in fetched:
-                changes.append((t.end, order[t.action] + 1, s, -1.0))
+            if not fetched or (s, m) not in fetched:
+                add((t.end, order[action] + 1, s, -1.0))
         elif kind is _RECOMPUTE:
-            changes.append((t.start, order[t.action], s, 1.0))
+            add((t.start, order[action], s, 1.0))
         elif kind is _RELOAD:
-            changes.append((t.start, first_backward.get((s, m), order[t.action]) - 0.5, s, 1.0))
+            add((t.start, first_backward.get((s, m), order[action]) - 0.5, s, 1.0))
     changes.sort(key=_BY_TIME_AND_ORDER)
     return changes
 

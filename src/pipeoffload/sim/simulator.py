@@ -142,6 +142,7 @@ def _lane(kind: Kind) -> Lane:
 _LANES = {kind: _lane(kind) for kind in Kind}
 _COMPUTE_PASSES = frozenset({Kind.F, Kind.I, Kind.W, Kind.B})  # what compute_time counts
 _BY_START_END = operator.itemgetter(2, 3)  # a TimedAction's (start, end)
+_END = operator.itemgetter(3)
 # TimedAction from a full tuple of its fields, without NamedTuple's Python-level __new__.
 _timed_action = functools.partial(tuple.__new__, TimedAction)
 # The steps as module names (Note: [hot loops], core/actions.py).
@@ -340,7 +341,7 @@ def _summarise(schedule: Schedule, costs: CostModel, timed: list[list[TimedActio
         peaks.append(top)
         if have_bytes:
             peak_bytes.append(peak(changes, byte_sizes))  # type: ignore[arg-type]
-    makespan = max((t.end for rank in timed for t in rank), default=0.0)
+    makespan = max((max(map(_END, rank)) for rank in timed if rank), default=0.0)
     compute = tuple(sum(t.end - t.start for t in rank if t.action.kind in _COMPUTE_PASSES)
                     for rank in timed)
     bubble = 1.0 - sum(compute) / (schedule.num_ranks * makespan) if makespan > 0 else 0.0
