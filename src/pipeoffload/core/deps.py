@@ -28,6 +28,10 @@ class Dependencies:
 
     def __init__(self, schedule: Schedule) -> None:
         self._present = set(itertools.chain.from_iterable(schedule.ranks))
+        kinds = {kind for _, kind, _ in self._present}
+        # Questions about kinds the schedule never has are answered without a lookup.
+        self._recv_f, self._recv_b = Kind.RECV_F in kinds, Kind.RECV_B in kinds
+        self._local_inputs = tuple(kind for kind in _LOCAL_INPUTS if kind in kinds)
         stages = range(schedule.num_stages)
         self._first = frozenset(s for s in stages if schedule.is_first_stage(s))
         self._last = frozenset(s for s in stages if schedule.is_last_stage(s))
@@ -49,17 +53,18 @@ class Dependencies:
         s, kind, m = action
         present = self._present
         if kind is _F:
-            if (s, _RECV_F, m) in present:
+            if self._recv_f and (s, _RECV_F, m) in present:
                 return [(s, _RECV_F, m)]
             return [(s - 1, _F, m)] if s not in self._first else []
         if kind is _I or kind is _B:
             deps = [(s, _F, m)]
-            for local in _LOCAL_INPUTS:
+            for local in self._local_inputs:
                 if (s, local, m) in present:
                     deps.append((s, local, m))
             if s not in self._last:
                 recv = (s, _RECV_B, m)
-                deps.append(recv if recv in present else self._backward_key(s + 1, m))
+                deps.append(recv if self._recv_b and recv in present
+                            else self._backward_key(s + 1, m))
             return deps
         if kind is _W:
             return [(s, _I, m)]

@@ -1,7 +1,7 @@
 """A schedule numbered for the simulator's inner loop: every action gets an index, and what the
 loop asks of it (its dependencies, how long it takes, which queue it waits in) is looked up once
-here instead of once per visit. Plans at p = 32, m = 256 have ~10^5 actions, so this is where
-simulation time goes (docs/offload.md, planning time).
+here instead of once per visit. Plans at p = 32, m = 256 have ~10^5 actions; simulating them is
+most of the offload planner's time (docs/offload.md, planning time).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ class Program:
     """``schedule`` with every action numbered rank by rank (rank r holds indices
     ``first[r]`` to ``first[r + 1] - 1``, in program order).
 
-    Per index: ``actions`` (``index`` maps them back), ``owner`` (its rank), ``step``, ``duration`` (compute time),
-    ``needs`` (its dependencies' indices; one the schedule lacks is ``len(actions)``, which
-    never completes), ``source`` (an OFFLOAD's forward, else -1), ``channel`` and
-    ``copy_time`` (the host-link queue and duration of its copy or read), ``blocks``,
-    ``is_compute``, ``is_forward``.
+    Per index: ``actions`` (``index`` maps them back), ``owner`` (its rank), ``step``,
+    ``duration`` (compute time), ``needs`` (its dependencies' indices; one the schedule lacks
+    is ``len(actions)``, which never completes), ``source`` (an OFFLOAD's forward, else -1),
+    ``channel`` and ``copy_time`` (the host-link queue and duration of its copy or read),
+    ``blocks``, ``is_compute``, ``is_forward``.
     Raises ScheduleError if an action appears twice (it could not be numbered).
     """
 
