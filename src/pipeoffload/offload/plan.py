@@ -54,7 +54,7 @@ from pipeoffload.sim.simulator import SimResult, TimedAction, activation_units, 
 __all__ = ["OffloadPlan", "OffloadPolicy", "OffloadReport", "Skipped", "add_offload"]
 
 # The kinds as module names (Note: [hot loops], core/actions.py).
-_F, _I, _B, _OFFLOAD = Kind.F, Kind.I, Kind.B, Kind.OFFLOAD
+_F, _I, _B, _OFFLOAD, _RECOMPUTE = Kind.F, Kind.I, Kind.B, Kind.OFFLOAD, Kind.RECOMPUTE
 _COMPUTE = frozenset(kind for kind in Kind if kind.is_compute)
 
 
@@ -187,7 +187,7 @@ class _Planner:
         self.spans = Lifespans(base)
         # Recomputed items keep nothing to offload (see offload/recompute.py).
         self.recomputed = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts
-                           if a.kind is Kind.RECOMPUTE}
+                           if a[1] is _RECOMPUTE}
         self.by_lifespan = [[it for it in items if it not in self.recomputed]
                             for items in self.spans.by_rank]
         self._latest: dict[Action, float] | None = None
@@ -280,8 +280,8 @@ class _Planner:
                 if action in waits:
                     out.append(Action(waits[action][0], Kind.OFFLOAD_WAIT, waits[action][1]))
                 out.append(action)
-                if action.kind is Kind.F and (action.stage, action.microbatch) in offloaded:
-                    out.append(Action(action.stage, Kind.OFFLOAD, action.microbatch))
+                if action[1] is _F and (action[0], action[2]) in offloaded:
+                    out.append(Action(action[0], _OFFLOAD, action[2]))
             ranks.append(out)
         return self.schedule.with_ranks(ranks)
 
@@ -355,7 +355,7 @@ class _Planner:
 
     def _after_f(self, item: Item) -> Action:
         rank = self.schedule.rank_of(item[0])
-        return self.compute[rank][self.position[rank][Action(item[0], Kind.F, item[1])] + 1]
+        return self.compute[rank][self.position[rank][Action(item[0], _F, item[1])] + 1]
 
     def _horizon(self) -> float:
         """The makespan postponing may not exceed."""
@@ -395,11 +395,11 @@ class _Planner:
     def report(self, target: OffloadTarget, planned: Schedule, result: SimResult,
                skipped: dict[Item, str], notes: tuple[str, ...]) -> OffloadPlan:
         offloaded = tuple(sorted((a.stage, a.microbatch) for acts in planned.ranks for a in acts
-                                 if a.kind is Kind.OFFLOAD))
+                                 if a[1] is _OFFLOAD))
         if target.kind is not TargetKind.NONE and not offloaded and skipped:
             reasons = sorted({why for why in skipped.values()})
             notes = notes + ("nothing could be offloaded: " + "; ".join(reasons),)
-        total = sum(self.units[s] for acts in self.compute for s, k, _ in acts if k is Kind.F)
+        total = sum(self.units[s] for acts in self.compute for s, k, _ in acts if k is _F)
         moved_units = sum(self.units[s] for s, _ in offloaded)
         # Byte peaks exist exactly when every stage's activation size is known.
         bytes_moved = None if self.base.peak_bytes is None else float(
