@@ -60,21 +60,24 @@ def memory_changes(schedule: Schedule, rank_timeline: Sequence[TimedAction],
         return []
     actions = schedule.ranks[rank_timeline[0].rank]
     order = {a: 2 * i for i, a in enumerate(actions)}
-    first_backward: dict[tuple[int, int], int] = {}
-    for i, (s, kind, m) in enumerate(actions):
-        if kind is _I or kind is _B:
-            first_backward.setdefault((s, m), 2 * i)
     copies: dict[tuple[int, int], TimedAction] = {}
     fetched: set[tuple[int, int]] = set()
     recomputed: set[tuple[int, int]] = set()
+    reloads = False
     for t in rank_timeline:
         s, kind, m = t.action
         if kind is _OFFLOAD:
             copies[(s, m)] = t
+        elif kind is _RELOAD:
+            reloads = True
         elif kind is _FETCH:
             fetched.add((s, m))
         elif kind is _RECOMPUTE:
             recomputed.add((s, m))
+    first_backward: dict[tuple[int, int], int] = {}  # where a copy back allocates
+    for i, (s, kind, m) in enumerate(actions if reloads else ()):
+        if kind is _I or kind is _B:
+            first_backward.setdefault((s, m), 2 * i)
     copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s, _ in copies}
     changes: list[Change] = []
     add = changes.append
