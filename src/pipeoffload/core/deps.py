@@ -17,6 +17,8 @@ route needs no input and its last no output gradient (Note: [routes], core/sched
 
 from __future__ import annotations
 
+import itertools
+
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
 
@@ -25,7 +27,11 @@ class Dependencies:
     """Answers ``of(action)`` for one schedule (which kinds are present changes the answer)."""
 
     def __init__(self, schedule: Schedule) -> None:
-        self._present = {a for acts in schedule.ranks for a in acts}
+        self._present = set(itertools.chain.from_iterable(schedule.ranks))
+        kinds = {kind for _, kind, _ in self._present}
+        # Questions about kinds the schedule never has are answered without a lookup.
+        self._recv_f, self._recv_b = Kind.RECV_F in kinds, Kind.RECV_B in kinds
+        self._local_inputs = tuple(kind for kind in _LOCAL_INPUTS if kind in kinds)
         stages = range(schedule.num_stages)
         self._first = frozenset(s for s in stages if schedule.is_first_stage(s))
         self._last = frozenset(s for s in stages if schedule.is_last_stage(s))
@@ -35,37 +41,54 @@ class Dependencies:
 
     def backward_of(self, stage: int, microbatch: int) -> Action:
         """The action that produces stage's input gradient: I if the schedule splits it, else B."""
-        split = Action(stage, Kind.I, microbatch)
-        return split if split in self._present else Action(stage, Kind.B, microbatch)
+        return Action(*self._backward_key(stage, microbatch))
 
     def of(self, action: Action) -> tuple[Action, ...]:
         """The actions that must complete before ``action`` may start."""
+        return tuple(Action(*key) for key in self.keys_of(action))
+
+    def keys_of(self, action: Action) -> list[tuple[int, Kind, int]]:
+        """``of(action)`` as plain (stage, kind, microbatch) tuples: equal to the Actions and
+        hashed alike, several times cheaper to make (the simulator asks for every action)."""
         s, kind, m = action
-        if kind is Kind.F:
-            recv = Action(s, Kind.RECV_F, m)
-            if recv in self._present:
-                return (recv,)
-            return (Action(s - 1, Kind.F, m),) if s not in self._first else ()
-        if kind in (Kind.I, Kind.B):
-            deps = [Action(s, Kind.F, m)]
-            for local in (Action(s, Kind.RELOAD, m), Action(s, Kind.FETCH, m),
-                          Action(s, Kind.RECOMPUTE, m)):
-                if local in self._present:
-                    deps.append(local)
+        present = self._present
+        if kind is _F:
+            if self._recv_f and (s, _RECV_F, m) in present:
+                return [(s, _RECV_F, m)]
+            return [(s - 1, _F, m)] if s not in self._first else []
+        if kind is _I or kind is _B:
+            deps = [(s, _F, m)]
+            for local in self._local_inputs:
+                if (s, local, m) in present:
+                    deps.append((s, local, m))
             if s not in self._last:
-                recv = Action(s, Kind.RECV_B, m)
-                deps.append(recv if recv in self._present else self.backward_of(s + 1, m))
-            return tuple(deps)
-        if kind is Kind.W:
-            return (Action(s, Kind.I, m),)
-        if kind in (Kind.OFFLOAD, Kind.RECOMPUTE, Kind.SEND_F):
-            return (Action(s, Kind.F, m),)
-        if kind in (Kind.RELOAD, Kind.FETCH, Kind.OFFLOAD_WAIT):
-            return (Action(s, Kind.OFFLOAD, m),)
-        if kind is Kind.SEND_B:
-            return (self.backward_of(s, m),)
-        if kind is Kind.RECV_F:
-            return (Action(s - 1, Kind.SEND_F, m),)
-        if kind is Kind.RECV_B:
-            return (Action(s + 1, Kind.SEND_B, m),)
+                recv = (s, _RECV_B, m)
+                deps.append(recv if self._recv_b and recv in present
+                            else self._backward_key(s + 1, m))
+            return deps
+        if kind is _W:
+            return [(s, _I, m)]
+        if kind in (_OFFLOAD, _RECOMPUTE, _SEND_F):
+            return [(s, _F, m)]
+        if kind in (_RELOAD, _FETCH, _OFFLOAD_WAIT):
+            return [(s, _OFFLOAD, m)]
+        if kind is _SEND_B:
+            return [self._backward_key(s, m)]
+        if kind is _RECV_F:
+            return [(s - 1, _SEND_F, m)]
+        if kind is _RECV_B:
+            return [(s + 1, _SEND_B, m)]
         raise AssertionError(f"unhandled kind {kind}")
+
+    def _backward_key(self, stage: int, microbatch: int) -> tuple[int, Kind, int]:
+        split = (stage, _I, microbatch)
+        return split if split in self._present else (stage, _B, microbatch)
+
+
+# The kinds as module names (Note: [hot loops], core/actions.py).
+_F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B
+_SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+_OFFLOAD, _RELOAD, _FETCH = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH
+_OFFLOAD_WAIT, _RECOMPUTE = Kind.OFFLOAD_WAIT, Kind.RECOMPUTE
+# What a backward pass reads its saved activations from, besides its F, in this order.
+_LOCAL_INPUTS = (_RELOAD, _FETCH, _RECOMPUTE)

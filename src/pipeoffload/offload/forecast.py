@@ -13,8 +13,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from pipeoffload.core.actions import Action, Kind
-from pipeoffload.core.deps import Dependencies
 from pipeoffload.offload.select import Item
+from pipeoffload.sim.program import Program
 from pipeoffload.sim.simulator import SimResult
 
 
@@ -27,46 +27,52 @@ def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
     transfers included (a conservative reading of non-blocking actions: less slack, never
     more), and a dependency across ranks costs the cost model's P2P latency.
     """
-    schedule, costs = result.schedule, result.costs
-    deps = Dependencies(schedule)
-    rank_of = schedule.stage_to_rank
-    duration = {t.action: t.end - t.start for rank in result.timeline for t in rank}
-    successors: dict[Action, list[Action]] = defaultdict(list)
-    for actions in schedule.ranks:
-        for action in actions:
-            for dep in deps.of(action):
-                successors[dep].append(action)
-    latest: dict[Action, float] = {}
+    program = result.program or Program(result.schedule, result.costs)
+    actions, owner, needs, index = program.actions, program.owner, program.needs, program.index
+    p2p = result.costs.p2p_time
+    count = len(actions)
+    duration = [0.0] * count
+    for rank in result.timeline:
+        for t in rank:
+            at = index.get(t.action)
+            if at is not None:
+                duration[at] = t.end - t.start
+    successors: list[list[int]] = [[] for _ in range(count + 1)]  # the last: never done
+    for i, deps in enumerate(needs):
+        for dep in deps:
+            successors[dep].append(i)
+    latest: list[float | None] = [None] * count
     # Program order within a rank plus data edges across ranks form a DAG; visit it in
     # reverse topological order with a pointer per rank, like the simulator's forward pass.
-    pointer = [len(actions) - 1 for actions in schedule.ranks]
-    remaining = sum(len(actions) for actions in schedule.ranks)
+    first = program.first
+    pointer = [stop - 1 for stop in first[1:]]
+    remaining = count
     while remaining:
         progressed = False
-        for rank, actions in enumerate(schedule.ranks):
-            while pointer[rank] >= 0:
-                action = actions[pointer[rank]]
-                finish = horizon
-                if pointer[rank] + 1 < len(actions):
-                    finish = latest[actions[pointer[rank] + 1]]
+        for rank in range(len(pointer)):
+            start = first[rank]
+            while pointer[rank] >= start:
+                i = pointer[rank]
+                finish = horizon if i + 1 == first[rank + 1] else latest[i + 1]
                 blocked = False
-                for after in successors.get(action, ()):
-                    at = latest.get(after)
+                for after in successors[i]:
+                    at = latest[after]
                     if at is None:
                         blocked = True
                         break
-                    if rank_of[after.stage] != rank:
-                        at -= costs.p2p_time
-                    finish = min(finish, at)
+                    if owner[after] != rank:
+                        at -= p2p
+                    if at < finish:  # type: ignore[operator]
+                        finish = at
                 if blocked:
                     break
-                latest[action] = finish - duration.get(action, 0.0)
+                latest[i] = finish - duration[i]  # type: ignore[operator]
                 pointer[rank] -= 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise AssertionError("latest_starts: the schedule's dependencies form a cycle")
-    return latest
+    return dict(zip(actions, latest))  # type: ignore[arg-type]
 
 
 def copy_out_ends(result: SimResult, items: Iterable[Item]) -> dict[Item, float]:
@@ -76,14 +82,16 @@ def copy_out_ends(result: SimResult, items: Iterable[Item]) -> dict[Item, float]
     start. An upper bound when fewer items end up offloaded."""
     costs = result.costs
     wanted = set(items)
-    starts = sorted((t.start, t.end, t.rank, t.action.stage, t.action.microbatch)
+    forward = Kind.F  # Note: [hot loops], core/actions.py
+    starts = sorted((t.start, t.end, t.rank, t.action[0], t.action[2])
                     for rank in result.timeline for t in rank
-                    if t.action.kind is Kind.F and (t.action.stage, t.action.microbatch) in wanted)
+                    if t.action[1] is forward and (t.action[0], t.action[2]) in wanted)
     free: dict[tuple[int, str], float] = defaultdict(float)
     ends: dict[Item, float] = {}
+    channels = [costs.host_link.channel(r, Kind.OFFLOAD) for r in range(len(result.timeline))]
+    copy_time = [costs.transfer_time(s, Kind.OFFLOAD) for s in range(result.schedule.num_stages)]
     for f_start, f_end, rank, stage, microbatch in starts:
-        channel = costs.host_link.channel(rank, Kind.OFFLOAD)
+        channel = channels[rank]
         begin = max(f_start, free[channel])
-        free[channel] = ends[(stage, microbatch)] = max(
-            begin + costs.transfer_time(stage, Kind.OFFLOAD), f_end)
+        free[channel] = ends[(stage, microbatch)] = max(begin + copy_time[stage], f_end)
     return ends

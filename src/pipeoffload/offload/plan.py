@@ -47,10 +47,15 @@ from pipeoffload.offload.postpone import (
 from pipeoffload.offload.report import OffloadPlan, OffloadReport, Skipped
 from pipeoffload.offload.select import Item, Lifespans
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
+from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, TimedAction, activation_units, simulate
 
 __all__ = ["OffloadPlan", "OffloadPolicy", "OffloadReport", "Skipped", "add_offload"]
+
+# The kinds as module names (Note: [hot loops], core/actions.py).
+_F, _I, _B, _OFFLOAD, _RECOMPUTE = Kind.F, Kind.I, Kind.B, Kind.OFFLOAD, Kind.RECOMPUTE
+_COMPUTE = frozenset(kind for kind in Kind if kind.is_compute)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,12 @@ def add_offload(
     policy: OffloadPolicy | None = None,
 ) -> OffloadPlan:
     """Plan activation offload into ``schedule`` (see the module docstring for the contract)."""
+    with cyclic_gc_paused():
+        return _add_offload(schedule, costs, target, policy)
+
+
+def _add_offload(schedule: Schedule, costs: CostModel | None,
+                 target: str | OffloadTarget | None, policy: OffloadPolicy | None) -> OffloadPlan:
     costs = costs or CostModel()
     policy = policy or OffloadPolicy()
     target = parse_target(target)
@@ -169,17 +180,19 @@ class _Planner:
         self.schedule, self.costs, self.policy, self.base = schedule, costs, policy, base
         self.keep_stalling = keep_stalling
         self.units = activation_units(schedule, costs)
-        self.compute = [[a for a in acts if a.kind.is_compute] for acts in schedule.ranks]
+        self.compute = [[a for a in acts if a[1] in _COMPUTE] for acts in schedule.ranks]
         self.position = [{a: i for i, a in enumerate(c)} for c in self.compute]
         self._backward = {(a.stage, a.microbatch): a for c in self.compute for a in c
-                          if a.kind.is_backward}
+                          if a[1] is _I or a[1] is _B}
         self.spans = Lifespans(base)
         # Recomputed items keep nothing to offload (see offload/recompute.py).
         self.recomputed = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts
-                           if a.kind is Kind.RECOMPUTE}
+                           if a[1] is _RECOMPUTE}
         self.by_lifespan = [[it for it in items if it not in self.recomputed]
                             for items in self.spans.by_rank]
         self._latest: dict[Action, float] | None = None
+        self._reload_time = [costs.transfer_time(s, Kind.RELOAD)
+                             for s in range(schedule.num_stages)]
 
     def backward(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
@@ -200,29 +213,32 @@ class _Planner:
         for item in items:
             by_rank[self.schedule.rank_of(item[0])].append(item)
         leads: dict[Item, int] = {}
+        tolerance, margin = self.policy.stall_tolerance, self.policy.reload_margin
         for rank, rank_items in enumerate(by_rank):
+            if not rank_items:
+                continue
             comp, pos = self.compute[rank], self.position[rank]
+            ends = [timing[a].end for a in comp]  # the scan below reads many of them
             next_start = float("inf")
-            for item in sorted(rank_items, key=lambda it: -pos[self.backward(it)]):
-                b = timing[self.backward(item)]
-                finish = min(b.start - b.stall - self.policy.reload_margin, next_start)
-                latest = finish - self.costs.transfer_time(item[0], Kind.RELOAD)
-                f_index = pos[Action(item[0], Kind.F, item[1])]
-                b_index = pos[self.backward(item)]
+            backwards = sorted(((pos[self.backward(it)], it) for it in rank_items),
+                               key=lambda pair: -pair[0])
+            for b_index, item in backwards:
+                b = timing[comp[b_index]]
+                finish = min(b.start - b.stall - margin, next_start)
+                latest = finish - self._reload_time[item[0]]
+                f_index = pos[Action(item[0], _F, item[1])]
                 # The program reaches the point before comp[j] when comp[j-1] ends.
                 j = b_index
-                tolerance = self.policy.stall_tolerance
-                while j > f_index + 1 and timing[comp[j - 1]].end > latest + tolerance:
+                while j > f_index + 1 and ends[j - 1] > latest + tolerance:
                     j -= 1
-                issue = timing[comp[j - 1]].end
-                copied_out = timing.get(Action(item[0], Kind.OFFLOAD, item[1]))
+                issue = ends[j - 1]
+                copied_out = timing.get(Action(item[0], _OFFLOAD, item[1]))
                 out_end = copied_out.end if copied_out else out_ends[item]
-                if issue <= out_end + self.policy.stall_tolerance or \
-                        issue > latest + self.policy.stall_tolerance:
-                    if not self.keep_stalling or issue <= out_end + self.policy.stall_tolerance:
+                if issue <= out_end + tolerance or issue > latest + tolerance:
+                    if not self.keep_stalling or issue <= out_end + tolerance:
                         skipped[item] = ("too short-lived: the copy back would have to start "
                                          "before the copy out ends" if issue <= out_end +
-                                         self.policy.stall_tolerance else
+                                         tolerance else
                                          "its copies cannot hide behind compute (stall)")
                         continue
                 leads[item] = b_index - j
@@ -264,8 +280,8 @@ class _Planner:
                 if action in waits:
                     out.append(Action(waits[action][0], Kind.OFFLOAD_WAIT, waits[action][1]))
                 out.append(action)
-                if action.kind is Kind.F and (action.stage, action.microbatch) in offloaded:
-                    out.append(Action(action.stage, Kind.OFFLOAD, action.microbatch))
+                if action[1] is _F and (action[0], action[2]) in offloaded:
+                    out.append(Action(action[0], _OFFLOAD, action[2]))
             ranks.append(out)
         return self.schedule.with_ranks(ranks)
 
@@ -274,10 +290,12 @@ class _Planner:
         nothing stalls; then postpone forwards that would start while too many copies out are
         pending (only while that does not grow the makespan beyond ``postpone_slack``)."""
         skipped: dict[Item, str] = {}
-        items = [item for item in chosen if self.backward(item) != self._after_f(item)]
+        items = []
         for item in chosen:
             if self.backward(item) == self._after_f(item):
                 skipped[item] = "its backward directly follows its forward"
+            else:
+                items.append(item)
         fetches = {item for item in items if self.policy.fetch_on_use and self.reads_hide(item)}
         timing = _timing(self.base)
         out_ends = copy_out_ends(self.base, items)
@@ -337,7 +355,7 @@ class _Planner:
 
     def _after_f(self, item: Item) -> Action:
         rank = self.schedule.rank_of(item[0])
-        return self.compute[rank][self.position[rank][Action(item[0], Kind.F, item[1])] + 1]
+        return self.compute[rank][self.position[rank][Action(item[0], _F, item[1])] + 1]
 
     def _horizon(self) -> float:
         """The makespan postponing may not exceed."""
@@ -377,11 +395,11 @@ class _Planner:
     def report(self, target: OffloadTarget, planned: Schedule, result: SimResult,
                skipped: dict[Item, str], notes: tuple[str, ...]) -> OffloadPlan:
         offloaded = tuple(sorted((a.stage, a.microbatch) for acts in planned.ranks for a in acts
-                                 if a.kind is Kind.OFFLOAD))
+                                 if a[1] is _OFFLOAD))
         if target.kind is not TargetKind.NONE and not offloaded and skipped:
             reasons = sorted({why for why in skipped.values()})
             notes = notes + ("nothing could be offloaded: " + "; ".join(reasons),)
-        total = sum(self.units[s] for acts in self.compute for s, k, _ in acts if k is Kind.F)
+        total = sum(self.units[s] for acts in self.compute for s, k, _ in acts if k is _F)
         moved_units = sum(self.units[s] for s, _ in offloaded)
         # Byte peaks exist exactly when every stage's activation size is known.
         bytes_moved = None if self.base.peak_bytes is None else float(

@@ -60,12 +60,19 @@ def simulated_copies(result: SimResult) -> list[RankCopies]:
     """Each rank's forwards and copies out as ``result`` ran them."""
     out: list[RankCopies] = []
     for rank_timeline in result.timeline:
-        f_end = {t.action: t.end for t in rank_timeline if t.action.kind is Kind.F}
-        offloads = sorted((f_end[Action(t.action.stage, Kind.F, t.action.microbatch)], t.end,
-                           (t.action.stage, t.action.microbatch))
-                          for t in rank_timeline if t.action.kind is Kind.OFFLOAD)
-        forwards = sorted((t.start, t.action) for t in rank_timeline if t.action.kind is Kind.F)
-        out.append((forwards, offloads))
+        forwards: list[tuple[float, Action]] = []
+        f_end: dict[Item, float] = {}
+        copies = []
+        for t in rank_timeline:
+            kind = t.action[1]
+            if kind is _F:
+                forwards.append((t.start, t.action))
+                f_end[(t.action[0], t.action[2])] = t.end
+            elif kind is _OFFLOAD:
+                copies.append(t)
+        offloads = sorted((f_end[item], t.end, item) for t in copies
+                          for item in ((t.action[0], t.action[2]),))
+        out.append((sorted(forwards), offloads))
     return out
 
 
@@ -75,9 +82,12 @@ def forecast_copies(base: SimResult, offloaded: Iterable[Item]) -> list[RankCopi
     ends = copy_out_ends(base, offloaded)
     out: list[RankCopies] = []
     for rank_timeline in base.timeline:
-        forwards = [(t.start, t.action) for t in rank_timeline if t.action.kind is Kind.F]
+        forwards = [(t.start, t.action) for t in rank_timeline if t.action[1] is _F]
         offloads = sorted((t.end, ends[item], item) for t in rank_timeline
-                          if t.action.kind is Kind.F
-                          and (item := (t.action.stage, t.action.microbatch)) in ends)
+                          if t.action[1] is _F
+                          and (item := (t.action[0], t.action[2])) in ends)
         out.append((sorted(forwards), offloads))
     return out
+
+
+_F, _OFFLOAD = Kind.F, Kind.OFFLOAD  # Note: [hot loops], core/actions.py

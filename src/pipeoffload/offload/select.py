@@ -6,11 +6,12 @@ would otherwise sit on the device, so both take the longest-lived activations fi
 
 from __future__ import annotations
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import Kind
 from pipeoffload.offload.targets import OffloadTarget, TargetKind
 from pipeoffload.sim.simulator import SimResult
 
 Item = tuple[int, int]  # (stage, microbatch)
+_F, _W, _B = Kind.F, Kind.W, Kind.B  # Note: [hot loops], core/actions.py
 
 
 class Lifespans:
@@ -20,19 +21,32 @@ class Lifespans:
     def __init__(self, result: SimResult) -> None:
         schedule = result.schedule
         self.schedule = schedule
-        start = {t.action: t.start for rank in result.timeline for t in rank}
-        end = {t.action: t.end for rank in result.timeline for t in rank}
+        # One pass over the timeline: each item's F start and W (else B) end.
+        born: dict[Item, float] = {}
+        freed_w: dict[Item, float] = {}
+        freed_b: dict[Item, float] = {}
+        for rank in result.timeline:
+            for t in rank:
+                s, kind, m = t.action
+                if kind is _F:
+                    born[(s, m)] = t.start
+                elif kind is _W:
+                    freed_w[(s, m)] = t.end
+                elif kind is _B:
+                    freed_b[(s, m)] = t.end
+        reversed_order = [_bit_reversed(m, schedule.microbatches)
+                          for m in range(schedule.microbatches)]
         self.lifespan: dict[Item, float] = {}
         self.by_rank: list[list[Item]] = []
         for actions in schedule.ranks:
-            items = [(a.stage, a.microbatch) for a in actions if a.kind is Kind.F]
-            for s, m in items:
-                last = Action(s, Kind.W, m) if Action(s, Kind.W, m) in end else Action(s, Kind.B, m)
-                self.lifespan[(s, m)] = end[last] - start[Action(s, Kind.F, m)]
+            items = [(a.stage, a.microbatch) for a in actions if a.kind is _F]
+            for item in items:
+                end = freed_w[item] if item in freed_w else freed_b[item]
+                self.lifespan[item] = end - born[item]
             # Equal lifespans (a steady state) are taken in bit-reversed microbatch order, so
             # any prefix spreads evenly over time and lowers the whole plateau, not one end.
-            items.sort(key=lambda it: (-round(self.lifespan[it], 9),
-                                       _bit_reversed(it[1], schedule.microbatches), it[0]))
+            items.sort(key=lambda it: (-round(self.lifespan[it], 9), reversed_order[it[1]],
+                                       it[0]))
             self.by_rank.append(items)
 
     def stages_by_lifespan(self, rank: int) -> list[int]:

@@ -5,7 +5,7 @@ One saved_tensors_hooks scope per (stage, microbatch) forward captures what auto
 elements) stay as they are; every other saved tensor is recorded by its storage, so several saved
 views of one storage move once and come back as the same views (same offset, sizes, strides).
 
-Note: [streaming offload] (shared with the simulator, sim/simulator.py) a scope opened with
+Note: [streaming offload] (shared with the simulator, sim/memory.py) a scope opened with
 ``stream=True`` starts each storage's copy to host as soon as autograd saves it, during the
 forward, and the offloader keeps its device reference only until that copy has completed; the
 OFFLOAD action then only marks the scope offloaded. With ``stream=False`` OFFLOAD starts the

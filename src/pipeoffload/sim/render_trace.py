@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeoffload.errors import ConfigError
-from pipeoffload.sim.simulator import Lane, SimResult, memory_events
+from pipeoffload.sim.memory import memory_events
+from pipeoffload.sim.simulator import Lane, SimResult
 
 DEFAULT_TIME_SCALE_US = 1e6
 MEMORY_COUNTER = "activation (M_a)"

@@ -14,7 +14,7 @@ Each rank runs its action list in order, like a program:
 - every dependency that crosses ranks adds ``CostModel.p2p_time``.
 A compute action that waits on a RELOAD or a FETCH read beyond the time it could otherwise
 start is stalled; the stall is reported per rank. Memory follows design.md's accounting (see
-``memory_events``).
+``memory_events`` in sim/memory.py).
 
 Note: [fetch on use]
 The time-mirror of streaming offload. A backward pass of a fetched (s, m) reads each saved tensor
@@ -45,20 +45,21 @@ bubble for DualPipe (docs/schedules.md).
 
 from __future__ import annotations
 
-import gc
+import functools
 import heapq
+import operator
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
-from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ScheduleError
+from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.costs import CostModel
-
-_PASSES = (Kind.I, Kind.W, Kind.B)  # the backward passes that read saved activations
+from pipeoffload.sim.memory import curve, memory_changes, peak
+from pipeoffload.sim.program import Program, Step
 
 
 class Lane(str, Enum):
@@ -98,6 +99,9 @@ class SimResult:
     peak_bytes: tuple[float, ...] | None
     memory: tuple[tuple[tuple[float, float], ...], ...]
     stall_time: tuple[float, ...]
+    program: Program | None = field(default=None, repr=False, compare=False)
+    """The numbered schedule the run used, for passes that walk the same dependencies again
+    (offload/forecast.py); None where a result was made another way."""
 
     @property
     def total_stall_time(self) -> float:
@@ -119,16 +123,10 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     costs = costs or CostModel()
     if schedule.has_kind(*MARKER_KINDS):
         schedule = schedule.without(*MARKER_KINDS)
-    # The run makes tens of thousands of small tuples and no reference cycles: pausing the
-    # cyclic collector keeps it from rescanning them again and again (a third of the time).
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        timeline, stall = _run(schedule, costs)
-        return _summarise(schedule, costs, timeline, stall)
-    finally:
-        if collecting:
-            gc.enable()
+    with cyclic_gc_paused():
+        program = Program(schedule, costs)
+        timeline, stall = _run(program, costs)
+        return _summarise(schedule, costs, timeline, stall, program)
 
 
 def _lane(kind: Kind) -> Lane:
@@ -141,137 +139,151 @@ def _lane(kind: Kind) -> Lane:
     return Lane.COMM
 
 
-def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]], list[float]]:
+_LANES = {kind: _lane(kind) for kind in Kind}
+_COMPUTE_PASSES = frozenset({Kind.F, Kind.I, Kind.W, Kind.B})  # what compute_time counts
+_BY_START_END = operator.itemgetter(2, 3)  # a TimedAction's (start, end)
+_END = operator.itemgetter(3)
+# TimedAction from a full tuple of its fields, without NamedTuple's Python-level __new__.
+_timed_action = functools.partial(tuple.__new__, TimedAction)
+# The steps as module names (Note: [hot loops], core/actions.py).
+_RUN, _COPY_OUT, _COPY_BACK = Step.RUN, Step.COPY_OUT, Step.COPY_BACK
+_FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
+
+
+def _run(program: Program, costs: CostModel) -> tuple[list[list[TimedAction]], list[float]]:
     """The event loop. Compute is placed as soon as its dependencies are timed (a rank's lane
     has no contention); transfers are placed in order of readiness, since host links can be
-    shared between ranks."""
-    deps = Dependencies(schedule)
-    rank_of = schedule.stage_to_rank
-    end: dict[Action, float] = {}
+    shared between ranks. Works on ``Program`` indices: actions are looked up once, not per
+    visit."""
+    schedule = program.schedule
+    actions, step, needs, duration = (program.actions, program.step, program.needs,
+                                      program.duration)
+    blocks, is_compute, is_forward = program.blocks, program.is_compute, program.is_forward
+    channel, copy_time, source = program.channel, program.copy_time, program.source
+    owner, p2p = program.owner, costs.p2p_time
+    lane = [_LANES[a.kind] for a in actions]
+    end: list[float | None] = [None] * (len(actions) + 1)  # the last: a dependency never done
+    began = [0.0] * len(actions)  # forwards' starts: a copy out streams from there
     timed: list[list[TimedAction]] = [[] for _ in schedule.ranks]
-    pointer = [0] * schedule.num_ranks
+    pointer = program.first[:-1]
+    stop = program.first[1:]
     issue = [0.0] * schedule.num_ranks  # when each rank's program reached its current action
     stall = [0.0] * schedule.num_ranks
-    waiting: dict[Action, list[int]] = defaultdict(list)
-    forward_start: dict[tuple[int, int], float] = {}
-    dependencies: dict[Action, tuple[Action, ...]] = {}
-    pending: list[tuple[float, int, int, Action]] = []  # transfers: (ready, seq, rank, action)
+    waiting: dict[int, list[int]] = {}
+    pending: list[tuple[float, int, int, int]] = []  # transfers: (ready, seq, rank, index)
     channel_free: dict[tuple[int, str], float] = defaultdict(float)
     seq = 0
     # Backward passes that read a fetched activation queue for the host link like a transfer;
     # their rank's program is blocked until the read is placed (see [fetch on use]).
-    fetched = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts
-               if a.kind is Kind.FETCH}
-    reading: dict[Action, float] = {}  # queued pass -> time its other inputs allowed
+    reading: dict[int, float] = {}  # queued pass -> time its other inputs allowed
     blocked = [False] * schedule.num_ranks
-    paired: dict[Action, float] = {}  # the backward of an overlapped pair -> its time factor
-    pair_end: dict[Action, float] = {}  # the forward of an overlapped pair -> when the pair ends
+    paired: dict[int, float] = {}  # the backward of an overlapped pair -> its time factor
+    pair_end: dict[int, float] = {}  # the forward of an overlapped pair -> when the pair ends
+    overlap = costs.overlap_f_b
 
-    def pair_factor(rank: int, forward: Action, ready: float) -> float:
+    def pair_factor(rank: int, forward: int, ready: float) -> float:
         """The time factor of ``forward`` and of its partner if they make an overlapped pair
         (Note: [overlapped pair]); 1.0 otherwise."""
-        actions = schedule.ranks[rank]
-        partner = next((a for a in actions[pointer[rank]:] if a.kind.blocks), None)
-        if (partner is None or partner.kind not in (Kind.I, Kind.B)
-                or partner.microbatch == forward.microbatch
-                or (partner.stage, partner.microbatch) in fetched):
+        partner = next((j for j in range(pointer[rank], stop[rank]) if blocks[j]), None)
+        if (partner is None or actions[partner].kind not in (Kind.I, Kind.B)
+                or actions[partner].microbatch == actions[forward].microbatch
+                or step[partner] is _READ_PASS):
             return 1.0
-        for dep in deps.of(partner):
-            hop = costs.p2p_time if rank_of[dep.stage] != rank else 0.0
-            if dep not in end or end[dep] + hop > ready:
+        for dep in needs[partner]:
+            done = end[dep]
+            if done is None or done + (p2p if owner[dep] != rank else 0.0) > ready:
                 return 1.0
-        f, b = costs.compute_time(forward), costs.compute_time(partner)
+        f, b = duration[forward], duration[partner]
         if f + b <= 0:
             return 1.0
-        factor = 1.0 - (costs.overlap_f_b or 0.0) * min(f, b) / (f + b)
+        factor = 1.0 - (overlap or 0.0) * min(f, b) / (f + b)
         paired[partner] = factor
         pair_end[forward] = ready + (f + b) * factor
         return factor
 
-    def ready_time(rank: int, action: Action) -> tuple[float, float] | None:
-        """(time all dependencies allow, time all but RELOADs allow), or None if not timed."""
-        ready = other = issue[rank]
-        needs = dependencies.get(action)
-        if needs is None:
-            needs = dependencies[action] = deps.of(action)
-        for dep in needs:
-            if dep not in end:
-                waiting[dep].append(rank)
-                return None
-            at = end[dep] + (costs.p2p_time if rank_of[dep.stage] != rank else 0.0)
-            ready = max(ready, at)
-            if dep.kind is not Kind.RELOAD and dep.kind is not Kind.FETCH:
-                other = max(other, at)
-        return ready, other
-
     def advance(rank: int) -> None:
         nonlocal seq
-        actions = schedule.ranks[rank]
-        while not blocked[rank] and pointer[rank] < len(actions):
-            action = actions[pointer[rank]]
-            times = ready_time(rank, action)
-            if times is None:
-                return
-            ready, other = times
-            pointer[rank] += 1
-            if action.kind is Kind.OFFLOAD:
-                ready = forward_start[(action.stage, action.microbatch)]  # see [streaming offload]
-            if action.kind is Kind.FETCH:  # a marker: ready once its copy out is done
-                end[action] = ready
-                runnable.extend(waiting.pop(action, ()))
-                continue
-            reads = action.kind in _PASSES and (action.stage, action.microbatch) in fetched
-            if action.kind.is_transfer or reads:
-                heapq.heappush(pending, (ready, seq, rank, action))
+        i, last = pointer[rank], stop[rank]
+        while i < last and not blocked[rank]:
+            ready = other = issue[rank]  # all dependencies allow / all but copies back allow
+            for dep in needs[i]:
+                at = end[dep]
+                if at is None:
+                    waiting.setdefault(dep, []).append(rank)
+                    pointer[rank] = i
+                    return
+                if owner[dep] != rank:
+                    at += p2p
+                if at > ready:
+                    ready = at
+                if at > other and step[dep] is not _COPY_BACK and \
+                        step[dep] is not _FETCH_MARK:  # a stall is a wait for a copy back
+                    other = at
+            j, i = i, i + 1
+            pointer[rank] = i
+            kind_step = step[j]
+            if kind_step is _RUN:
+                took = duration[j]
+                if paired and j in paired:
+                    took *= paired.pop(j)
+                elif overlap is not None and is_forward[j]:
+                    took *= pair_factor(rank, j, ready)
+                waited = 0.0
+                if is_compute[j]:
+                    waited = ready - other
+                    stall[rank] += waited
+                if blocks[j]:
+                    issue[rank] = ready + took
+                if is_forward[j]:
+                    began[j] = ready
+                done = ready + took  # finish(), inlined: this is the path most actions take
+                timed[rank].append(_timed_action((rank, actions[j], ready, done, lane[j], waited)))
+                end[j] = done
+                woken = waiting.pop(j, None)
+                if woken:
+                    runnable.extend(woken)
+                if pair_end and j in pair_end:  # its output leaves with the pair's
+                    end[j] = pair_end.pop(j)
+            elif kind_step is _FETCH_MARK:  # a marker: ready once its copy out is done
+                end[j] = ready
+                runnable.extend(waiting.pop(j, ()))
+            else:
+                if kind_step is _COPY_OUT:
+                    ready = began[source[j]]  # see [streaming offload], sim/memory.py
+                heapq.heappush(pending, (ready, seq, rank, j))
                 seq += 1
-                if reads:
-                    reading[action] = other
+                if kind_step is _READ_PASS:
+                    reading[j] = other
                     blocked[rank] = True
-                continue
-            duration = costs.compute_time(action)
-            if action in paired:
-                duration *= paired.pop(action)
-            elif costs.overlap_f_b is not None and action.kind is Kind.F:
-                duration *= pair_factor(rank, action, ready)
-            waited = 0.0
-            if action.kind.is_compute:
-                waited = ready - other
-                stall[rank] += waited
-            if action.kind.blocks:
-                issue[rank] = ready + duration
-            if action.kind is Kind.F:
-                forward_start[(action.stage, action.microbatch)] = ready
-            finish(rank, action, ready, ready + duration, waited)
-            if action in pair_end:  # its output leaves with the pair's (runs before any waiter)
-                end[action] = pair_end.pop(action)
 
-    def finish(rank: int, action: Action, start: float, stop: float, waited: float = 0.0) -> None:
-        timed[rank].append(TimedAction(rank, action, start, stop, _lane(action.kind), waited))
-        end[action] = stop
-        for woken in waiting.pop(action, ()):
-            runnable.append(woken)
+    def finish(rank: int, j: int, start: float, stop: float, waited: float = 0.0) -> None:
+        timed[rank].append(_timed_action((rank, actions[j], start, stop, lane[j], waited)))
+        end[j] = stop
+        woken = waiting.pop(j, None)
+        if woken:
+            runnable.extend(woken)
 
-    def occupy(rank: int, kind: Kind, stage: int, ready: float,
-               until: float = 0.0) -> tuple[float, float]:
-        """Place one copy on its host-link queue: (start, end); it ends no earlier than
-        ``until``."""
-        channel = costs.host_link.channel(rank, kind)
-        start = max(ready, channel_free[channel])
-        stop = channel_free[channel] = max(start + costs.transfer_time(stage, kind), until)
+    def occupy(j: int, ready: float, until: float = 0.0) -> tuple[float, float]:
+        """Place one copy (or read) on its host-link queue: (start, end); it ends no earlier
+        than ``until``."""
+        queue = channel[j]
+        start = max(ready, channel_free[queue])
+        stop = channel_free[queue] = max(start + copy_time[j], until)
         return start, stop
 
-    def place_read(rank: int, action: Action, ready: float) -> None:
+    def place_read(rank: int, j: int, ready: float) -> None:
         """A backward pass of a fetched activation, with its read on the H2D queue."""
-        start, stop = occupy(rank, Kind.RELOAD, action.stage, ready)
+        start, stop = occupy(j, ready)
+        action = actions[j]
         fetch = Action(action.stage, Kind.FETCH, action.microbatch)
         timed[rank].append(TimedAction(rank, fetch, start, stop, Lane.H2D))
-        duration = costs.compute_time(action)
-        begin = max(ready, stop - duration)  # a slow read stretches the pass: counted as a wait
-        waited = begin - reading.pop(action)
+        took = duration[j]
+        begin = max(ready, stop - took)  # a slow read stretches the pass: counted as a wait
+        waited = begin - reading.pop(j)
         stall[rank] += waited
-        issue[rank] = begin + duration
+        issue[rank] = begin + took
         blocked[rank] = False
-        finish(rank, action, begin, begin + duration, waited)
+        finish(rank, j, begin, begin + took, waited)
         runnable.append(rank)
 
     runnable = list(range(schedule.num_ranks))
@@ -280,27 +292,26 @@ def _run(schedule: Schedule, costs: CostModel) -> tuple[list[list[TimedAction]],
             advance(runnable.pop())
         if not pending:
             break
-        ready, _, rank, action = heapq.heappop(pending)
-        if action in reading:
-            place_read(rank, action, ready)
+        ready, _, rank, j = heapq.heappop(pending)
+        if j in reading:
+            place_read(rank, j, ready)
             continue
         # A copy out cannot end before its forward: its last bytes exist only then.
-        until = end[Action(action.stage, Kind.F, action.microbatch)] \
-            if action.kind is Kind.OFFLOAD else 0.0
-        finish(rank, action, *occupy(rank, action.kind, action.stage, ready, until))
+        until = end[source[j]] if step[j] is _COPY_OUT else 0.0
+        finish(rank, j, *occupy(j, ready, until))  # type: ignore[arg-type]
 
-    stuck = [r for r in range(schedule.num_ranks) if pointer[r] < len(schedule.ranks[r])]
+    stuck = [r for r in range(schedule.num_ranks) if pointer[r] < stop[r]]
     if stuck:
-        where = "; ".join(f"rank {r} at position {pointer[r]} ({schedule.ranks[r][pointer[r]]})"
-                          for r in stuck)
+        at = {r: pointer[r] - program.first[r] for r in stuck}
+        where = "; ".join(f"rank {r} at position {at[r]} ({actions[pointer[r]]})" for r in stuck)
         rank = stuck[0]
         raise ScheduleError(
             f"simulation deadlocked, no rank can continue: {where}. "
             "pipeoffload.core.validate.validate(schedule) explains what each one waits for",
-            rank=rank, position=pointer[rank], action=schedule.ranks[rank][pointer[rank]],
+            rank=rank, position=at[rank], action=actions[pointer[rank]],
         )
-    for rank in range(schedule.num_ranks):
-        timed[rank].sort(key=lambda t: (t.start, t.end))
+    for rank_timeline in timed:
+        rank_timeline.sort(key=_BY_START_END)
     return timed, stall
 
 
@@ -317,103 +328,22 @@ def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
     return tuple(units)
 
 
-def memory_events(schedule: Schedule, rank_timeline: tuple[TimedAction, ...] | list[TimedAction],
-                  sizes: tuple[float, ...], costs: CostModel) -> list[tuple[float, float]]:
-    """Rank's resident-activation changes as (time, delta), in the order they happen.
-
-    At a time tie, events follow the rank's program: an event of a compute action (its start,
-    then its end) comes where that action is in the program, so zero-length actions still
-    allocate and free in order; the end of a copy out frees right after its forward starts,
-    and the start of a copy back allocates right before its backward. With positive durations
-    this is "frees before allocations at a tie".
-
-    Note: [memory accounting] (design.md) the activation of (s, m) is resident from the start of
-    F(s, m) to the end of W(s, m) or B(s, m), except from the end of OFFLOAD(s, m) to the start
-    of RELOAD(s, m); a fetched (s, m) stays off the device until its backward ends (Note:
-    [fetch on use]). A recomputed (s, m) runs its F without autograd recording and keeps only
-    its input (not counted: it is the previous stage's output), so it is resident from the
-    start of its RECOMPUTE only.
-
-    Note: [streaming offload] an offloaded (s, m) is copied out while its F runs, tensor by
-    tensor as autograd saves it: the copy starts when the F starts (or when the D2H queue frees
-    up) and cannot end before the F does. Only the part not yet copied is on the device, so
-    such an (s, m) counts ``streamed_fraction`` of its size from the F's start to the copy's
-    end: 0 when the copy keeps up with the forward, all of it when the copy starts after the
-    forward ended.
-    """
-    timed = {t.action: t for t in rank_timeline}
-    if not rank_timeline:
-        return []
-    order = {a: 2 * i for i, a in enumerate(schedule.ranks[rank_timeline[0].rank])}
-    first_backward: dict[tuple[int, int], int] = {}
-    for action, at in order.items():
-        if action.kind.is_backward:
-            first_backward.setdefault((action.stage, action.microbatch), at)
-    events = []  # (time, program order, delta)
-    for t in rank_timeline:
-        s, kind, m = t.action
-        size = sizes[s]
-        if kind is Kind.F:
-            copy = timed.get(Action(s, Kind.OFFLOAD, m))
-            if copy is not None:
-                part = size * streamed_fraction(t.start, t.end, copy.start,
-                                                costs.transfer_time(s, Kind.OFFLOAD))
-                events.extend(((t.start, order[t.action], part),
-                               (copy.end, order[t.action] + 0.5, -part)))
-                continue
-            if Action(s, Kind.RECOMPUTE, m) not in timed:
-                events.append((t.start, order[t.action], size))
-        elif kind in (Kind.W, Kind.B):
-            if Action(s, Kind.FETCH, m) not in timed:
-                events.append((t.end, order[t.action] + 1, -size))
-        elif kind is Kind.RECOMPUTE:
-            events.append((t.start, order[t.action], size))
-        elif kind is Kind.RELOAD:
-            events.append((t.start, first_backward.get((s, m), order[t.action]) - 0.5, size))
-    events.sort(key=lambda e: (e[0], e[1]))
-    return [(time, delta) for time, _, delta in events]
-
-
-def streamed_fraction(f_start: float, f_end: float, copy_start: float, copy_time: float) -> float:
-    """The largest share of a forward's activation on the device while it streams out (the
-    forward produces at a constant rate, the copy drains at one; see [streaming offload])."""
-    if copy_start >= f_end:
-        return 1.0
-    f_time = f_end - f_start
-    before = (copy_start - f_start) / f_time if f_time > 0 else 1.0
-    if copy_time <= f_time or copy_time <= 0:
-        return min(1.0, max(0.0, before))
-    return min(1.0, max(0.0, 1.0 - (f_end - copy_start) / copy_time))
-
-
-def _curve(events: list[tuple[float, float]]) -> tuple[tuple[tuple[float, float], ...], float]:
-    level = peak = 0.0
-    points = [(0.0, 0.0)]
-    for time, delta in events:
-        level += delta
-        peak = max(peak, level)
-        points.append((time, level))
-    return tuple(points), peak
-
-
 def _summarise(schedule: Schedule, costs: CostModel, timed: list[list[TimedAction]],
-               stall: list[float]) -> SimResult:
+               stall: list[float], program: Program) -> SimResult:
     units = activation_units(schedule, costs)
     byte_sizes = [costs.bytes_of(s) for s in range(schedule.num_stages)]
     have_bytes = all(b is not None for b in byte_sizes)
     memory, peaks, peak_bytes = [], [], []
     for rank_timeline in timed:
-        curve, peak = _curve(memory_events(schedule, rank_timeline, units, costs))
-        memory.append(curve)
-        peaks.append(peak)
+        changes = memory_changes(schedule, rank_timeline, costs)
+        points, top = curve(changes, units)
+        memory.append(points)
+        peaks.append(top)
         if have_bytes:
-            _, peak_b = _curve(memory_events(schedule, rank_timeline, tuple(byte_sizes), costs))
-            peak_bytes.append(peak_b)
-    makespan = max((t.end for rank in timed for t in rank), default=0.0)
-    compute = tuple(
-        sum(t.end - t.start for t in rank if t.action.kind in (Kind.F, Kind.I, Kind.W, Kind.B))
-        for rank in timed
-    )
+            peak_bytes.append(peak(changes, byte_sizes))  # type: ignore[arg-type]
+    makespan = max((max(map(_END, rank)) for rank in timed if rank), default=0.0)
+    compute = tuple(sum(t.end - t.start for t in rank if t.action.kind in _COMPUTE_PASSES)
+                    for rank in timed)
     bubble = 1.0 - sum(compute) / (schedule.num_ranks * makespan) if makespan > 0 else 0.0
     return SimResult(
         schedule=schedule,
@@ -426,4 +356,5 @@ def _summarise(schedule: Schedule, costs: CostModel, timed: list[list[TimedActio
         peak_bytes=tuple(peak_bytes) if have_bytes else None,
         memory=tuple(memory),
         stall_time=tuple(stall),
+        program=program,
     )

@@ -1,0 +1,103 @@
+"""A schedule numbered for the simulator's inner loop: every action gets an index, and what the
+loop asks of it (its dependencies, how long it takes, which queue it waits in) is looked up once
+here instead of once per visit. Plans at p = 32, m = 256 have ~10^5 actions; simulating them is
+most of the offload planner's time (docs/offload.md, planning time).
+"""
+
+from __future__ import annotations
+
+import itertools
+from enum import IntEnum
+
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.deps import Dependencies
+from pipeoffload.core.errors import ScheduleError
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.sim.costs import CostModel
+
+_PASSES = frozenset({Kind.I, Kind.W, Kind.B})  # the backward passes that read saved activations
+
+
+class Step(IntEnum):
+    """How the simulator's loop treats an action."""
+
+    RUN = 0  # placed when its inputs are ready: compute, OFFLOAD_WAIT, SEND / RECV
+    COPY_OUT = 1  # OFFLOAD: queued on the D2H lane, ready when its forward starts
+    COPY_BACK = 2  # RELOAD: queued on the H2D lane
+    FETCH_MARK = 3  # FETCH: a marker, done when its copy out is (Note: [fetch on use])
+    READ_PASS = 4  # a backward pass of a fetched activation: its read queues on the H2D lane
+
+
+_STEPS = {kind: Step.RUN for kind in Kind} | {
+    Kind.OFFLOAD: Step.COPY_OUT, Kind.RELOAD: Step.COPY_BACK, Kind.FETCH: Step.FETCH_MARK}
+_RUN, _COPY_OUT, _COPY_BACK = Step.RUN, Step.COPY_OUT, Step.COPY_BACK
+_FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
+
+
+class Program:
+    """``schedule`` with every action numbered rank by rank (rank r holds indices
+    ``first[r]`` to ``first[r + 1] - 1``, in program order).
+
+    Per index: ``actions`` (``index`` maps them back), ``owner`` (its rank), ``step``,
+    ``duration`` (compute time), ``needs`` (its dependencies' indices; one the schedule lacks
+    is ``len(actions)``, which never completes), ``source`` (an OFFLOAD's forward, else -1),
+    ``channel`` and ``copy_time`` (the host-link queue and duration of its copy or read),
+    ``blocks``, ``is_compute``, ``is_forward``.
+    Raises ScheduleError if an action appears twice (it could not be numbered).
+    """
+
+    def __init__(self, schedule: Schedule, costs: CostModel) -> None:
+        actions = list(itertools.chain.from_iterable(schedule.ranks))
+        index = {a: i for i, a in enumerate(actions)}
+        if len(index) != len(actions):
+            self._reject_repeats(schedule)
+        first = [0]
+        for acts in schedule.ranks:
+            first.append(first[-1] + len(acts))
+        self.schedule, self.actions, self.index, self.first = schedule, actions, index, first
+        self.owner = [r for r, acts in enumerate(schedule.ranks) for _ in acts]
+        deps = Dependencies(schedule)
+        missing = len(actions)
+        self.needs = [[index.get(key, missing) for key in deps.keys_of(a)] for a in actions]
+        # What depends on the kind (and stage) only is looked up in tables, not asked of each
+        # action (Note: [hot loops], core/actions.py).
+        fetch, forward, read_pass = Kind.FETCH, Kind.F, Step.READ_PASS
+        fetched = {(s, m) for s, kind, m in actions if kind is fetch}
+        self.step = [_STEPS[kind] if not fetched or kind not in _PASSES or (s, m) not in fetched
+                     else read_pass for s, kind, m in actions]
+        stages = range(schedule.num_stages)
+        took = {kind: [costs.compute_time(Action(s, kind, 0)) for s in stages] for kind in Kind}
+        self.duration = [took[kind][s] for s, kind, _ in actions]
+        blocks = {kind: kind.blocks for kind in Kind}
+        compute = {kind: kind.is_compute for kind in Kind}
+        self.blocks = [blocks[a[1]] for a in actions]
+        self.is_compute = [compute[a[1]] for a in actions]
+        self.is_forward = [a[1] is forward for a in actions]
+        self.source = [-1] * len(actions)
+        self.channel: list[tuple[int, str] | None] = [None] * len(actions)
+        self.copy_time = [0.0] * len(actions)
+        queue_of = {_COPY_OUT: Kind.OFFLOAD, _COPY_BACK: Kind.RELOAD, _READ_PASS: Kind.RELOAD}
+        channels = {(rank, queue): costs.host_link.channel(rank, queue)
+                    for rank in range(schedule.num_ranks) for queue in set(queue_of.values())}
+        copy_times = {(stage, queue): costs.transfer_time(stage, queue)
+                      for stage in stages for queue in set(queue_of.values())}
+        for i, step in enumerate(self.step):
+            if step is _RUN or step is _FETCH_MARK:
+                continue
+            stage, _, microbatch = actions[i]
+            queue = queue_of[step]
+            self.channel[i] = channels[(self.owner[i], queue)]
+            self.copy_time[i] = copy_times[(stage, queue)]
+            if step is _COPY_OUT:
+                self.source[i] = index.get((stage, forward, microbatch), missing)
+
+    @staticmethod
+    def _reject_repeats(schedule: Schedule) -> None:
+        seen: set[Action] = set()
+        for rank, position, action in schedule.actions:
+            if action in seen:
+                raise ScheduleError(
+                    f"rank {rank}, position {position}: {action} appears twice; each action "
+                    "runs exactly once (pipeoffload.core.validate.validate explains)",
+                    rank=rank, position=position, action=action)
+            seen.add(action)
