@@ -1,13 +1,15 @@
 """pipeoffload's runtime against torch.distributed.pipelining on the same model, ranks,
 microbatches and schedule, over gloo with one real process per rank.
 
-Run: python benchmarks/vs_torch.py [--pp 4] [--microbatches 8] [--reps 7] [--steps 2]
-         [--sizes tiny:8,small:2] [--schedules 1f1b,interleaved-1f1b,zbv,po-f]
+Run: python benchmarks/vs_torch.py [--microbatches 8] [--reps 7] [--steps 2]
+         [--sizes tiny:8:2,small:2:4] [--schedules 1f1b,interleaved-1f1b,zbv,po-f]
 
-Sizes are MODEL:ROWS pairs (a model preset of app/model.py and the rows, i.e. sequences, per
-microbatch), each run in its own process group; ``--model`` / ``--microbatch-size`` name one
-size instead. The default runs the tiny model with 8 rows per microbatch (where per-action
-overhead shows most) and the small model with 2.
+A size is MODEL:ROWS[:PP]: a model preset of app/model.py, the rows (sequences) per
+microbatch, and the pipeline ranks (``--pp`` when left out); each size runs in its own process
+group. ``--model`` / ``--microbatch-size`` / ``--pp`` name one size instead. The default runs
+the tiny model (4 layers) with 8 rows per microbatch on 2 ranks, where per-action overhead
+shows most, and the small model (8 layers) with 2 rows on 4 ranks; the V and interleaved
+schedules need 2 * PP stages of at least one layer each.
 
 Per schedule (1F1B, interleaved 1F1B with 2 chunks, ZB-V) both runtimes drive identical stage
 modules (pipeoffload.app.split.build_stage_modules, one seed): torch through PipelineStage and
@@ -77,7 +79,7 @@ class BenchConfig:
     warmup: int = 1
     model: str = "small"
     schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "zbv", POF)
-    sizes: tuple[tuple[str, int], ...] = (("tiny", 8), ("small", 2))
+    sizes: tuple[tuple[str, int, int], ...] = (("tiny", 8, 2), ("small", 2, 4))
     offload_ratio: float | None = None
     timeout_s: float = 120.0
     seed: int = 0
@@ -95,7 +97,7 @@ class BenchConfig:
 
     @property
     def size_label(self) -> str:
-        return f"{self.model}:{self.microbatch_size}"
+        return f"{self.model}:{self.microbatch_size}:{self.pp}"
 
 
 def torch_stage_to_rank(style: str, pp: int, num_stages: int) -> tuple[int, ...]:
@@ -415,7 +417,8 @@ def report(cfg: BenchConfig, result: dict, offload_ratio: float) -> dict:
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = BenchConfig()
-    parser.add_argument("--pp", type=int, default=defaults.pp)
+    parser.add_argument("--pp", type=int, default=None,
+                        help=f"ranks of sizes that name none (default {defaults.pp})")
     parser.add_argument("--microbatches", type=int, default=defaults.microbatches)
     parser.add_argument("--microbatch-size", type=int, default=None,
                         help=f"rows per microbatch of the --model size (default "
@@ -425,11 +428,12 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
     parser.add_argument("--sizes", default=None,
-                        help="comma separated MODEL:ROWS (model preset: tiny, small or medium; "
-                             "rows per microbatch), default "
-                             + ",".join(f"{m}:{r}" for m, r in defaults.sizes))
+                        help="comma separated MODEL:ROWS[:PP] (model preset: tiny, small or "
+                             "medium; rows per microbatch; ranks, default --pp), default "
+                             + ",".join(f"{m}:{r}:{p}" for m, r, p in defaults.sizes))
     parser.add_argument("--model", default=None,
-                        help="one size: this model (with --microbatch-size) instead of --sizes")
+                        help="one size: this model (with --microbatch-size, --pp) instead of "
+                             "--sizes")
     parser.add_argument("--schedules", default=",".join(defaults.schedules),
                         help="comma separated, from: " + ", ".join([*SCHEDULES, POF]))
     parser.add_argument("--offload-ratio", type=float, default=None,
@@ -457,16 +461,26 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     if args.reps < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("--reps and --steps must be >= 1 and --warmup >= 0")
     sizes = defaults.sizes
+    pp = args.pp or defaults.pp
     if args.sizes is not None and (args.model is not None or args.microbatch_size is not None):
         parser.error("give either --sizes or --model / --microbatch-size, not both")
     if args.sizes is not None:
-        sizes = tuple(_parse_size(parser, item) for item in args.sizes.split(",") if item.strip())
-    elif args.model is not None or args.microbatch_size is not None:
-        sizes = ((args.model or defaults.model, args.microbatch_size or defaults.microbatch_size),)
+        sizes = tuple(_parse_size(parser, item, pp) for item in args.sizes.split(",")
+                      if item.strip())
+    elif args.model is not None or args.microbatch_size is not None or args.pp is not None:
+        sizes = ((args.model or defaults.model, args.microbatch_size or defaults.microbatch_size,
+                  pp),)
     if not sizes:
         parser.error("--sizes names no size")
+    chunked = any(n != "1f1b" for n in names)
+    for model, _, ranks in sizes:
+        stages, layers = ranks * (2 if chunked else 1), MODEL_PRESETS[model].n_layers
+        if stages > layers:
+            parser.error(f"size {model}:{ranks} ranks needs {stages} stages but model {model!r} "
+                         f"has {layers} layers; use at most {layers // 2} ranks for the "
+                         "interleaved, V and po-f schedules, or a larger model")
     return dataclasses.replace(
-        defaults, pp=args.pp, microbatches=args.microbatches, sizes=sizes,
+        defaults, pp=sizes[0][2], microbatches=args.microbatches, sizes=sizes,
         model=sizes[0][0], microbatch_size=sizes[0][1], seq_len=args.seq_len, reps=args.reps,
         steps=args.steps, warmup=args.warmup, schedules=names,
         offload_ratio=args.offload_ratio, timeout_s=args.timeout_s,
@@ -474,12 +488,14 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         json_path=args.json)
 
 
-def _parse_size(parser: argparse.ArgumentParser, item: str) -> tuple[str, int]:
-    model, _, rows = item.strip().partition(":")
-    if model not in MODEL_PRESETS or not rows.isdigit() or int(rows) < 1:
-        parser.error(f"size {item.strip()!r} is not MODEL:ROWS with MODEL one of "
-                     f"{', '.join(MODEL_PRESETS)} and ROWS >= 1 (e.g. tiny:8)")
-    return model, int(rows)
+def _parse_size(parser: argparse.ArgumentParser, item: str, pp: int) -> tuple[str, int, int]:
+    parts = item.strip().split(":")
+    numbers = parts[1:]
+    if (parts[0] not in MODEL_PRESETS or len(numbers) not in (1, 2)
+            or not all(n.isdigit() and int(n) >= 1 for n in numbers)):
+        parser.error(f"size {item.strip()!r} is not MODEL:ROWS[:PP] with MODEL one of "
+                     f"{', '.join(MODEL_PRESETS)} and ROWS, PP >= 1 (e.g. tiny:8:2)")
+    return parts[0], int(numbers[0]), int(numbers[1]) if len(numbers) == 2 else pp
 
 
 def run_size(cfg: BenchConfig) -> dict:
@@ -514,8 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(machine_summary())
-    summaries = [run_size(dataclasses.replace(cfg, model=model, microbatch_size=rows))
-                 for model, rows in cfg.sizes]
+    summaries = [run_size(dataclasses.replace(cfg, model=model, microbatch_size=rows, pp=pp))
+                 for model, rows, pp in cfg.sizes]
     if len(summaries) > 1:
         print("\n## all sizes (ratio = reference / ours per repetition, > 1: ours faster)")
         print(overview(summaries))
