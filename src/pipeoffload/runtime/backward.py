@@ -8,11 +8,13 @@ the gradients on edges that lead to an input, so a Linear's node computes dX but
 A "boundary" node is a node of N_in with an edge to a node outside N_in that leads to a
 parameter (the AddmmBackward of a Linear: its weight edge leads to the weight's accumulator).
 During I a pre-hook captures each boundary node's incoming gradients. W then runs, for each
-boundary node u, ``torch.autograd.grad`` from (u, captured gradients) with ``inputs`` = the
-parameters reachable from u without passing through N_in: the engine runs u again for those
-edges only (dW) and the weight-only nodes below it, never another node of N_in, since none of
-them leads to those parameters. Outputs whose node is outside N_in (a first stage, which has no
-input gradient) are roots of W with their output gradients.
+boundary node u, ``torch.autograd.backward`` from (u, captured gradients) with ``inputs`` = the
+parameters reachable from u without passing through N_in (autograd accumulates into their
+``.grad``): the engine runs u again for those edges only (dW) and the weight-only nodes below
+it, never another node of N_in, since none of them leads to those parameters. Outputs whose
+node is outside N_in are roots of W with their output gradients. A stage with no input
+gradient at all (a first stage) needs no analysis: its I does nothing and its W is one plain
+backward from the outputs.
 This is exact when no parameter is reachable from two boundary nodes (a parameter used on two
 input-gradient paths, e.g. a module applied twice or tied weights inside one stage): W would then
 count a contribution twice. Such a stage falls back to a full backward in I and an empty W, which
