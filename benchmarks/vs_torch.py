@@ -1,8 +1,15 @@
 """pipeoffload's runtime against torch.distributed.pipelining on the same model, ranks,
 microbatches and schedule, over gloo with one real process per rank.
 
-Run: python benchmarks/vs_torch.py [--pp 4] [--microbatches 8] [--reps 7] [--steps 2]
-         [--model small] [--schedules 1f1b,interleaved-1f1b,zbv,po-f]
+Run: python benchmarks/vs_torch.py [--microbatches 8] [--reps 7] [--steps 2]
+         [--sizes tiny:8:2,small:2:4] [--schedules 1f1b,interleaved-1f1b,zbv,po-f]
+
+A size is MODEL:ROWS[:PP]: a model preset of app/model.py, the rows (sequences) per
+microbatch, and the pipeline ranks (``--pp`` when left out); each size runs in its own process
+group. ``--model`` / ``--microbatch-size`` / ``--pp`` name one size instead. The default runs
+the tiny model (4 layers) with 8 rows per microbatch on 2 ranks, where per-action overhead
+shows most, and the small model (8 layers) with 2 rows on 4 ranks; the V and interleaved
+schedules need 2 * PP stages of at least one layer each.
 
 Per schedule (1F1B, interleaved 1F1B with 2 chunks, ZB-V) both runtimes drive identical stage
 modules (pipeoffload.app.split.build_stage_modules, one seed): torch through PipelineStage and
@@ -40,7 +47,7 @@ import torch.multiprocessing as mp
 from _common import format_table, free_port, machine_summary, mib, spread
 
 from pipeoffload import build_schedule, plan_schedule, simulate
-from pipeoffload.app.model import ModelConfig, lm_loss, model_preset
+from pipeoffload.app.model import MODEL_PRESETS, ModelConfig, lm_loss, model_preset
 from pipeoffload.app.split import build_stage_modules
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
@@ -72,6 +79,7 @@ class BenchConfig:
     warmup: int = 1
     model: str = "small"
     schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "zbv", POF)
+    sizes: tuple[tuple[str, int, int], ...] = (("tiny", 8, 2), ("small", 2, 4))
     offload_ratio: float | None = None
     timeout_s: float = 120.0
     seed: int = 0
@@ -86,6 +94,10 @@ class BenchConfig:
     @property
     def tokens(self) -> int:
         return self.seq_len or self.model_config.max_seq_len
+
+    @property
+    def size_label(self) -> str:
+        return f"{self.model}:{self.microbatch_size}:{self.pp}"
 
 
 def torch_stage_to_rank(style: str, pp: int, num_stages: int) -> tuple[int, ...]:
@@ -345,9 +357,9 @@ def report(cfg: BenchConfig, result: dict, offload_ratio: float) -> dict:
     """Print the tables; return the summary (ratios, peaks, factors) for --json."""
     times, peaks = result["times"], result["peaks"]
     summary: dict = {"machine": machine_summary(), "config": dataclasses.asdict(cfg),
-                     "offload_ratio": offload_ratio, "schedules": {}}
+                     "size": cfg.size_label, "offload_ratio": offload_ratio, "schedules": {}}
     batch_tokens = cfg.microbatches * cfg.microbatch_size * cfg.tokens
-    print(machine_summary())
+    print(f"\n## size {cfg.size_label}")
     print(f"pp={cfg.pp} microbatches={cfg.microbatches} microbatch={cfg.microbatch_size}x"
           f"{cfg.tokens} tokens model={cfg.model} reps={cfg.reps} steps/rep={cfg.steps} "
           f"warmup={cfg.warmup} gloo, 1 thread per process\n")
@@ -405,14 +417,23 @@ def report(cfg: BenchConfig, result: dict, offload_ratio: float) -> dict:
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = BenchConfig()
-    parser.add_argument("--pp", type=int, default=defaults.pp)
+    parser.add_argument("--pp", type=int, default=None,
+                        help=f"ranks of sizes that name none (default {defaults.pp})")
     parser.add_argument("--microbatches", type=int, default=defaults.microbatches)
-    parser.add_argument("--microbatch-size", type=int, default=defaults.microbatch_size)
+    parser.add_argument("--microbatch-size", type=int, default=None,
+                        help=f"rows per microbatch of the --model size (default "
+                             f"{defaults.microbatch_size})")
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--reps", type=int, default=defaults.reps)
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
-    parser.add_argument("--model", default=defaults.model, help="tiny, small or medium")
+    parser.add_argument("--sizes", default=None,
+                        help="comma separated MODEL:ROWS[:PP] (model preset: tiny, small or "
+                             "medium; rows per microbatch; ranks, default --pp), default "
+                             + ",".join(f"{m}:{r}:{p}" for m, r, p in defaults.sizes))
+    parser.add_argument("--model", default=None,
+                        help="one size: this model (with --microbatch-size, --pp) instead of "
+                             "--sizes")
     parser.add_argument("--schedules", default=",".join(defaults.schedules),
                         help="comma separated, from: " + ", ".join([*SCHEDULES, POF]))
     parser.add_argument("--offload-ratio", type=float, default=None,
@@ -425,7 +446,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the summary (ratios, peaks, factors) as JSON")
     parser.add_argument("--profile", metavar="DIR", default=None,
-                        help="cProfile each variant's timed steps per rank into DIR/*.prof")
+                        help="cProfile each variant's timed steps per rank into "
+                             "DIR/MODEL_ROWS/*.prof")
     args = parser.parse_args(argv)
     names = tuple(n.strip().lower() for n in args.schedules.split(",") if n.strip())
     unknown = [n for n in names if n not in SCHEDULES and n != POF]
@@ -438,26 +460,84 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     if args.reps < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("--reps and --steps must be >= 1 and --warmup >= 0")
+    sizes = defaults.sizes
+    pp = args.pp or defaults.pp
+    if args.sizes is not None and (args.model is not None or args.microbatch_size is not None):
+        parser.error("give either --sizes or --model / --microbatch-size, not both")
+    if args.sizes is not None:
+        sizes = tuple(_parse_size(parser, item, pp) for item in args.sizes.split(",")
+                      if item.strip())
+    elif args.model is not None or args.microbatch_size is not None or args.pp is not None:
+        sizes = ((args.model or defaults.model, args.microbatch_size or defaults.microbatch_size,
+                  pp),)
+    if not sizes:
+        parser.error("--sizes names no size")
+    chunked = any(n != "1f1b" for n in names)
+    for model, _, ranks in sizes:
+        stages, layers = ranks * (2 if chunked else 1), MODEL_PRESETS[model].n_layers
+        if stages > layers:
+            parser.error(f"size {model}:{ranks} ranks needs {stages} stages but model {model!r} "
+                         f"has {layers} layers; use at most {layers // 2} ranks for the "
+                         "interleaved, V and po-f schedules, or a larger model")
     return dataclasses.replace(
-        defaults, pp=args.pp, microbatches=args.microbatches,
-        microbatch_size=args.microbatch_size, seq_len=args.seq_len, reps=args.reps,
-        steps=args.steps, warmup=args.warmup, model=args.model, schedules=names,
+        defaults, pp=sizes[0][2], microbatches=args.microbatches, sizes=sizes,
+        model=sizes[0][0], microbatch_size=sizes[0][1], seq_len=args.seq_len, reps=args.reps,
+        steps=args.steps, warmup=args.warmup, schedules=names,
         offload_ratio=args.offload_ratio, timeout_s=args.timeout_s,
         min_offload_elements=args.min_offload_elements, profile_dir=args.profile,
         json_path=args.json)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
+def _parse_size(parser: argparse.ArgumentParser, item: str, pp: int) -> tuple[str, int, int]:
+    parts = item.strip().split(":")
+    numbers = parts[1:]
+    if (parts[0] not in MODEL_PRESETS or len(numbers) not in (1, 2)
+            or not all(n.isdigit() and int(n) >= 1 for n in numbers)):
+        parser.error(f"size {item.strip()!r} is not MODEL:ROWS[:PP] with MODEL one of "
+                     f"{', '.join(MODEL_PRESETS)} and ROWS, PP >= 1 (e.g. tiny:8:2)")
+    return parts[0], int(numbers[0]), int(numbers[1]) if len(numbers) == 2 else pp
+
+
+def run_size(cfg: BenchConfig) -> dict:
+    """All variants at one size (``cfg.model``, ``cfg.microbatch_size``); prints its tables."""
     ratio = cfg.offload_ratio if cfg.offload_ratio is not None else measure_offload_ratio(cfg)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    size_profile = (str(Path(cfg.profile_dir) / cfg.size_label.replace(":", "_"))
+                    if cfg.profile_dir else None)
+    if size_profile:
+        Path(size_profile).mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.replace(cfg, profile_dir=size_profile)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         mp.spawn(worker, args=(cfg, free_port(), str(out), ratio), nprocs=cfg.pp, join=True)
         result = json.loads(out.read_text())
-    summary = report(cfg, result, ratio)
+    return report(cfg, result, ratio)
+
+
+def overview(summaries: list[dict]) -> str:
+    """One row per (size, schedule): the ratios of every size side by side."""
+    rows = []
+    for summary in summaries:
+        for name, row in summary["schedules"].items():
+            med, lo, hi = row["ratio"]
+            rows.append([summary["size"], name, f"{spread(row['reference_s'])[0]:.4f}",
+                         f"{spread(row['ours_s'])[0]:.4f}", f"{med:.3f}", f"{lo:.3f}",
+                         f"{hi:.3f}", f"{row['cpu_ratio']:.3f}"])
+    return format_table(["size", "schedule", "reference s/step", "ours s/step", "ratio median",
+                         "min", "max", "CPU-time ratio"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(machine_summary())
+    summaries = [run_size(dataclasses.replace(cfg, model=model, microbatch_size=rows, pp=pp))
+                 for model, rows, pp in cfg.sizes]
+    if len(summaries) > 1:
+        print("\n## all sizes (ratio = reference / ours per repetition, > 1: ours faster)")
+        print(overview(summaries))
     if cfg.json_path:
-        Path(cfg.json_path).write_text(json.dumps(summary, indent=1))
+        data = summaries[0] if len(summaries) == 1 else {"sizes": summaries}
+        Path(cfg.json_path).write_text(json.dumps(data, indent=1))
     return 0
 
 

@@ -57,6 +57,11 @@ def test_vs_torch_smallest(tmp_path: Path) -> None:
     assert factor["predicted_bytes"] > 1
 
 
+def test_stage_backward_smallest() -> None:
+    out = _run("stage_backward.py", "--sizes", "tiny:1", "--reps", "1")
+    assert "I+W ratio" in out and "| tiny:1 | 3 " in out
+
+
 def test_gpu_offload_cpu_tiny(tmp_path: Path) -> None:
     records_path = tmp_path / "gpu_offload.json"
     out = _run("gpu_offload.py", "--device", "cpu", "--tiny", "--json", str(records_path))

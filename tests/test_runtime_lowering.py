@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 from pipeoffload.core.actions import Kind
 from pipeoffload.core.registry import FAMILIES, build_schedule
 from pipeoffload.core.validate import validate
-from pipeoffload.runtime.lowering import message_of, order_conflicts, with_comms
+from pipeoffload.runtime.lowering import early_receives, message_of, order_conflicts, with_comms
 
 OPTIONS = {"interleaved-1f1b": {"chunks": 2}, "grouped-interleaved": {"chunks": 2, "group_size": 2}}
 
@@ -42,3 +42,47 @@ def test_dualpipe_orders_messages_per_direction(name: str, pp: int, m: int) -> N
     """NCCL-ready with a backward_group, as ZB-V: each direction's messages in one order."""
     assert order_conflicts(with_comms(build_schedule(name, pp=pp, microbatches=m)),
                            per_direction=True) == []
+
+
+def _posting_order(actions: list, early: dict) -> list:
+    """The rank's list as the executor posts it: early RECVs before their target, none in place."""
+    moved = {r for recvs in early.values() for r in recvs}
+    order = []
+    for action in actions:
+        order.extend(early.get(action, ()))
+        if action not in moved:
+            order.append(action)
+    return order
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("lookahead", [0, 1, 2, 3])
+def test_early_receives_move_back_over_at_most_lookahead_computes(name: str,
+                                                                  lookahead: int) -> None:
+    sched = build_schedule(name, pp=4, microbatches=8, **OPTIONS.get(name, {}))
+    lowered = with_comms(sched)
+    total_moved = 0
+    for actions in lowered.ranks:
+        actions = list(actions)
+        early = early_receives(actions, lookahead)
+        order = _posting_order(actions, early)
+        assert sorted(order, key=str) == sorted(actions, key=str)  # each action exactly once
+        moved = 0
+        for recv in (a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B)):
+            old, new = actions.index(recv), order.index(recv)
+            # the computes it now runs ahead of: those between its new and its old place
+            jumped = [a for a in order[new + 1:] if a.kind.is_compute
+                      and actions.index(a) < old]
+            earlier = actions[:old]
+            if recv.kind is Kind.RECV_B:  # its gradient's shapes come from its own F
+                forward = recv._replace(kind=Kind.F)
+                assert forward not in order or order.index(forward) < new
+                if forward in earlier:
+                    earlier = earlier[earlier.index(forward) + 1:]
+            available = sum(a.kind.is_compute for a in earlier)
+            assert len(jumped) == min(lookahead, available)
+            moved += bool(jumped)
+        total_moved += moved
+        if lookahead == 0:
+            assert early == {}
+    assert (total_moved > 0) == (lookahead > 0)

@@ -8,11 +8,13 @@ the gradients on edges that lead to an input, so a Linear's node computes dX but
 A "boundary" node is a node of N_in with an edge to a node outside N_in that leads to a
 parameter (the AddmmBackward of a Linear: its weight edge leads to the weight's accumulator).
 During I a pre-hook captures each boundary node's incoming gradients. W then runs, for each
-boundary node u, ``torch.autograd.grad`` from (u, captured gradients) with ``inputs`` = the
-parameters reachable from u without passing through N_in: the engine runs u again for those
-edges only (dW) and the weight-only nodes below it, never another node of N_in, since none of
-them leads to those parameters. Outputs whose node is outside N_in (a first stage, which has no
-input gradient) are roots of W with their output gradients.
+boundary node u, ``torch.autograd.backward`` from (u, captured gradients) with ``inputs`` = the
+parameters reachable from u without passing through N_in (autograd accumulates into their
+``.grad``): the engine runs u again for those edges only (dW) and the weight-only nodes below
+it, never another node of N_in, since none of them leads to those parameters. Outputs whose
+node is outside N_in are roots of W with their output gradients. A stage with no input
+gradient at all (a first stage) needs no analysis: its I does nothing and its W is one plain
+backward from the outputs.
 This is exact when no parameter is reachable from two boundary nodes (a parameter used on two
 input-gradient paths, e.g. a module applied twice or tied weights inside one stage): W would then
 count a contribution twice. Such a stage falls back to a full backward in I and an empty W, which
@@ -42,33 +44,54 @@ def plan_split(
     input_nodes: Sequence[Node],
     params: Sequence[torch.Tensor],
 ) -> SplitPlan:
-    """Analyse the graph below ``outputs``; see Note: [B/W split]."""
-    accumulators = {torch.autograd.graph.get_gradient_edge(p).node: i for i, p in enumerate(params)}
+    """Analyse the graph below ``outputs``; see Note: [B/W split].
+
+    Runs once per I on graphs of hundreds of nodes, so it walks each node once, finds parameter
+    accumulators by their type (no per-parameter graph lookups) and keeps parameter sets as
+    bit masks.
+    """
+    index_of = {id(p): i for i, p in enumerate(params)}
     order, children = _post_order([edge.node for edge in outputs])
     inputs = set(input_nodes)
     reaches_input: dict[Node, bool] = {}
-    below: dict[Node, frozenset[int]] = {}  # params reachable through nodes outside N_in
+    below: dict[Node, int] = {}  # bit mask of params reachable through nodes outside N_in
     boundary = []
-    empty: frozenset[int] = frozenset()
     for node in order:  # children come first, so their entries exist
-        kids = children[node]
-        reaches_input[node] = node in inputs or any(reaches_input[c] for c in kids)
-        outside = [below[c] for c in kids if not reaches_input[c]]
-        group = empty.union(*outside) if outside else empty
-        below[node] = frozenset((accumulators[node],)) if node in accumulators else group
-        if reaches_input[node] and node not in inputs and group:
-            boundary.append((node, tuple(sorted(group))))
+        reaches = node in inputs
+        group = 0
+        for child in children[node]:
+            if reaches_input[child]:
+                reaches = True
+            else:
+                group |= below[child]
+        reaches_input[node] = reaches
+        if type(node) is _ACCUMULATE_GRAD:
+            index = index_of.get(id(node.variable))  # type: ignore[attr-defined]
+            below[node] = 0 if index is None else 1 << index
+        else:
+            below[node] = group
+        if reaches and group and node not in inputs:
+            boundary.append((node, _indices(group)))
     roots = []
     for index, edge in enumerate(outputs):
         if not reaches_input[edge.node] and below[edge.node]:
-            roots.append((index, tuple(sorted(below[edge.node]))))
-    seen: set[int] = set()
+            roots.append((index, _indices(below[edge.node])))
+    seen = 0
     fallback = False
     for _, group in [*boundary, *roots]:
-        if seen.intersection(group):
+        mask = sum(1 << i for i in group)
+        if seen & mask:
             fallback = True
-        seen.update(group)
+        seen |= mask
     return SplitPlan(tuple(boundary), tuple(roots), fallback)
+
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node type of a leaf's gradient sink
+
+
+def _indices(mask: int) -> tuple[int, ...]:
+    """The set bits of ``mask``, in increasing order."""
+    return tuple(i for i in range(mask.bit_length()) if mask >> i & 1)
 
 
 def _post_order(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
@@ -94,13 +117,18 @@ def _post_order(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node
 
 
 class WeightGradState:
-    """What I leaves for W: captured gradients at boundary nodes and the output gradients."""
+    """What I leaves for W: captured gradients at boundary nodes and the output gradients.
 
-    def __init__(self, plan: SplitPlan, output_grads: Sequence[torch.Tensor | None]) -> None:
+    ``plan`` None: the stage has no input gradient to compute (a first stage), so I did nothing
+    and W runs the whole backward from the outputs, with no split analysis.
+    """
+
+    def __init__(self, plan: SplitPlan | None, output_grads: Sequence[torch.Tensor | None]) -> None:
         self.plan = plan
         self.output_grads = list(output_grads)
         # Filled by pre-hooks; holds only tensors, never nodes, so no reference cycle forms.
-        self.captured: list[tuple[torch.Tensor | None, ...] | None] = [None] * len(plan.boundary)
+        self.captured: list[tuple[torch.Tensor | None, ...] | None] = (
+            [None] * len(plan.boundary) if plan is not None else [])
 
 
 def input_backward(
@@ -110,12 +138,12 @@ def input_backward(
     params: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightGradState | None]:
     """I: gradients of the stage inputs, and what W needs (None when I already did it all)."""
+    if not input_edges:
+        return [], WeightGradState(None, output_grads)
     plan = plan_split(outputs, [e.node for e in input_edges], params)
     if plan.fallback:
-        return full_backward(outputs, output_grads, input_edges, params), None
+        return full_backward(outputs, output_grads, input_edges), None
     state = WeightGradState(plan, output_grads)
-    if not input_edges:
-        return [], state
     handles = []
     for index, (node, _) in enumerate(plan.boundary):
         def capture(grads: tuple[torch.Tensor | None, ...], index: int = index) -> None:
@@ -139,6 +167,11 @@ def weight_backward(
     params: Sequence[torch.Tensor],
 ) -> None:
     """W: accumulate parameter gradients from what I captured (see Note: [B/W split])."""
+    if state.plan is None:
+        roots = [(e, g) for e, g in zip(outputs, state.output_grads) if g is not None]
+        if roots:
+            full_backward([e for e, _ in roots], [g for _, g in roots], [])
+        return
     starts: list[tuple[list[GradientEdge], list[torch.Tensor], tuple[int, ...]]] = []
     for (node, group), grads in zip(state.plan.boundary, state.captured):
         if grads is None:
@@ -152,37 +185,43 @@ def weight_backward(
         if grad is not None:
             starts.append(([outputs[index]], [grad], group))
     for edges, values, group in starts:
-        grads = torch.autograd.grad(
-            edges, [params[i] for i in group], grad_outputs=values,
-            retain_graph=True, allow_unused=True,
-        )
-        for i, grad in zip(group, grads):
-            accumulate(params[i], grad)
+        _accumulate_from(edges, values, [params[i] for i in group])
+
+
+def _accumulate_from(edges: Sequence[GradientEdge], grads: Sequence[torch.Tensor],
+                     params: Sequence[torch.Tensor]) -> None:
+    """Backward from ``edges`` into ``params``' ``.grad``, accumulated by autograd's own
+    AccumulateGrad (what ``loss.backward()`` does: the first gradient is taken without a copy
+    when nothing else holds it, later ones are added in place), with no Python loop."""
+    torch.autograd.backward(list(edges), grad_tensors=list(grads), inputs=list(params),
+                            retain_graph=False)
 
 
 def full_backward(
     outputs: Sequence[GradientEdge],
     output_grads: Sequence[torch.Tensor],
     input_edges: Sequence[GradientEdge],
-    params: Sequence[torch.Tensor],
 ) -> list[torch.Tensor | None]:
-    """B: input and parameter gradients in one pass; the graph is freed as it goes."""
-    wanted = [*input_edges, *params]
-    if not wanted:
-        return []
-    grads = torch.autograd.grad(
-        list(outputs), wanted, grad_outputs=list(output_grads), allow_unused=True,
-    )
-    for param, grad in zip(params, grads[len(input_edges):]):
-        accumulate(param, grad)
-    return list(grads[: len(input_edges)])
+    """B: input and parameter gradients in one pass; the graph is freed as it goes.
 
+    One plain ``autograd.backward`` from the outputs, as ``loss.backward()`` runs it: every leaf
+    below them that requires a gradient (the stage's parameters) has it accumulated by
+    autograd's AccumulateGrad, and the input gradients are read by a pre-hook on each input
+    edge's node (the gradient ``autograd.grad`` would return for that edge). Naming inputs
+    instead (``autograd.grad`` or ``inputs=``) makes the engine first mark the nodes they need,
+    which costs 10-15 % of a small stage's B (benchmarks/stage_backward.py).
+    """
+    received: list[torch.Tensor | None] = [None] * len(input_edges)
+    handles = []
+    for index, edge in enumerate(input_edges):
+        def capture(grads: tuple[torch.Tensor | None, ...], index: int = index,
+                    slot: int = edge.output_nr) -> None:
+            received[index] = grads[slot]
 
-def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Add ``grad`` into ``param.grad`` (as AccumulateGrad would)."""
-    if grad is None:
-        return
-    if param.grad is None:
-        param.grad = grad.detach().clone()
-    else:
-        param.grad.add_(grad)
+        handles.append(edge.node.register_prehook(capture))
+    try:
+        torch.autograd.backward(list(outputs), grad_tensors=list(output_grads))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return received

@@ -52,12 +52,22 @@ class RuntimeConfig:
     - ``clone_hand_off``: copy stage outputs handed to a stage in the same process (V placement,
       local mode) so that each (stage, microbatch) owns its activation storage, as it would after
       a real receive; the memory accounting (simulator and meter) assumes this.
+    - ``recv_lookahead``: on gloo, each receive is posted this many compute actions before its
+      place in the lowered schedule (lowering.early_receives), so that the peer's send can go
+      out while this rank computes; gloo only sends once the receive is posted. 2 posts about
+      as early as torch.distributed.pipelining's lowering does (docs/benchmarks.md); 0 posts
+      each receive right before the compute that needs it. NCCL always posts in place (its
+      posting order is the protocol, lowering.py Note: [NCCL channels]).
     """
 
     p2p_timeout_s: float = 300.0
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     clone_hand_off: bool = True
+    recv_lookahead: int = 2
 
     def __post_init__(self) -> None:
         if self.p2p_timeout_s <= 0:
             raise ConfigError(f"RuntimeConfig.p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
+        if self.recv_lookahead < 0:
+            raise ConfigError(
+                f"RuntimeConfig.recv_lookahead must be >= 0, got {self.recv_lookahead}")

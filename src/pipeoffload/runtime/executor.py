@@ -16,7 +16,7 @@ import torch
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import PipelineRuntimeError
-from pipeoffload.runtime.lowering import message_of, peer_of
+from pipeoffload.runtime.lowering import early_receives, message_of, peer_of
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.p2p import DistTransport, LocalTransport, Pending
@@ -48,6 +48,7 @@ class RankExecutor:
         clone_hand_off: bool,
         stream_offload: bool = True,
         device: torch.device | None = None,
+        recv_lookahead: int = 0,
     ) -> None:
         self.rank = rank
         self._schedule = schedule
@@ -62,6 +63,10 @@ class RankExecutor:
                            if a.kind is Kind.OFFLOAD}
         self._recomputed = {(a.stage, a.microbatch) for a in schedule.ranks[rank]
                             if a.kind is Kind.RECOMPUTE}
+        # Receives posted ahead of their place (RuntimeConfig.recv_lookahead; gloo only).
+        self._early = (early_receives(list(schedule.ranks[rank]), recv_lookahead)
+                       if recv_lookahead else {})
+        self._posted_early = frozenset(r for recvs in self._early.values() for r in recvs)
         self._handlers: dict[Kind, Callable[[Action, StepData], None]] = {
             Kind.F: self._forward,
             Kind.I: self._backward,
@@ -90,6 +95,10 @@ class RankExecutor:
     def run(self, action: Action, step: StepData) -> None:
         """Execute one action; any failure becomes a PipelineRuntimeError naming it."""
         try:
+            early = self._early.get(action)
+            if early is not None:
+                for recv in early:
+                    self._post_recv(recv)
             self._handlers[action.kind](action, step)
         except PipelineRuntimeError:
             raise
@@ -206,6 +215,10 @@ class RankExecutor:
         self._transport.send(message, tensors, peer_of(self._schedule, action), action)
 
     def _recv(self, action: Action, step: StepData) -> None:
+        if action not in self._posted_early:
+            self._post_recv(action)
+
+    def _post_recv(self, action: Action) -> None:
         message = message_of(action)
         meta = self._grad_meta.get((action.stage, action.microbatch)) if message[0] == "B" else None
         if message[0] == "B" and meta is None:

@@ -155,3 +155,34 @@ def order_conflicts(schedule: Schedule, per_direction: bool = False,
                             f"{messages[first] if first < len(messages) else None} but received "
                             f"as {got[first] if first < len(got) else None}")
     return problems
+
+
+def early_receives(actions: list[Action], lookahead: int) -> dict[Action, tuple[Action, ...]]:
+    """Where to post this rank's receives ahead of their place in ``actions`` (lowered).
+
+    Returns {action: RECVs to post just before running it}. Each RECV moves back over up to
+    ``lookahead`` compute actions, so that it is outstanding while they run (torch's lowering
+    posts receives as soon as the peer's send is scheduled); a RECV_B never moves before the F
+    of its own (stage, microbatch), whose outputs give the gradient's shapes. Only for backends
+    that match messages by tag (gloo): on NCCL the posting order is the protocol (Note: [NCCL
+    channels]). A RECV absent from the result stays where it is.
+    """
+    moved: dict[Action, list[Action]] = {}
+    computes: list[int] = []  # positions of the compute actions seen so far
+    for index, action in enumerate(actions):
+        kind = action.kind
+        if kind.is_compute:
+            computes.append(index)
+            continue
+        if kind not in (Kind.RECV_F, Kind.RECV_B) or not computes:
+            continue
+        window = computes[max(0, len(computes) - lookahead):]
+        if kind is Kind.RECV_B:
+            forward = Action(action.stage, Kind.F, action.microbatch)
+            after = [i for i, position in enumerate(window) if actions[position] == forward]
+            window = window[after[-1] + 1:] if after else window
+        if not window:
+            continue
+        target = window[0]
+        moved.setdefault(actions[target], []).append(action)
+    return {at: tuple(recvs) for at, recvs in moved.items()}

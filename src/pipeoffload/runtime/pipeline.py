@@ -156,7 +156,9 @@ class Pipeline:
                                 if schedule.rank_of(s) == rank},
                                self._transport, self._offloader, meter,
                                self.config.clone_hand_off, self.config.offload.stream,
-                               device=self.device)
+                               device=self.device,
+                               recv_lookahead=(self.config.recv_lookahead
+                                               if self.distributed and not nccl else 0))
             for rank in self.ranks
         }
         self._order = _interleave(self._lowered, self.ranks)

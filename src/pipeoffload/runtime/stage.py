@@ -180,7 +180,7 @@ class StageRunner:
             grads, state.weight_state = input_backward(
                 state.outputs, grads_out, state.inputs, self.params)
         else:
-            grads = full_backward(state.outputs, grads_out, state.inputs, self.params)
+            grads = full_backward(state.outputs, grads_out, state.inputs)
         result = tuple(
             torch.zeros(shape, dtype=dtype, device=device) if g is None else g
             for g, (shape, dtype, device) in zip(grads, state.input_meta)
