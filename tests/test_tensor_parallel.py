@@ -94,8 +94,16 @@ def _tp_cases(rank: int, world: int) -> list[dict]:
             "loss_error": None if loss is None else abs(loss.item() - ref_loss) / ref_loss,
             "peak": meter.peak_bytes(topology.pp_rank), "sizes": meter.scope_bytes,
             "kept": pipe.offloader.kept_bytes if pipe.offloader else None,
-            "host_pool": pipe.offloader.host_pool_bytes if pipe.offloader else 0})
+            "host_pool": pipe.offloader.host_pool_bytes if pipe.offloader else 0,
+            "unwaited": _unwaited_collectives()})
     return report
+
+
+def _unwaited_collectives() -> int | None:
+    """Collectives started and never waited for (their work and buffers stay registered until
+    the process ends); None where torch does not say."""
+    registry_size = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
+    return None if registry_size is None else registry_size()
 
 
 def _single_process_sizes(name: str, options: dict, recompute: str) -> dict:
@@ -120,6 +128,7 @@ def test_pp2_tp2_equals_the_unsplit_model_and_the_meter_equals_the_simulator(tmp
         for rank, row in rows.items():
             assert row["grad_error"] <= 1e-10, (name, recompute, rank, row["grad_error"])
             assert row["sharded"] > 0  # DTensor parameters really were sharded
+            assert row["unwaited"] in (0, None), (name, recompute, rank, row["unwaited"])
             holds_last = schedule.num_stages - 1 in schedule.stages_on_rank(rank // 2)
             assert (row["loss_error"] is not None) == holds_last
             if holds_last:

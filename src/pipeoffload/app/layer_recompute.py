@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from pipeoffload.runtime.shards import is_pending_collective
+
 
 class _Recomputed(torch.autograd.Function):
     @staticmethod
@@ -37,6 +39,12 @@ class _Recomputed(torch.autograd.Function):
         wanted = [t for t in (*inputs, *ctx.params) if t.requires_grad]
         with torch.enable_grad():
             outputs = ctx.fn(*inputs)
+        for output in outputs:
+            if is_pending_collective(output):
+                # Only its gradient is used here, so no op would wait for its collective (a
+                # row-parallel reduce-scatter under TP): unwaited, its work stays registered,
+                # buffers included, until the process ends.
+                output.trigger_wait()
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
         found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                     allow_unused=True) if pairs else [None] * len(wanted)
