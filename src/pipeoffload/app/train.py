@@ -340,8 +340,9 @@ def _peer_failures(topology: Topology, what: str) -> Iterator[None]:
     except RuntimeError as error:
         if isinstance(error, PipeoffloadError) or not topology.distributed:
             raise
+        tensor_rank = f", tensor-parallel rank {topology.tp_index}" if topology.tp > 1 else ""
         where = (f"rank {topology.rank} (pipeline rank {topology.pp_rank}, replica "
-                 f"{topology.dp_index}), {what}")
+                 f"{topology.dp_index}{tensor_rank}), {what}")
         if not _from_communication(error):  # this rank's own failure: no peer to blame
             raise PipelineRuntimeError(f"{where}: failed on this rank ({error})") from error
         raise PipelineRuntimeError(

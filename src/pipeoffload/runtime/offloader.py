@@ -171,8 +171,8 @@ class ActivationOffloader:
         """Bytes of saved tensors left on the device, by reason (Note: [kept on device]):
         "parameter", "small" (<= min_offload_elements), "other device", "not dense" (sparse,
         meta, a tensor subclass other than DTensor), "kept by the caller" (``scope(keep=)``).
-        Each save counts, so a tensor saved by two
-        operations counts twice; DTensors count their local shard."""
+        Each save counts, so a tensor saved by two operations counts twice; DTensors count their
+        local shard."""
         return dict(self._kept)
 
     def device_bytes(self, key: Hashable) -> int:
