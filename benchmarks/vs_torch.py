@@ -1,8 +1,9 @@
 """pipeoffload's runtime against torch.distributed.pipelining on the same model, ranks,
 microbatches and schedule, over gloo with one real process per rank.
 
-Run: python benchmarks/vs_torch.py [--microbatches 8] [--reps 7] [--steps 2]
+Run: python benchmarks/vs_torch.py [--microbatches 8] [--reps 7] [--steps 4]
          [--sizes tiny:8:2,small:2:4] [--schedules 1f1b,interleaved-1f1b,zbv,po-f]
+         [--transport-baseline]
 
 A size is MODEL:ROWS[:PP]: a model preset of app/model.py, the rows (sequences) per
 microbatch, and the pipeline ranks (``--pp`` when left out); each size runs in its own process
@@ -17,6 +18,10 @@ its Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble, pipeoffload 
 Pipeline with its own schedule of the same name. ``po-f`` is pipeoffload's PipeOffload preset
 (grouped interleaved, full offload) on its own modules; it is compared with torch's 1F1B (time
 and memory) and with the same schedule without offload (what the offload itself costs).
+Ours runs as ``train`` does, one process group per message channel
+(runtime/p2p.new_channel_groups); ``--transport-baseline`` adds our runtime with every message
+on one group and receives posted 2 compute actions ahead (the layout before issue 15), so the
+gain from channels and earlier receives is measured in the same run.
 All variants run in one process group, alternated (A, B, ..., then reversed) in every
 repetition after a warm-up, each process with one torch thread. Step time is rank 0's wall
 time between two barriers over ``--steps`` steps. Resident activation is measured on a
@@ -52,6 +57,7 @@ from pipeoffload.app.split import build_stage_modules
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
+from pipeoffload.runtime.p2p import new_channel_groups
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 
@@ -63,6 +69,7 @@ SCHEDULES: dict[str, tuple[dict[str, int], str, str]] = {
 }
 POF = "po-f"
 POF_NONE = "po-f-none"  # po-f's schedule without offload: separates the offload's cost
+BASELINE = "ours one group"  # --transport-baseline: our runtime as it was before issue 15
 
 
 @dataclass(frozen=True)
@@ -75,12 +82,13 @@ class BenchConfig:
     microbatch_size: int = 2
     seq_len: int | None = None  # None: the model's max_seq_len
     reps: int = 7
-    steps: int = 2
+    steps: int = 4
     warmup: int = 1
     model: str = "small"
     schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "zbv", POF)
     sizes: tuple[tuple[str, int, int], ...] = (("tiny", 8, 2), ("small", 2, 4))
     offload_ratio: float | None = None
+    transport_baseline: bool = False  # also run ours on one group, receives posted 2 ahead
     timeout_s: float = 120.0
     seed: int = 0
     min_offload_elements: int = 0
@@ -176,12 +184,19 @@ def _torch_variant(name: str, sched: Schedule, modules: dict[int, torch.nn.Modul
 
 
 def _our_variant(name: str, sched: Schedule, modules: dict[int, torch.nn.Module],
-                 rank: int, cfg: BenchConfig, batch: Batch) -> Variant:
+                 rank: int, cfg: BenchConfig, batch: Batch, baseline: bool = False) -> Variant:
     # min_offload_elements=0: every saved tensor moves, which is what the simulator models
     # (OffloadConfig's docstring); the default 1024 keeps tiny tensors on the device.
     runtime = RuntimeConfig(p2p_timeout_s=cfg.timeout_s,
                             offload=OffloadConfig(min_offload_elements=cfg.min_offload_elements))
-    timed = Pipeline(modules, sched, lm_loss, config=runtime)
+    # As `train` runs: one group per channel (p2p.new_channel_groups). The baseline: every
+    # message on the default group, receives posted 2 compute actions ahead.
+    channels = None
+    if baseline:
+        runtime = dataclasses.replace(runtime, recv_lookahead=2)
+    else:
+        channels = new_channel_groups(list(range(cfg.pp)))
+    timed = Pipeline(modules, sched, lm_loss, config=runtime, channel_groups=channels)
     params = [p for m in modules.values() for p in m.parameters()]
     ids, target = batch
     meters: list[ActivationMeter] = []
@@ -192,7 +207,8 @@ def _our_variant(name: str, sched: Schedule, modules: dict[int, torch.nn.Module]
 
     def measured(meter: ActivationMeter) -> torch.Tensor | None:
         # A Pipeline takes its meter when built; this one is used for the untimed step only.
-        metered = Pipeline(modules, sched, lm_loss, config=runtime, meter=meter)
+        metered = Pipeline(modules, sched, lm_loss, config=runtime, meter=meter,
+                           channel_groups=channels)
         meters.append(meter)
         _zero(params)
         return metered.step(ids, target=target)
@@ -203,7 +219,8 @@ def _our_variant(name: str, sched: Schedule, modules: dict[int, torch.nn.Module]
             sizes[stage] = max(sizes.get(stage, 0), nbytes)
         return sizes
 
-    return Variant(f"ours {name}", step, measured, params, stage_bytes)
+    label = f"{BASELINE} {name}" if baseline else f"ours {name}"
+    return Variant(label, step, measured, params, stage_bytes)
 
 
 def build_variants(cfg: BenchConfig, rank: int, offload_ratio: float) -> list[Variant]:
@@ -220,6 +237,8 @@ def build_variants(cfg: BenchConfig, rank: int, offload_ratio: float) -> list[Va
 
         if name in SCHEDULES:
             variants.append(_torch_variant(name, sched, make(), rank, cfg, batch))
+            if cfg.transport_baseline:
+                variants.append(_our_variant(name, sched, make(), rank, cfg, batch, True))
         variants.append(_our_variant(name, sched, make(), rank, cfg, batch))
     return variants
 
@@ -302,6 +321,9 @@ def _run(rank: int, cfg: BenchConfig, offload_ratio: float) -> dict:
     for name in cfg.schedules:
         if name in SCHEDULES:
             grad_diff[name] = _max_rel_diff(grads[f"torch {name}"], grads[f"ours {name}"])
+            if cfg.transport_baseline:
+                grad_diff[f"{name} vs {BASELINE}"] = _max_rel_diff(grads[f"{BASELINE} {name}"],
+                                                                   grads[f"ours {name}"])
     return {"times": times, "cpu": cpu, "peaks": peaks, "stage_bytes": stage_bytes, "loss": losses,
             "grad_diff": grad_diff}
 
@@ -365,6 +387,9 @@ def report(cfg: BenchConfig, result: dict, offload_ratio: float) -> dict:
           f"warmup={cfg.warmup} gloo, 1 thread per process\n")
     pairs = [(name, f"torch {name}", f"ours {name}") for name in cfg.schedules
              if name in SCHEDULES]
+    if cfg.transport_baseline:
+        pairs += [(f"{name} vs {BASELINE}", f"{BASELINE} {name}", f"ours {name}")
+                  for name in cfg.schedules if name in SCHEDULES]
     if POF in cfg.schedules:
         pairs += [("po-f vs torch 1f1b", "torch 1f1b", f"ours {POF}"),
                   ("po-f vs po-f without offload", f"ours {POF_NONE}", f"ours {POF}")]
@@ -442,6 +467,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         default=defaults.min_offload_elements,
                         help="saved tensors this small stay on the device in po-f (default 0: "
                              "everything moves, as the simulator assumes)")
+    parser.add_argument("--transport-baseline", action="store_true",
+                        help="also run our runtime with every message on one process group and "
+                             "receives posted 2 compute actions ahead (before issue 15), and "
+                             "compare it with ours")
     parser.add_argument("--timeout-s", type=float, default=defaults.timeout_s)
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the summary (ratios, peaks, factors) as JSON")
@@ -483,7 +512,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         defaults, pp=sizes[0][2], microbatches=args.microbatches, sizes=sizes,
         model=sizes[0][0], microbatch_size=sizes[0][1], seq_len=args.seq_len, reps=args.reps,
         steps=args.steps, warmup=args.warmup, schedules=names,
-        offload_ratio=args.offload_ratio, timeout_s=args.timeout_s,
+        offload_ratio=args.offload_ratio, transport_baseline=args.transport_baseline,
+        timeout_s=args.timeout_s,
         min_offload_elements=args.min_offload_elements, profile_dir=args.profile,
         json_path=args.json)
 

@@ -25,6 +25,7 @@ from test_runtime_support import (
 from pipeoffload.api import build_schedule
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
+from pipeoffload.runtime.p2p import new_channel_groups
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import simulate
@@ -47,12 +48,15 @@ def _train_cases(rank: int, world: int, dtype_name: str) -> list[tuple]:
         stages = transformer_stages(sched.num_stages, dtype)
         ids, target = token_batch()
         mine = {s: stages[s] for s in sched.stages_on_rank(rank)}
-        # V schedules also run with a separate communicator for gradients (what NCCL needs).
+        # Every communicator layout: one group (1f1b), a separate one for gradients (zbv),
+        # one per channel as `connect` makes them (interleaved-1f1b, po-f).
         backward_group = dist.new_group(list(range(world))) if name == "zbv" else None
+        channels = (new_channel_groups(list(range(world)))
+                    if name in ("interleaved-1f1b", "po-f") else None)
         meter = ActivationMeter()
         config = RuntimeConfig(p2p_timeout_s=30, offload=OffloadConfig(min_offload_elements=0))
         pipe = Pipeline(mine, sched, token_loss, config=config, meter=meter,
-                        backward_group=backward_group)
+                        backward_group=backward_group, channel_groups=channels)
         loss = pipe.step(ids, target=target)  # every rank passes both; each uses what it needs
         ref_loss, ref_grads = reference(stages, ids, target, microbatches)
         loss_error = None if loss is None else abs(loss.item() - ref_loss.item()) / ref_loss.item()

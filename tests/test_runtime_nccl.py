@@ -212,6 +212,37 @@ def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> N
     assert made == [[0, 1]] * 4  # the pipeline's four channels
 
 
+@pytest.mark.parametrize(("pp", "dp", "expected"), [
+    (2, 2, [[0, 2]] * 4 + [[1, 3]] * 4),  # every process makes every pipeline's groups
+    (1, 2, []),  # one stage: nothing to send, no channels
+])
+def test_gloo_gets_channel_groups_too(monkeypatch, pp: int, dp: int, expected) -> None:
+    made: list[list[int]] = []
+
+    def new_group(members: list[int], timeout: object = None) -> object:
+        made.append(list(members))
+        return object()
+
+    class FakeMesh:
+        def get_group(self, name: str) -> object:
+            return f"the {name} group"
+
+    import torch.distributed.device_mesh as device_mesh
+
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *a, **kw: FakeMesh())
+    monkeypatch.setattr(launch, "_options", lambda backend, timeout: (backend, timeout))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "new_group", new_group)
+    topology = launch.mesh_topology(pp, dp, 1, torch.device("cpu"))
+    assert made == expected
+    if pp > 1:  # this process (rank 0) is in the first pipeline
+        assert set(topology.channel_groups) == set(Channel)
+        assert len({id(g) for g in topology.channel_groups.values()}) == 4
+    else:
+        assert topology.channel_groups is None
+
+
 def _consumed(action: Action) -> tuple[str, int, int] | None:
     """The received message the executor takes at a compute action (RankExecutor._take)."""
     if action.kind is Kind.F:

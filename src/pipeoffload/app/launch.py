@@ -199,7 +199,7 @@ class Topology:
     device: torch.device | None = None
     pp_group: Any = None
     dp_group: Any = None
-    channel_groups: Any = None  # NCCL: {lowering.Channel: group}, see Pipeline(channel_groups=)
+    channel_groups: Any = None  # {lowering.Channel: group}, see Pipeline(channel_groups=)
     tp: int = 1
     tp_mesh: Any = None  # the 1-D DeviceMesh of this process's tensor-parallel group (tp > 1)
 
@@ -275,7 +275,7 @@ def mesh_topology(pp: int, dp: int, tp: int, where: torch.device,
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipeoffload.runtime.lowering import Channel
+    from pipeoffload.runtime.p2p import new_channel_groups
 
     rank, backend = dist.get_rank(), dist.get_backend()
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -286,14 +286,13 @@ def mesh_topology(pp: int, dp: int, tp: int, where: torch.device,
     topo = Topology(pp=pp, dp=dp, tp=tp, rank=rank, distributed=True, device=where,
                     pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
                     tp_mesh=mesh["tp"] if tp > 1 else None)
-    if backend != "nccl":
-        return topo
-    # NCCL runs each communicator's P2P in posting order: one per channel and pipeline.
+    # One communicator per channel and pipeline: NCCL runs each one's P2P in posting order, and
+    # on gloo separate sockets per direction make sends faster (p2p.new_channel_groups).
     channels = None
-    for d in range(dp):
+    for d in range(dp if pp > 1 else 0):  # one stage: nothing to send
         for t in range(tp):
             members = [topo.global_rank(p, d, t) for p in range(pp)]
-            groups = {c: dist.new_group(members, timeout=timeout) for c in Channel}
+            groups = new_channel_groups(members, timeout)
             if (d, t) == (topo.dp_index, topo.tp_index):
                 channels = groups
     return dataclasses.replace(topo, channel_groups=channels)

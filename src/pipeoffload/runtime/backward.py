@@ -170,7 +170,7 @@ def weight_backward(
     if state.plan is None:
         roots = [(e, g) for e, g in zip(outputs, state.output_grads) if g is not None]
         if roots:
-            full_backward([e for e, _ in roots], [g for _, g in roots], [])
+            plain_backward([e for e, _ in roots], [g for _, g in roots])
         return
     starts: list[tuple[list[GradientEdge], list[torch.Tensor], tuple[int, ...]]] = []
     for (node, group), grads in zip(state.plan.boundary, state.captured):
@@ -197,20 +197,23 @@ def _accumulate_from(edges: Sequence[GradientEdge], grads: Sequence[torch.Tensor
                             retain_graph=False)
 
 
+def plain_backward(outputs: Sequence[GradientEdge], output_grads: Sequence[torch.Tensor]) -> None:
+    """B's engine call: one plain ``autograd.backward`` from the outputs, as ``loss.backward()``
+    runs it; every leaf below them that requires a gradient (the stage's parameters) has it
+    accumulated by autograd's AccumulateGrad, and the graph is freed as it goes. Naming inputs
+    instead (``autograd.grad`` or ``inputs=``) makes the engine first mark the nodes they need,
+    which costs 10-15 % of a small stage's B (benchmarks/stage_backward.py)."""
+    torch.autograd.backward(list(outputs), grad_tensors=list(output_grads))
+
+
 def full_backward(
     outputs: Sequence[GradientEdge],
     output_grads: Sequence[torch.Tensor],
     input_edges: Sequence[GradientEdge],
 ) -> list[torch.Tensor | None]:
-    """B: input and parameter gradients in one pass; the graph is freed as it goes.
-
-    One plain ``autograd.backward`` from the outputs, as ``loss.backward()`` runs it: every leaf
-    below them that requires a gradient (the stage's parameters) has it accumulated by
-    autograd's AccumulateGrad, and the input gradients are read by a pre-hook on each input
-    edge's node (the gradient ``autograd.grad`` would return for that edge). Naming inputs
-    instead (``autograd.grad`` or ``inputs=``) makes the engine first mark the nodes they need,
-    which costs 10-15 % of a small stage's B (benchmarks/stage_backward.py).
-    """
+    """B for any input edges: ``plain_backward``, with the input gradients read by a pre-hook on
+    each input edge's node (the gradient ``autograd.grad`` would return for that edge). The
+    stage runner's own inputs report theirs more cheaply (runtime/stage.py, _StageInput)."""
     received: list[torch.Tensor | None] = [None] * len(input_edges)
     handles = []
     for index, edge in enumerate(input_edges):
@@ -220,7 +223,7 @@ def full_backward(
 
         handles.append(edge.node.register_prehook(capture))
     try:
-        torch.autograd.backward(list(outputs), grad_tensors=list(output_grads))
+        plain_backward(outputs, output_grads)
     finally:
         for handle in handles:
             handle.remove()

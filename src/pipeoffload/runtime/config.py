@@ -54,16 +54,18 @@ class RuntimeConfig:
       a real receive; the memory accounting (simulator and meter) assumes this.
     - ``recv_lookahead``: on gloo, each receive is posted this many compute actions before its
       place in the lowered schedule (lowering.early_receives), so that the peer's send can go
-      out while this rank computes; gloo only sends once the receive is posted. 2 posts about
-      as early as torch.distributed.pipelining's lowering does (docs/benchmarks.md); 0 posts
-      each receive right before the compute that needs it. NCCL always posts in place (its
-      posting order is the protocol, lowering.py Note: [NCCL channels]).
+      out while this rank computes; gloo only sends once the receive is posted. Its buffers
+      exist from then on (one stage input or output gradient each, at most ``recv_lookahead``
+      early per rank). 8 measured faster than 2 (about as early as torch.distributed.pipelining's
+      lowering posts) and 4 on 2 CPU ranks (docs/benchmarks.md); 0 posts each receive right
+      before the compute that needs it. NCCL always posts in place (its posting order is the
+      protocol, lowering.py Note: [NCCL channels]).
     """
 
     p2p_timeout_s: float = 300.0
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     clone_hand_off: bool = True
-    recv_lookahead: int = 2
+    recv_lookahead: int = 8
 
     def __post_init__(self) -> None:
         if self.p2p_timeout_s <= 0:

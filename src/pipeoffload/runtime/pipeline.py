@@ -77,11 +77,13 @@ class Pipeline:
       that backends matching messages by order (NCCL) see each direction in a consistent order
       (V-shaped schedules interleave the two directions between a pair of ranks differently on
       the two sides). Gloo matches by tag and needs none.
-    - ``channel_groups``: on NCCL, one process group over the same ranks per
-      ``lowering.Channel`` (forward / backward x towards a higher / lower rank): with one F and
-      one B communicator some schedules deadlock on NCCL (Note: [NCCL channels]). On NCCL the
-      constructor runs runtime/rendezvous.py's model over this rank's view of the schedule and
-      refuses a layout that would deadlock or pair the wrong messages.
+    - ``channel_groups``: one process group over the same ranks per ``lowering.Channel``
+      (forward / backward x towards a higher / lower rank; ``p2p.new_channel_groups`` makes
+      them). NCCL needs them: with one F and one B communicator some schedules deadlock (Note:
+      [NCCL channels]); on NCCL the constructor runs runtime/rendezvous.py's model over this
+      rank's view of the schedule and refuses a layout that would deadlock or pair the wrong
+      messages. On gloo they are optional and make sends faster (separate sockets per
+      direction); ``launch.connect`` makes them for both.
     - ``stage_kwargs``: ``{stage: {name: value}}`` constants passed as keyword arguments to that
       stage on every microbatch (Note: [stage contract], runtime/inputs.py).
     - ``tied``: ``{tie: {stage: parameter name}}`` over all stages, one parameter used by several

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,8 +15,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from pipeoffload.errors import PipelineRuntimeError
 from pipeoffload.runtime.backward import (
     WeightGradState,
-    full_backward,
     input_backward,
+    plain_backward,
     weight_backward,
 )
 
@@ -23,20 +24,26 @@ TensorTuple = tuple[torch.Tensor, ...]
 
 
 class _StageInput(torch.autograd.Function):
-    """Marks a received tensor as a stage input whose gradient I computes.
+    """Marks a received tensor as a stage input whose gradient I or B computes.
 
-    The gradient is read at this node's edge, so the node itself never runs; unlike a leaf with
+    I reads the gradient at this node's edge (``autograd.grad(inputs=)``), so the node does
+    not run there. In B the node runs once and leaves the gradient in ``box[0]``: reading it
+    with a pre-hook instead (``backward.full_backward``) costs a hook registration and a second
+    Python call, ~5 % of a tiny stage's B (benchmarks/stage_backward.py). Unlike a leaf with
     requires_grad, nothing in the graph keeps the received buffer alive except saved tensors,
     which the offloader and the meter then account for.
     """
 
     @staticmethod
-    def forward(ctx: object, anchor: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, anchor: torch.Tensor, received: torch.Tensor,
+                box: list[torch.Tensor | None]) -> torch.Tensor:
+        ctx.box = box
         return received.view_as(received)
 
     @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> tuple[None, None]:
-        return None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.box[0] = grad
+        return None, None, None
 
 
 @dataclass
@@ -47,6 +54,7 @@ class _Forwarded:
     grad_slots: list[int]  # for each of ``outputs``: index among the floating outputs sent on
     inputs: list[GradientEdge]  # stage inputs whose gradient is sent back
     input_meta: list[tuple[torch.Size, torch.dtype, torch.device]]
+    input_boxes: list[list[torch.Tensor | None]]  # where B leaves each input's gradient
     loss_like: torch.Tensor | None = None  # an empty tensor with the loss's dtype and device
     weight_state: WeightGradState | None = None
 
@@ -128,10 +136,11 @@ class StageRunner:
     ) -> TensorTuple:
         """Run F; returns the outputs to send on (detached), or the detached loss if last."""
         marked = []
-        input_edges, input_meta = [], []
+        input_edges, input_meta, boxes = [], [], []
         for tensor in inputs:
             if not self.is_first and tensor.is_floating_point():
-                tensor = _StageInput.apply(self._anchor, tensor)
+                boxes.append([None])
+                tensor = _StageInput.apply(self._anchor, tensor, boxes[-1])
                 input_edges.append(get_gradient_edge(tensor))
                 input_meta.append((tensor.shape, tensor.dtype, tensor.device))
             marked.append(tensor)
@@ -150,7 +159,7 @@ class StageRunner:
                 )
             edges = [get_gradient_edge(loss)] if loss.requires_grad else []
             self._state[microbatch] = _Forwarded(edges, [0] * len(edges), input_edges, input_meta,
-                                                 loss.new_empty(()))
+                                                 boxes, loss.new_empty(()))
             return (loss.detach(),)
         floating = [t for t in outputs if t.is_floating_point()]
         edges, slots = [], []
@@ -158,7 +167,7 @@ class StageRunner:
             if tensor.requires_grad:
                 edges.append(get_gradient_edge(tensor))
                 slots.append(slot)
-        self._state[microbatch] = _Forwarded(edges, slots, input_edges, input_meta)
+        self._state[microbatch] = _Forwarded(edges, slots, input_edges, input_meta, boxes)
         return tuple(t.detach() for t in outputs)
 
     def _output_grads(self, state: _Forwarded, received: TensorTuple) -> list[torch.Tensor]:
@@ -180,7 +189,8 @@ class StageRunner:
             grads, state.weight_state = input_backward(
                 state.outputs, grads_out, state.inputs, self.params)
         else:
-            grads = full_backward(state.outputs, grads_out, state.inputs)
+            plain_backward(state.outputs, grads_out)  # fills the boxes (see _StageInput)
+            grads = [box[0] for box in state.input_boxes]
         result = tuple(
             torch.zeros(shape, dtype=dtype, device=device) if g is None else g
             for g, (shape, dtype, device) in zip(grads, state.input_meta)
