@@ -54,11 +54,12 @@ class RuntimeConfig:
       a real receive; the memory accounting (simulator and meter) assumes this.
     - ``recv_lookahead``: on gloo, each receive is posted this many compute actions before its
       place in the lowered schedule (lowering.early_receives), so that the peer's send can go
-      out while this rank computes; gloo only sends once the receive is posted. Its buffers
-      exist from then on (one stage input or output gradient each, at most ``recv_lookahead``
-      early per rank). 8 measured faster than 2 (about as early as torch.distributed.pipelining's
-      lowering posts) and 4 on 2 CPU ranks (docs/benchmarks.md); 0 posts each receive right
-      before the compute that needs it. NCCL always posts in place (its posting order is the
+      out while this rank computes; gloo only sends once the receive is posted. A posted
+      receive holds its buffer (one stage input or output gradient) from then on: at most the
+      receives of the rank's next ``recv_lookahead`` compute actions are outstanding. 8
+      measured faster than 2 (about as early as torch.distributed.pipelining's lowering posts)
+      and 4 on 2 CPU ranks (docs/benchmarks.md); 0 posts each receive right before the compute
+      that needs it. NCCL always posts in place (its posting order is the
       protocol, lowering.py Note: [NCCL channels]).
     """
 

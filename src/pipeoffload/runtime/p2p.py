@@ -55,8 +55,9 @@ def new_channel_groups(ranks: list[int], timeout: datetime.timedelta | None = No
     NCCL needs them (Note: [NCCL posting]). On gloo each group is its own set of sockets, so a
     pair of ranks no longer pushes both directions' messages and receive notices through one
     socket: a send does not queue behind the other direction's traffic. Measured on 2 CPU
-    ranks: interleaved 1F1B and ZB-V steps 8-15% faster than on one group
-    (benchmarks/vs_torch.py, docs/benchmarks.md)."""
+    ranks, together with receives posted 8 ahead (RuntimeConfig.recv_lookahead): interleaved
+    1F1B and ZB-V steps 10-14 % faster than on one group with receives 2 ahead
+    (benchmarks/vs_torch.py --transport-baseline, docs/benchmarks.md)."""
     return {channel: dist.new_group(ranks, timeout=timeout) for channel in Channel}
 
 

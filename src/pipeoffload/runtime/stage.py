@@ -29,7 +29,7 @@ class _StageInput(torch.autograd.Function):
     I reads the gradient at this node's edge (``autograd.grad(inputs=)``), so the node does
     not run there. In B the node runs once and leaves the gradient in ``box[0]``: reading it
     with a pre-hook instead (``backward.full_backward``) costs a hook registration and a second
-    Python call, ~5 % of a tiny stage's B (benchmarks/stage_backward.py). Unlike a leaf with
+    Python call, ~3 % of a tiny stage's B (benchmarks/stage_backward.py). Unlike a leaf with
     requires_grad, nothing in the graph keeps the received buffer alive except saved tensors,
     which the offloader and the meter then account for.
     """
