@@ -4,10 +4,10 @@ Run: python benchmarks/gpu_offload.py [--quick]          (one CUDA GPU, under 8 
      python benchmarks/gpu_offload.py --device cpu --tiny (the same code path in seconds)
 
 1. Measures pinned device-to-host and host-to-device bandwidth (each alone, then both at once)
-   and the bf16 matmul rate (pipeoffload.app.probe's measurements; on CPU: memcpy and fp32).
+   and the bf16 matmul rate (pipeoffload.training.probe's measurements; on CPU: memcpy and fp32).
 2. For each size (p ranks, hidden h, sequence s), builds rank 0's two chunks of a grouped
    interleaved pipeline (stages 0 and p, v = 2, g = ceil(p/2); real layers from
-   pipeoffload.app.model, stage 0 with the embedding), measures one chunk's F, I and W times
+   pipeoffload.training.model, stage 0 with the embedding), measures one chunk's F, I and W times
    and saved bytes, and plans three schedules from those costs (CostModel with bytes and the
    measured bandwidths): no offload, po-h (longest-lived chunk offloaded), po-f (all) and
    po-f with --fetch-on-use (activations read back by each backward pass as it uses them).
@@ -44,7 +44,6 @@ import torch
 from _common import best_time, format_table, intersection, machine_summary, union
 
 from pipeoffload.api import plan_schedule
-from pipeoffload.app.model import ModelConfig, Transformer
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
 from pipeoffload.runtime.config import OffloadConfig
 from pipeoffload.runtime.executor import RankExecutor, StepData
@@ -53,6 +52,7 @@ from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.stage import StageRunner
 from pipeoffload.sim.costs import CostModel, Duplex, HostLink
+from pipeoffload.training.model import ModelConfig, Transformer
 
 VARIANTS = ("none", "po-h", "po-f", "po-f+fetch")
 GIB = 2**30
@@ -116,7 +116,7 @@ class Links:
 def measure_links(cfg: GpuBenchConfig) -> Links:
     """Pinned copy bandwidth and matmul rate (CUDA); memcpy and fp32 matmul on CPU."""
     if cfg.cuda:
-        from pipeoffload.app.probe import measure_copies, measure_matmul
+        from pipeoffload.training.probe import measure_copies, measure_matmul
 
         index = torch.device(cfg.device).index or 0
         copies = measure_copies(cfg.copy_bytes, 5, device=index)

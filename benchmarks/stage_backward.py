@@ -27,9 +27,9 @@ from torch.distributed.pipelining._backward import (
     stage_backward_weight,
 )
 
-from pipeoffload.app.model import MODEL_PRESETS, lm_loss, model_preset
-from pipeoffload.app.split import build_stage_modules
 from pipeoffload.runtime.stage import StageRunner
+from pipeoffload.training.model import MODEL_PRESETS, lm_loss, model_preset
+from pipeoffload.training.split import build_stage_modules
 
 STAGES = 4
 Timing = tuple[float, float]  # (I or B, W) seconds

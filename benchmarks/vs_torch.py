@@ -5,7 +5,7 @@ Run: python benchmarks/vs_torch.py [--microbatches 8] [--reps 7] [--steps 4]
          [--sizes tiny:8:2,small:2:4] [--schedules 1f1b,interleaved-1f1b,zbv,po-f]
          [--transport-baseline]
 
-A size is MODEL:ROWS[:PP]: a model preset of app/model.py, the rows (sequences) per
+A size is MODEL:ROWS[:PP]: a model preset of training/model.py, the rows (sequences) per
 microbatch, and the pipeline ranks (``--pp`` when left out); each size runs in its own process
 group. ``--model`` / ``--microbatch-size`` / ``--pp`` name one size instead. The default runs
 the tiny model (4 layers) with 8 rows per microbatch on 2 ranks, where per-action overhead
@@ -13,7 +13,7 @@ shows most, and the small model (8 layers) with 2 rows on 4 ranks; the V and int
 schedules need 2 * PP stages of at least one layer each.
 
 Per schedule (1F1B, interleaved 1F1B with 2 chunks, ZB-V) both runtimes drive identical stage
-modules (pipeoffload.app.split.build_stage_modules, one seed): torch through PipelineStage and
+modules (pipeoffload.training.split.build_stage_modules, one seed): torch through PipelineStage and
 its Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble, pipeoffload through
 Pipeline with its own schedule of the same name. ``po-f`` is pipeoffload's PipeOffload preset
 (grouped interleaved, full offload) on its own modules; it is compared with torch's 1F1B (time
@@ -52,14 +52,14 @@ import torch.multiprocessing as mp
 from _common import format_table, free_port, machine_summary, mib, spread
 
 from pipeoffload import build_schedule, plan_schedule, simulate
-from pipeoffload.app.model import MODEL_PRESETS, ModelConfig, lm_loss, model_preset
-from pipeoffload.app.split import build_stage_modules
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.p2p import new_channel_groups
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
+from pipeoffload.training.model import MODEL_PRESETS, ModelConfig, lm_loss, model_preset
+from pipeoffload.training.split import build_stage_modules
 
 # schedule name -> (our build_schedule options, torch class name, torch placement style)
 SCHEDULES: dict[str, tuple[dict[str, int], str, str]] = {

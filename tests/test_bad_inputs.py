@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeoffload.app.cli import main
+from pipeoffload.cli.main import main
 from pipeoffload.errors import PipeoffloadError
 
 PLAN = ["plan", "--model", "pipeoffload-42.9b", "--layers", "8", "--hidden", "1024", "--seq",
@@ -178,7 +178,7 @@ def test_plan_refuses(argv, names, tmp, capsys) -> None:
 @pytest.fixture
 def no_training(monkeypatch) -> list[str]:
     """Records any attempt to start training (in this process or as local processes)."""
-    from pipeoffload.app import train_cli
+    from pipeoffload.cli import train as train_cli
 
     started: list[str] = []
     monkeypatch.setattr(train_cli, "run_worker", lambda *a, **k: started.append("run") or 0)
@@ -218,10 +218,10 @@ def test_probe_refuses(argv, names, tmp, capsys) -> None:
 
 def api_cases() -> list[tuple[str, object]]:
     from pipeoffload import CostModel, HostLink, OffloadPolicy, build_schedule, plan_schedule
-    from pipeoffload.app.launch import LaunchConfig
     from pipeoffload.offload.targets import parse_target
     from pipeoffload.planner.costing import MemoryConfig
     from pipeoffload.planner.search import SearchConfig, SearchSpace
+    from pipeoffload.training.launch import LaunchConfig
 
     nan, inf = math.nan, math.inf
     return [
@@ -265,7 +265,7 @@ def test_python_api_refuses_with_the_field_named() -> None:
 
 def test_train_config_refuses_nonfinite_numbers() -> None:
     pytest.importorskip("torch")
-    from pipeoffload.app.train import TrainConfig
+    from pipeoffload.training.train import TrainConfig
 
     for field, value in (("lr", math.nan), ("p2p_timeout_s", 0.0), ("weight_decay", math.inf),
                          ("grad_clip", math.nan), ("min_lr_ratio", math.nan)):
@@ -317,7 +317,7 @@ def test_train_warns_when_offload_lowers_no_peak(capsys, no_training) -> None:
 
 
 def test_ctrl_c_in_train_names_the_latest_checkpoint(tmp, capsys, monkeypatch) -> None:
-    from pipeoffload.app import train_cli
+    from pipeoffload.cli import train as train_cli
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -334,7 +334,7 @@ def test_ctrl_c_in_train_names_the_latest_checkpoint(tmp, capsys, monkeypatch) -
     done.mkdir(parents=True)
     (done / "manifest.json").write_text("{}")
     (tmp / "ck" / "step_00000009").mkdir()  # no manifest: not a checkpoint
-    from pipeoffload.app.preflight import run_command
+    from pipeoffload.cli.preflight import run_command
 
     args = train_cli.argparse.Namespace(checkpoint_dir=str(tmp / "ck"))
     assert run_command("train", interrupted, args, train_cli.interrupt_note) == 130
@@ -381,7 +381,7 @@ def test_real_processes_answer_without_a_traceback(tmp) -> None:
     cases = [
         (["pipeoffload", "simulate", "--cost-f", "nan"], "--cost-f"),
         (["pipeoffload", "simulate", "--from-csv", str(tmp / "bin.dat")], "--from-csv"),
-        ([sys.executable, "-m", "pipeoffload.app.train_cli", "train", "--lr", "nan"], "--lr"),
+        ([sys.executable, "-m", "pipeoffload.cli", "train", "--lr", "nan"], "--lr"),
     ]
     for argv, names in cases:
         proc = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=120)
@@ -424,7 +424,7 @@ def test_ctrl_c_stops_every_rank_and_names_the_latest_checkpoint(tmp) -> None:
 def test_every_flag_of_every_subcommand_has_help_text() -> None:
     import argparse
 
-    from pipeoffload.app.cli import build_parser
+    from pipeoffload.cli.main import build_parser
 
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -436,7 +436,7 @@ def test_every_flag_of_every_subcommand_has_help_text() -> None:
 def test_workers_do_not_recheck_the_default_picture_path(monkeypatch, capsys) -> None:
     # A user's --no-png must hold in the workers too (a read-only working folder is fine).
     pytest.importorskip("torch")
-    from pipeoffload.app import launch as launch_module
+    from pipeoffload.training import launch as launch_module
 
     seen: list[list[str]] = []
     monkeypatch.setattr(launch_module, "launch", lambda argv, config: seen.append(argv) or 0)

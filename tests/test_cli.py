@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pipeoffload.app.cli import main
+from pipeoffload.cli.main import main
 from pipeoffload.core.text import read_csv
 from pipeoffload.core.validate import validate
 

@@ -10,7 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipeoffload.app.data import (
+from pipeoffload.errors import ConfigError
+from pipeoffload.training.data import (
     Corpus,
     DataConfig,
     TextDataset,
@@ -18,7 +19,6 @@ from pipeoffload.app.data import (
     encode,
     load_corpus,
 )
-from pipeoffload.errors import ConfigError
 
 pytestmark = pytest.mark.torch
 

@@ -139,7 +139,7 @@ def test_routes_must_split_the_stages_into_runs(routes) -> None:
 def test_cli_simulates_torchs_dualpipev_csv_like_ours(tmp_path, capsys) -> None:
     import json
 
-    from pipeoffload.app.cli import main
+    from pipeoffload.cli.main import main
 
     rows = torch_dualpipev(4, 8)  # skips without torch's class
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")

@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipeoffload.app.model import (
+from pipeoffload.errors import ConfigError
+from pipeoffload.training.model import (
     MODEL_PRESETS,
     ModelConfig,
     Transformer,
@@ -17,7 +18,7 @@ from pipeoffload.app.model import (
     model_preset,
     rope_angles,
 )
-from pipeoffload.app.split import (
+from pipeoffload.training.split import (
     build_full_model,
     build_stage_modules,
     layers_per_stage,
@@ -25,7 +26,6 @@ from pipeoffload.app.split import (
     stage_layer_ranges,
     stage_param_names,
 )
-from pipeoffload.errors import ConfigError
 
 pytestmark = pytest.mark.torch
 

@@ -11,7 +11,7 @@ import sys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeoffload.app.cli import main
+from pipeoffload.cli.main import main
 
 PLAN = ["plan", "--model", "pipeoffload-42.9b", "--layers", "8", "--hidden", "1024", "--seq",
         "512", "--quiet"]

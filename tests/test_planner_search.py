@@ -12,7 +12,7 @@ import math
 import pytest
 
 from pipeoffload.api import plan_schedule
-from pipeoffload.app.plan_cli import add_plan_parser
+from pipeoffload.cli.plan import add_plan_parser
 from pipeoffload.planner.costing import (
     GIB,
     Layout,

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeoffload.app.probe import ProbeConfig, ProbeResult, to_hardware
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.costing import MemoryConfig
 from pipeoffload.planner.evaluate import Candidate, Evaluator
@@ -32,6 +31,7 @@ from pipeoffload.planner.transformer import (
     TransformerSpec,
     layer_flops,
 )
+from pipeoffload.training.probe import ProbeConfig, ProbeResult, to_hardware
 
 A100 = hardware_preset("a100-80gb")
 GPT_2K = TransformerSpec(num_layers=4, hidden=2048, heads=16, kv_heads=16, ffn_hidden=8192,

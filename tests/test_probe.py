@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from pipeoffload.app import probe as probe_module
-from pipeoffload.app.probe import (
+from pipeoffload.planner.hardware import Hardware, hardware_preset
+from pipeoffload.training import probe as probe_module
+from pipeoffload.training.probe import (
     NO_DEVICE_MESSAGE,
     ProbeConfig,
     ProbeResult,
@@ -20,7 +21,6 @@ from pipeoffload.app.probe import (
     run_probe_cli,
     to_hardware,
 )
-from pipeoffload.planner.hardware import Hardware, hardware_preset
 
 needs_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
 

@@ -26,7 +26,7 @@ def test_core_layers_import_and_run_without_torch():
                 importlib.import_module(info.name)
         plan = pipeoffload.plan_schedule("po-f", 4, 16, offload_ratio=0.25)
         assert plan.report.offloaded
-        from pipeoffload.app.cli import main
+        from pipeoffload.cli.main import main
         assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--json"]) == 0
         assert "torch" not in sys.modules
         print("OK")

@@ -12,13 +12,13 @@ import torch.distributed as dist
 from test_runtime_support import token_loss, transformer_stages
 
 from pipeoffload.api import build_schedule
-from pipeoffload.app import launch
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.errors import ConfigError
 from pipeoffload.runtime.lowering import Channel, channel_of, message_of, peer_of, with_comms
 from pipeoffload.runtime.p2p import DistTransport, _encode
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.runtime.rendezvous import host_program, posts_of
+from pipeoffload.training import launch
 
 
 class FakeWork:

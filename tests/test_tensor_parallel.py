@@ -14,8 +14,6 @@ if not dist.is_available() or not dist.is_gloo_available():
 from test_runtime_support import launch, one_thread  # noqa: E402, F401 - autouse fixture
 
 from pipeoffload.api import build_schedule  # noqa: E402
-from pipeoffload.app.model import model_preset, set_layer_recompute  # noqa: E402
-from pipeoffload.app.split import build_full_model, build_stage_modules, lm_loss  # noqa: E402
 from pipeoffload.core.actions import Kind  # noqa: E402
 from pipeoffload.offload.plan import OffloadPolicy  # noqa: E402
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig  # noqa: E402
@@ -23,6 +21,8 @@ from pipeoffload.runtime.meter import ActivationMeter  # noqa: E402
 from pipeoffload.runtime.pipeline import Pipeline  # noqa: E402
 from pipeoffload.sim.costs import CostModel  # noqa: E402
 from pipeoffload.sim.simulator import simulate  # noqa: E402
+from pipeoffload.training.model import model_preset, set_layer_recompute  # noqa: E402
+from pipeoffload.training.split import build_full_model, build_stage_modules, lm_loss  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def _schedule(name: str, options: dict):
 
 
 def _stages(schedule, stage_ids, recompute: str, mesh=None) -> dict:
-    from pipeoffload.app.tensor_parallel import apply_tensor_parallel
+    from pipeoffload.training.tensor_parallel import apply_tensor_parallel
 
     stages = build_stage_modules(MODEL, schedule.num_stages, stage_ids, seed=0,
                                  dtype=torch.float64)
@@ -66,7 +66,7 @@ def _reference() -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _tp_cases(rank: int, world: int) -> list[dict]:
-    from pipeoffload.app.launch import mesh_topology
+    from pipeoffload.training.launch import mesh_topology
 
     topology = mesh_topology(2, 1, 2, torch.device("cpu"), timeout_s=60)
     ref_loss, ref_grads = _reference()
@@ -161,7 +161,7 @@ def _cli(argv: list[str], cwd) -> tuple[int, str, str]:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "pipeoffload.app.train_cli", "train", *argv],
+    done = subprocess.run([sys.executable, "-m", "pipeoffload.cli", "train", *argv],
                           cwd=cwd, capture_output=True, text=True, timeout=240)
     return done.returncode, done.stdout, done.stderr
 
@@ -170,9 +170,9 @@ def test_tp_bf16_checkpoint_resumes_bitwise_and_refuses_another_tp(tmp_path) -> 
     import argparse
     import json
 
-    from pipeoffload.app.checkpoint import CheckpointError
-    from pipeoffload.app.train import preflight
-    from pipeoffload.app.train_cli import add_train_parser, config_from_args
+    from pipeoffload.cli.train import add_train_parser, config_from_args
+    from pipeoffload.training.checkpoint import CheckpointError
+    from pipeoffload.training.train import preflight
 
     def parse(argv: list[str]) -> argparse.Namespace:
         parser = argparse.ArgumentParser(prog="pipeoffload")

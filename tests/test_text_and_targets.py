@@ -92,7 +92,7 @@ def test_bad_targets_name_the_accepted_forms(spec):
 
 def test_marker_csv_simulates_like_the_bare_schedule_and_keeps_markers_through_planning(
         tmp_path, capsys):
-    from pipeoffload.app.cli import main
+    from pipeoffload.cli.main import main
     from pipeoffload.core.actions import MARKER_KINDS
     from pipeoffload.offload.plan import add_offload
     from pipeoffload.sim.simulator import simulate

@@ -23,15 +23,15 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from pipeoffload.app import checkpoint as ckpt
-from pipeoffload.app.checkpoint import CheckpointError
-from pipeoffload.app.data import DataConfig
-from pipeoffload.app.launch import LaunchConfig, Topology, launch
-from pipeoffload.app.model import model_preset
-from pipeoffload.app.train import TrainConfig, train
-from pipeoffload.app.train_cli import add_train_parser, config_from_args, render_table
+from pipeoffload.cli.train import add_train_parser, config_from_args, render_table
 from pipeoffload.core.actions import Kind
 from pipeoffload.errors import ConfigError, PipeoffloadError
+from pipeoffload.training import checkpoint as ckpt
+from pipeoffload.training.checkpoint import CheckpointError
+from pipeoffload.training.data import DataConfig
+from pipeoffload.training.launch import LaunchConfig, Topology, launch
+from pipeoffload.training.model import model_preset
+from pipeoffload.training.train import TrainConfig, train
 
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -60,7 +60,7 @@ def run_inline(config: TrainConfig):
 def run_cli(argv: list[str], cwd: Path, timeout_s: float = 120) -> tuple[dict, str]:
     """Run the command in fresh processes; its last stdout line is the --json object."""
     png = [] if "--png" in argv else ["--no-png"]
-    proc = subprocess.run([sys.executable, "-m", "pipeoffload.app.train_cli", "train",
+    proc = subprocess.run([sys.executable, "-m", "pipeoffload.cli", "train",
                            *TINY_ARGS, "--json", *argv, *png], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -285,7 +285,7 @@ def _children(pid: int) -> dict[int, int]:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 def test_killing_one_rank_ends_the_run_with_an_error_on_every_rank(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeoffload.app.train_cli", "train", *TINY_ARGS, "--pp", "3",
+        [sys.executable, "-m", "pipeoffload.cli", "train", *TINY_ARGS, "--pp", "3",
          "--schedule", "1f1b", "--microbatches", "4", "--steps", "100000", "--p2p-timeout", "5",
          "--no-png"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

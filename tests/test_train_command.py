@@ -49,9 +49,9 @@ def test_every_printed_command_is_one_train_accepts(capsys) -> None:
     pytest.importorskip("torch")
     import json
 
-    from pipeoffload.app.plan_cli import add_plan_parser
-    from pipeoffload.app.train import build_plan
-    from pipeoffload.app.train_cli import add_train_parser, config_from_args
+    from pipeoffload.cli.plan import add_plan_parser
+    from pipeoffload.cli.train import add_train_parser, config_from_args
+    from pipeoffload.training.train import build_plan
 
     parser = argparse.ArgumentParser(prog="pipeoffload")
     add_plan_parser(parser.add_subparsers(dest="command", required=True))

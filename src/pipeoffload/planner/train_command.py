@@ -1,7 +1,7 @@
 """The planner's command printer: the ``pipeoffload train`` command line that runs a plan, or
 why train cannot run it (a refusal, never a command with the unsupported part left out).
 
-What train accepts (app/train_cli.py, docs/training.md): ``--pp --dp --tp``, ``--schedule``,
+What train accepts (cli/train.py, docs/training.md): ``--pp --dp --tp``, ``--schedule``,
 ``--chunks`` / ``--group-size`` where the schedule takes them, ``--microbatches``,
 ``--batch-size`` (global), ``--offload``, ``--recompute none|lgd|full``, ``--dtype fp32|bf16``
 and the reference model's shape; ``--offload recompute-chunks:1+all`` is the planner's
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pipeoffload.planner.evaluate import Candidate
     from pipeoffload.planner.transformer import TransformerSpec
 
-#: The reference model's vocabulary (byte-level text, app/model.py ModelConfig.vocab_size).
+#: The reference model's vocabulary (byte-level text, training/model.py ModelConfig.vocab_size).
 TRAIN_VOCAB = 256
 #: Bytes per activation element -> train's --dtype (None: train's default, fp32).
 DTYPE_FLAGS = {2: "bf16", 4: None}

@@ -204,7 +204,7 @@ class Pipeline:
             return ids[channel_of(schedule, message)]
 
         fix = ("pass channel_groups={c: dist.new_group(<the same ranks>) for c in "
-               "pipeoffload.runtime.lowering.Channel} (pipeoffload.app.launch.connect does)")
+               "pipeoffload.runtime.lowering.Channel} (pipeoffload.training.launch.connect does)")
         problems = order_conflicts(self._lowered, lane=lane)
         if problems:
             raise ConfigError(

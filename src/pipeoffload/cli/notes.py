@@ -9,7 +9,7 @@ from typing import Any
 
 def startup_line(config: Any, report: Any, processes: int, schedule: str) -> str:
     """What is about to run and where its outputs go (said before the first slow step)."""
-    from pipeoffload.app.checkpoint import describe_resume
+    from pipeoffload.training.checkpoint import describe_resume
 
     model = config.model
     data = config.data.source or "the Python standard library's sources"
@@ -32,7 +32,7 @@ def interrupt_note(args: argparse.Namespace) -> str:
     """What a Ctrl-C leaves: the newest complete checkpoint, if any."""
     if getattr(args, "checkpoint_dir", None) is None:
         return "no checkpoint was saved (no --checkpoint-dir)"
-    from pipeoffload.app.checkpoint import complete_checkpoints
+    from pipeoffload.training.checkpoint import complete_checkpoints
 
     found = complete_checkpoints(args.checkpoint_dir)
     if not found:

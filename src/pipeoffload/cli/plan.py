@@ -8,7 +8,7 @@ import dataclasses
 import json
 import sys
 
-from pipeoffload.app.preflight import MAX_RANKS, count, counts, number
+from pipeoffload.cli.preflight import MAX_RANKS, count, counts, number
 
 NOTHING_FITS = 3  # the search ran and no configuration fits (the output says what came close)
 

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from pipeoffload.app import preflight
-from pipeoffload.app.preflight import count, number
+from pipeoffload.cli import preflight
+from pipeoffload.cli.preflight import count, number
 from pipeoffload.errors import ConfigError, PipeoffloadError
 from pipeoffload.sim.render_text import MIN_WIDTH
 
@@ -198,7 +198,7 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from pipeoffload.app.probe import run_probe_cli
+    from pipeoffload.training.probe import run_probe_cli
 
     return run_probe_cli(args.output)
 
@@ -208,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pipeoffload",
         description="Pipeline-parallel schedules with activation offload (PipeOffload).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    from pipeoffload.app.plan_cli import add_plan_parser
-    from pipeoffload.app.train_cli import add_train_parser
+    from pipeoffload.cli.plan import add_plan_parser
+    from pipeoffload.cli.train import add_train_parser
 
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("simulate", help="simulate a schedule: time, bubbles, transfers, memory")
@@ -246,7 +246,7 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse, check (app/preflight.py), run; every expected failure is an `error:` line and a
+    """Parse, check (cli/preflight.py), run; every expected failure is an `error:` line and a
     non-zero exit status (2: bad input, 1: the work failed, 130: interrupted)."""
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler

@@ -19,12 +19,12 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from pipeoffload.app import preflight
-from pipeoffload.app.preflight import (
+from pipeoffload.cli import preflight
+from pipeoffload.cli.notes import interrupt_note, startup_line
+from pipeoffload.cli.preflight import (
     MAX_CHUNKS,
     MAX_MICROBATCHES,
     MAX_RANKS,
@@ -35,7 +35,6 @@ from pipeoffload.app.preflight import (
     output_file,
     resume_path,
 )
-from pipeoffload.app.train_notes import interrupt_note, startup_line
 from pipeoffload.core.actions import Kind
 from pipeoffload.errors import ConfigError, PipeoffloadError
 
@@ -162,9 +161,9 @@ def add_train_parser(subparsers: Any) -> None:
 
 def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
     """The TrainConfig and ReportOptions the command line asks for."""
-    from pipeoffload.app.data import DataConfig
-    from pipeoffload.app.model import model_preset
-    from pipeoffload.app.train import TrainConfig
+    from pipeoffload.training.data import DataConfig
+    from pipeoffload.training.model import model_preset
+    from pipeoffload.training.train import TrainConfig
 
     model = model_preset(args.model)
     overrides = {f: getattr(args, f) for f in ("n_layers", "dim", "n_heads", "n_kv_heads",
@@ -198,7 +197,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if args.worker_config is not None:
         payload = json.loads(args.worker_config)
-        from pipeoffload.app.train import TrainConfig
+        from pipeoffload.training.train import TrainConfig
 
         return run_worker(TrainConfig.from_dict(payload["config"]),
                           ReportOptions(**payload["report"]), distributed=True)
@@ -215,7 +214,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                        "checkpoint; add --checkpoint-dir DIR to keep its progress")
     if torchrun:
         return run_worker(config, report, distributed=True)
-    from pipeoffload.app.train import preflight as check_run
+    from pipeoffload.training.train import preflight as check_run
 
     if config.device == "cuda":
         import torch
@@ -234,14 +233,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _self_launch(config: Any, report: ReportOptions, plan: Any) -> int:
-    from pipeoffload.app.launch import LaunchConfig, Topology, launch
+    from pipeoffload.training.launch import LaunchConfig, Topology, launch
 
     processes = config.pp * config.dp * config.tp
     last = plan.schedule.rank_of(plan.schedule.num_stages - 1)
     reporter = Topology(pp=config.pp, dp=config.dp, tp=config.tp).global_rank(last, 0)
     payload = json.dumps({"config": config.to_dict(), "report": dataclasses.asdict(report)})
     # --no-png: the payload says what to write; the worker's own defaults must not be checked.
-    argv = [sys.executable, "-m", "pipeoffload.app.train_cli", "train", "--no-png",
+    argv = [sys.executable, "-m", "pipeoffload.cli", "train", "--no-png",
             "--worker-config", payload]
     grace_s = min(config.p2p_timeout_s, 30.0) + 5.0
     return launch(argv, LaunchConfig(nprocs=processes, reporting_rank=reporter,
@@ -252,8 +251,8 @@ def run_worker(config: Any, report: ReportOptions, *, distributed: bool) -> int:
     """Train in this process (one rank of a job, or every rank in local mode) and report."""
     import torch
 
-    from pipeoffload.app.launch import Topology, connect, disconnect, resolve_device
-    from pipeoffload.app.train import train
+    from pipeoffload.training.launch import Topology, connect, disconnect, resolve_device
+    from pipeoffload.training.train import train
 
     topology = None
     try:
@@ -389,14 +388,3 @@ def summary(result: Any, config: Any, png: str | None) -> dict[str, Any]:
         "checkpoint": result.checkpoint, "png": png,
     }
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pipeoffload.app.train_cli train ...` (what torchrun and launch.py start)."""
-    parser = argparse.ArgumentParser(prog="pipeoffload")
-    add_train_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return preflight.run_command("train", args.handler, args, args.on_interrupt)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

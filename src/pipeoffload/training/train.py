@@ -1,8 +1,8 @@
 """The training loop of `pipeoffload train`: the reference transformer, cut into the stages of a
 (planned) schedule, trained with AdamW on byte-level text, PP x DP x TP over torch.distributed
-(tensor parallelism inside each stage with torch DTensor, app/tensor_parallel.py), in fp32,
-fp64 or bf16 with float32 master weights (app/precision.py Note: [mixed precision]), with
-recompute none, lgd or full inside each layer (app/model.py, app/layer_recompute.py).
+(tensor parallelism inside each stage with torch DTensor, training/tensor_parallel.py), in fp32,
+fp64 or bf16 with float32 master weights (training/precision.py Note: [mixed precision]), with
+recompute none, lgd or full inside each layer (training/model.py, training/layer_recompute.py).
 
 Processes and groups: see launch.py's Note: [rank layout].
 
@@ -25,13 +25,6 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.api import plan_schedule
-from pipeoffload.app import checkpoint as ckpt
-from pipeoffload.app.data import DataConfig, TextDataset
-from pipeoffload.app.launch import Topology
-from pipeoffload.app.model import RECOMPUTE_MODES, ModelConfig, model_preset, set_layer_recompute
-from pipeoffload.app.precision import MasterWeights, sync_gradients, torch_dtype
-from pipeoffload.app.split import build_stage_modules, lm_loss, stage_layer_ranges
-from pipeoffload.app.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
@@ -43,6 +36,18 @@ from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, simulate
+from pipeoffload.training import checkpoint as ckpt
+from pipeoffload.training.data import DataConfig, TextDataset
+from pipeoffload.training.launch import Topology
+from pipeoffload.training.model import (
+    RECOMPUTE_MODES,
+    ModelConfig,
+    model_preset,
+    set_layer_recompute,
+)
+from pipeoffload.training.precision import MasterWeights, sync_gradients, torch_dtype
+from pipeoffload.training.split import build_stage_modules, lm_loss, stage_layer_ranges
+from pipeoffload.training.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -162,7 +167,7 @@ class TrainConfig:
 
 def build_plan(config: TrainConfig) -> OffloadPlan:
     """The schedule (offload planned in) and the planner's report. Recompute (``lgd`` /
-    ``full``) happens inside each layer (app/model.py), so it mixes with any offload.
+    ``full``) happens inside each layer (training/model.py), so it mixes with any offload.
 
     ``--offload recompute-chunks:1+all`` is the planner's per-chunk mix (planner/evaluate.py
     RECOMPUTE_AND_OFFLOAD): each rank's longest-lived chunk recomputed by RECOMPUTE actions

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pipeoffload.app.model import ModelConfig, Transformer, lm_loss
 from pipeoffload.errors import ConfigError
+from pipeoffload.training.model import ModelConfig, Transformer, lm_loss
 
 __all__ = [
     "build_full_model",

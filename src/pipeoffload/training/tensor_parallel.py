@@ -24,8 +24,8 @@ from typing import Any
 
 from torch import nn
 
-from pipeoffload.app.model import ModelConfig, Transformer
 from pipeoffload.errors import ConfigError
+from pipeoffload.training.model import ModelConfig, Transformer
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int, seq_len: int | None = None) -> None:

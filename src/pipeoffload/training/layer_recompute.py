@@ -1,5 +1,5 @@
 """Recompute regions inside a layer: a region's outputs and intermediates are not saved for
-the backward; only its inputs are, and the backward re-runs it. app/model.py uses it for
+the backward; only its inputs are, and the backward re-runs it. training/model.py uses it for
 ``--recompute lgd`` (the paper authors' --recompute-lgd: norm and activation-function outputs),
 ``--recompute full`` (a whole block) and for half-precision norms (their float32 work).
 

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.app.data import TextDataset
-from pipeoffload.app.sharded_state import load_tensors, local_state, shard_optimizer_state
 from pipeoffload.errors import PipeoffloadError
+from pipeoffload.training.data import TextDataset
+from pipeoffload.training.sharded_state import load_tensors, local_state, shard_optimizer_state
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -69,7 +69,7 @@ def step_folder(root: str | Path, step: int) -> Path:
 
 def stage_file(stage: int, tp_index: int | None = None) -> str:
     """Stage ``stage``'s file; with tensor parallelism one per tensor-parallel rank (its
-    shards, app/sharded_state.py Note: [sharded checkpoint])."""
+    shards, training/sharded_state.py Note: [sharded checkpoint])."""
     return f"stage_{stage:03d}.pt" if tp_index is None else f"stage_{stage:03d}_tp{tp_index}.pt"
 
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import skip_init
 
-from pipeoffload.app.layer_recompute import recomputed
 from pipeoffload.errors import ConfigError
+from pipeoffload.training.layer_recompute import recomputed
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in at least float32.
 
     In half precision the backward keeps only x (half precision) and recomputes the float32
-    work (app/layer_recompute.py), as fused norm kernels do; otherwise autograd would keep a
+    work (training/layer_recompute.py), as fused norm kernels do; otherwise autograd would keep a
     float32 copy of x, and bf16 activations would not be half the bytes of fp32 ones.
     """
 
@@ -232,7 +232,7 @@ class TransformerBlock(nn.Module):
     (planner/transformer.py, docs/planner-model.md): the norm inputs, Q, K, V, the attention
     output and the MLP's gate and up projections; the norm outputs (the projections' input) and
     silu(gate) * up (the down projection's input) are recomputed in the backward
-    (app/layer_recompute.py). "full" keeps only the block's input and re-runs the whole block
+    (training/layer_recompute.py). "full" keeps only the block's input and re-runs the whole block
     before its backward (the planner's FULL, Megatron's full recompute). The values are the
     same as "none", bit for bit.
     """
@@ -288,12 +288,12 @@ class Transformer(nn.Module):
     With the embedding, ``forward`` takes token ids [batch, seq] (int64); otherwise hidden
     states [batch, seq, dim]. With the head it returns logits [batch, seq, vocab]; otherwise
     hidden states. Parameter names match the full model's (``layers.<global index>.…``).
-    Build it through ``build_full_model`` / ``build_stage_modules`` (pipeoffload.app.split),
+    Build it through ``build_full_model`` / ``build_stage_modules`` (pipeoffload.training.split),
     which also initialise the weights; the constructor leaves them uninitialised.
     """
 
     #: Sequence-parallel degree: hidden states are [batch, seq / sequence_shards, dim] shards
-    #: (set by app/tensor_parallel.py); rotary positions count the whole sequence.
+    #: (set by training/tensor_parallel.py); rotary positions count the whole sequence.
     sequence_shards: int = 1
 
     def __init__(
