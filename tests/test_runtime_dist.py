@@ -24,8 +24,8 @@ from test_runtime_support import (
 
 from pipeoffload.api import build_schedule
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
+from pipeoffload.runtime.groups import new_channel_groups
 from pipeoffload.runtime.meter import ActivationMeter
-from pipeoffload.runtime.p2p import new_channel_groups
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import simulate

@@ -10,6 +10,7 @@ CUDA streams would give.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -95,14 +96,18 @@ class CopyQueue:
     Items are the offloader's storages (``nbytes``, ``pending``); ``release(item)`` drops an
     item's device memory. Copies complete in the order they were queued (one copy stream), so
     ``poll`` pops completed ones from the head, and waiting for one copy covers all before it.
-    ``cap_bytes``: beyond it, ``add`` releases the oldest copies in stream order.
+    ``cap_bytes``: beyond it, ``add`` releases the oldest copies in stream order (settable:
+    the offloader's default cap follows the largest activation seen).
     """
 
     def __init__(self, engine: CopyEngine, cap_bytes: int | None,
                  release: Callable[[Any], None]) -> None:
         self._engine = engine
-        self._cap = cap_bytes
-        self._release = release
+        self.cap_bytes = cap_bytes
+        # Weak when a bound method: the offloader owns this queue, and a strong reference back
+        # would make the pair a cycle that outlives a dropped Pipeline until a full GC.
+        self._release = (weakref.WeakMethod(release) if hasattr(release, "__self__")
+                         else lambda: release)
         self._queue: deque[tuple[object, list[Any]]] = deque()
         self.waiting_bytes = 0
         self.max_waiting_bytes = 0  # the most seen after the cap applied
@@ -112,11 +117,11 @@ class CopyQueue:
             item.pending = True
             self.waiting_bytes += item.nbytes
         self._queue.append((event, items))
-        if self._cap is not None and self.waiting_bytes > self._cap:
+        if self.cap_bytes is not None and self.waiting_bytes > self.cap_bytes:
             self.poll()
             count, waiting = 0, self.waiting_bytes
             for _, queued in self._queue:
-                if waiting <= self._cap:
+                if waiting <= self.cap_bytes:
                     break
                 count += 1
                 waiting -= sum(i.nbytes for i in queued if i.pending)
@@ -162,4 +167,4 @@ class CopyQueue:
     def _done(self, items: list[Any]) -> None:
         for item in items:
             if item.pending:  # else it stopped waiting meanwhile (reloaded or discarded)
-                self._release(item)
+                self._release()(item)  # type: ignore[misc]

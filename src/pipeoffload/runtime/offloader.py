@@ -128,9 +128,12 @@ class ActivationOffloader:
         parameters: list[torch.Tensor],
         meter: ActivationMeter | None = None,
         copies: CopyEngine | None = None,
+        pool: HostBufferPool | None = None,
     ) -> None:
         """``copies``: how copies to host run (default: CUDA side streams on a CUDA device,
-        plain copies elsewhere; tests give engines whose copies finish late)."""
+        plain copies elsewhere; tests give engines whose copies finish late). ``pool``: the host
+        buffers (default: pinned on CUDA; Pipeline makes a strict one on NCCL, runtime/pool.py
+        Note: [host pool])."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device.type == "cuda" and not config.pin_memory:
@@ -146,19 +149,40 @@ class ActivationOffloader:
         self._param_ids = {id(p) for p in parameters}
         self._scopes: dict[Hashable, _Scope] = {}
         self._cuda = device.type == "cuda"
-        self._pool = HostBufferPool(pin_memory=self._cuda and config.pin_memory)
+        self._pool = pool or HostBufferPool(pin_memory=self._cuda and config.pin_memory)
         self._fetched_bytes = 0
+        self._kept_stale = False  # kept_bytes describe the last step: cleared as the next begins
         if copies is None:
             copies = CudaCopies(device) if self._cuda else HostCopies()
         self._copies = copies
         self._waiting = CopyQueue(copies, config.max_pending_copy_bytes, self._release_device)
+        # Note: [release order], default cap: asynchronous copies without an explicit cap wait
+        # for at most this many times the largest activation seen before stream-order release.
+        self._auto_cap = (config.pending_copy_activations
+                          if config.max_pending_copy_bytes is None and not copies.synchronous
+                          else None)
+        self._largest_scope = 0
         if isinstance(copies, CudaCopies):
             self._d2h, self._h2d = copies.d2h, copies.h2d
 
     @property
     def host_pool_bytes(self) -> int:
-        """Bytes of host buffers allocated so far (they are reused, not freed)."""
+        """Bytes of host memory the pool holds now (pinned bytes on CUDA; runtime/pool.py Note:
+        [host pool])."""
         return self._pool.allocated_bytes
+
+    @property
+    def host_pool_need_bytes(self) -> int:
+        """The most host bytes the last finished step had in use at once."""
+        return self._pool.last_step_need
+
+    @property
+    def host_pool(self) -> HostBufferPool:
+        return self._pool
+
+    def reserve_host(self, nbytes: int) -> None:
+        """Allocate ``nbytes`` of host buffers now, before the first step (Note: [host pool])."""
+        self._pool.reserve(nbytes)
 
     @property
     def fetched_bytes(self) -> int:
@@ -196,6 +220,8 @@ class ActivationOffloader:
         its copy to host starts right away (see Note: [streaming offload]). Saved tensors sharing
         a storage with one of ``keep`` stay on the device, like parameters: buffers that live on
         anyway (torch.distributed.pipelining's receive buffers), whose copy would free nothing."""
+        if self._kept_stale:
+            self._kept, self._kept_stale = {}, False
         if key in self._scopes:
             raise PipelineRuntimeError(f"offload scope {key} is already open; each (stage, "
                                        "microbatch) runs its forward once per step")
@@ -246,12 +272,22 @@ class ActivationOffloader:
             alias = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(raw)
             storage = _Storage(raw.nbytes(), tensor.device, alias, weakref.ref(raw))
             scope.storages[key] = storage
+            self._note_scope_size(scope)
             if scope.stream:
                 self._stream_out(scope, storage)
             elif self._meter is not None:
                 storage.token = self._meter.track(alias, scope.owner)
         return _Saved(scope, storage, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                       tensor.storage_offset())
+
+    def _note_scope_size(self, scope: _Scope) -> None:
+        """Track the largest activation, which sets the default cap (Note: [release order])."""
+        if self._auto_cap is None:
+            return
+        size = sum(s.nbytes for s in scope.storages.values())
+        if size > self._largest_scope:
+            self._largest_scope = size
+            self._waiting.cap_bytes = int(self._auto_cap * size)
 
     def _keep_reason(self, scope: _Scope, tensor: torch.Tensor) -> str | None:
         """Why a saved tensor stays on the device (Note: [kept on device]), None to move it."""
@@ -302,17 +338,22 @@ class ActivationOffloader:
         if not self._cuda:
             target = host.clone()
         else:
+            # Allocated on the stream autograd runs the node on (compute), as RELOAD does:
+            # the block comes from and returns to that stream's pool, and compute waits for the
+            # copy before any use, so no record_stream is needed. The copy stream first waits
+            # for compute's queued work, which may still use the block's previous tenant.
             compute = torch.cuda.current_stream(self._device)
+            target = torch.empty(storage.nbytes, dtype=torch.uint8, device=self._device)
+            allowed = torch.cuda.Event()
+            allowed.record(compute)
+            self._h2d.wait_event(allowed)
+            if storage.copied is not None:
+                self._h2d.wait_event(storage.copied)  # type: ignore[arg-type]
             with torch.cuda.stream(self._h2d):
-                if storage.copied is not None:
-                    self._h2d.wait_event(storage.copied)  # type: ignore[arg-type]
-                target = torch.empty(storage.nbytes, dtype=torch.uint8, device=self._device)
                 target.copy_(host, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._h2d)
+            done = torch.cuda.Event()
+            done.record(self._h2d)
             compute.wait_event(done)
-            # Freed when autograd drops it, so the allocator must wait for the compute stream.
-            target.record_stream(compute)
             storage.read = done
         self._fetched_bytes += storage.nbytes
         raw = target.untyped_storage()
@@ -400,10 +441,11 @@ class ActivationOffloader:
                 self._pool.give_back(storage.host, storage.copied)  # type: ignore[arg-type]
                 storage.host = None
                 continue
+            # On the compute stream, which waits for ``done`` before the backward uses it
+            # (wait_reloaded, or discard if the backward never ran): no record_stream needed.
             target = torch.empty(storage.nbytes, dtype=torch.uint8, device=self._device)
             with torch.cuda.stream(self._h2d):
                 target.copy_(storage.host, non_blocking=True)  # type: ignore[arg-type]
-            target.record_stream(self._h2d)
             self._to_device(scope, storage, target)
         done = torch.cuda.Event()
         done.record(self._h2d)
@@ -438,12 +480,15 @@ class ActivationOffloader:
         if scope is None or scope.reload_event is None:
             return
         torch.cuda.current_stream(self._device).wait_event(scope.reload_event)  # type: ignore[arg-type]
+        scope.reload_event = None
 
     def discard(self, key: Hashable) -> None:
         """Forget ``key`` after its backward: its storages are no longer needed."""
         scope = self._scopes.pop(key, None)
         if scope is None:
             return
+        if scope.reload_event is not None:  # reloaded, never used: its copies may still write
+            self._copies.compute_wait(scope.reload_event)
         for storage in scope.storages.values():
             if storage.host is not None:
                 # A read waited for the copy out, so the last read is the buffer's last use.
@@ -468,16 +513,20 @@ class ActivationOffloader:
         events, so nothing here waits for them.
         """
         self._waiting.forget()
+        self._kept_stale = True
         if self._scopes:
             left = ", ".join(str(k) for k in self._scopes)
-            self._scopes.clear()
+            self.abandon()
             raise PipelineRuntimeError(f"activations of {left} were never freed by a backward")
+        self._pool.end_step()
 
     def abandon(self) -> None:
         """Forget a failed step's scopes; host buffers return to the pool when their copies end."""
         for key in list(self._scopes):
             self.discard(key)
         self._waiting.forget()
+        self._kept_stale = True
+        self._pool.end_step()
 
     def _release_device(self, storage: _Storage) -> None:
         """Drop the device reference: its bytes return to the allocator (Note: [release
