@@ -128,19 +128,34 @@ def test_a_peer_killed_mid_step_makes_every_other_rank_raise(tmp_path) -> None:
         assert "waited for" in results[rank]["error"]
 
 
-def _silent_peer(rank: int, world: int) -> str:
-    if rank == 1:
-        time.sleep(3)  # alive, but never runs its schedule
-        return "slept"
+def _silent_peer(rank: int, world: int, connects: bool = True) -> str:
     sched = build_schedule("1f1b", pp=world, microbatches=2)
     stages = transformer_stages(world)
+    config = RuntimeConfig(p2p_timeout_s=1)
+    if rank == 1:
+        if connects:  # sets up its connections, then never runs its schedule
+            Pipeline({1: stages[1]}, sched, token_loss, config=config).connect_peers()
+        time.sleep(3)
+        return "slept"
     ids, target = token_batch()
-    pipe = Pipeline({0: stages[0]}, sched, token_loss, config=RuntimeConfig(p2p_timeout_s=1))
+    pipe = Pipeline({0: stages[0]}, sched, token_loss, config=config)
     pipe.step(ids, target=target)
     return "finished"
+
+
+def _silent_from_the_start(rank: int, world: int) -> str:
+    return _silent_peer(rank, world, connects=False)
 
 
 def test_a_silent_peer_times_out_naming_the_action(tmp_path) -> None:
     results = launch(_silent_peer, 2, tmp_path, join_timeout_s=60)
     assert results[0].get("type") == "PipelineRuntimeError", results[0]
     assert "rank 0: 0RECV_B0 waited for" in results[0]["error"]
+
+
+def test_a_peer_that_never_connects_times_out_at_the_connection_setup(tmp_path) -> None:
+    """Pipeline.connect_peers (the first thing a first step does) names the connection."""
+    results = launch(_silent_from_the_start, 2, tmp_path, join_timeout_s=60)
+    assert results[0].get("type") == "PipelineRuntimeError", results[0]
+    assert ("rank 0: connection setup (F_UP, rank 0 -> rank 1) waited for the connection"
+            in results[0]["error"])

@@ -169,3 +169,35 @@ def test_stats_describe_the_last_step_and_do_not_grow() -> None:
     assert seen[0][1]["small"] > 0 and all(b > 0 for b in seen[0][0].values())
     assert seen == [seen[0]] * 4
     assert seen[0][0] == dict(enumerate(meter.stage_activation_bytes(sched.num_stages)))
+
+
+def test_train_reserves_the_host_pool_before_the_first_step(monkeypatch) -> None:
+    """`train` sizes the pool from one microbatch per stage before step 1: no host allocation
+    happens inside a step (what NCCL needs), and the steps fit what was reserved."""
+    from pipeoffload.runtime import pool as pool_module
+    from pipeoffload.training.data import DataConfig
+    from pipeoffload.training.launch import Topology
+    from pipeoffload.training.model import model_preset
+    from pipeoffload.training.train import TrainConfig, train
+
+    inside, allocations = [False], []
+    real_step, real_allocate = Pipeline.step, pool_module.HostMemory.allocate
+
+    def step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        inside[0] = True
+        try:
+            return real_step(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        allocations.append((inside[0], nbytes))
+        return real_allocate(self, nbytes)
+
+    monkeypatch.setattr(Pipeline, "step", step)
+    monkeypatch.setattr(pool_module.HostMemory, "allocate", allocate)
+    config = TrainConfig(model=model_preset("tiny"),
+                         data=DataConfig(seq_len=32, batch_size=8, max_bytes=1 << 16),
+                         pp=2, schedule="po-f", steps=3, measure_baseline=False)
+    train(config, Topology.local(config.pp))
+    assert allocations and not any(during for during, _ in allocations)

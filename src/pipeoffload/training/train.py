@@ -32,12 +32,14 @@ from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
+from pipeoffload.runtime.groups import collective_device
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, simulate
 from pipeoffload.training import checkpoint as ckpt
 from pipeoffload.training.data import DataConfig, TextDataset
+from pipeoffload.training.host_reserve import reserve_host_memory
 from pipeoffload.training.launch import Topology
 from pipeoffload.training.model import (
     RECOMPUTE_MODES,
@@ -275,6 +277,11 @@ def train(config: TrainConfig, topology: Topology,
     meter = ActivationMeter()
     pipe = Pipeline(stages, schedule, lm_loss, group=topology.pp_group, config=runtime,
                     device=topology.device, meter=meter, channel_groups=topology.channel_groups)
+    # Pinned memory is allocated now, not inside a step (training/host_reserve.py).
+    reserve_host_memory(pipe, stages, config.data.batch_size // config.dp
+                        // config.num_microbatches, config.data.seq_len, config.model.dim,
+                        config.tp, torch_dtype(config.dtype),
+                        topology.device or torch.device("cpu"))
     state = ckpt.TrainingState(stages, optimizers, dataset, masters.params)
     identity = checkpoint_identity(config, schedule)
     if config.resume is not None:
@@ -391,7 +398,7 @@ def _gather(topology: Topology, values: list[float]) -> list[list[float]]:
     """Every process's ``values`` (same length everywhere), by global rank."""
     if not topology.distributed:
         return [values]
-    device = topology.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device(topology.device or torch.device("cpu"))
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
