@@ -455,9 +455,9 @@ def _fits(cfg: GpuBenchConfig, plan: OffloadPlan) -> str | None:
         if 1.25 * peak > cfg.memory_fraction * free:
             return f"needs ~{1.25 * peak / GIB:.0f} GiB of {free / GIB:.0f} free"
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    # At most the unoffloaded peak is on the host at once; torch's pinned-memory cache may
-    # round each buffer up to a power of two, hence the factor 2.
-    moved = 2 * (plan.report.peak_bytes_before[0] if plan.report.peak_bytes_before else 0.0)
+    # At most the unoffloaded peak is on the host at once; the pool registers exactly its
+    # segments and keeps at most 1.5 times its need (runtime/pool.py Note: [host pool]).
+    moved = 1.5 * (plan.report.peak_bytes_before[0] if plan.report.peak_bytes_before else 0.0)
     if plan.report.offloaded and moved > cfg.memory_fraction * host:
         return f"host buffers up to ~{moved / GIB:.0f} GiB > {host / GIB:.0f} GiB available"
     return None
