@@ -37,12 +37,8 @@ while [ $# -gt 0 ]; do
             "--predict-scale S, --memory-only)" >&2; exit 2 ;;
   esac
 done
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-if [ -z "${PYTHON:-}" ]; then
-  if command -v python >/dev/null 2>&1; then PYTHON=python; else PYTHON=python3; fi
-fi
-export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
-export CUBLAS_WORKSPACE_CONFIG=":4096:8"  # deterministic cuBLAS for the bitwise checks
+# shellcheck source=benchmarks/_env.sh
+source "$(dirname "$0")/_env.sh"
 LOG_DIR="${LOG_DIR:-$(mktemp -d)}"
 mkdir -p "$LOG_DIR"
 cd "$ROOT" || exit 2

@@ -21,12 +21,12 @@ while [ $# -gt 0 ]; do
             "--limit-s S)" >&2; exit 2 ;;
   esac
 done
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-if [ -z "${PYTHON:-}" ]; then
-  if command -v python >/dev/null 2>&1; then PYTHON=python; else PYTHON=python3; fi
+if ! [ "$NPROC" -ge 2 ] 2>/dev/null; then
+  echo "gpu_multi.sh: --nproc must be a number >= 2 (a pipeline of one rank sends nothing)" >&2
+  exit 2
 fi
-export PYTHONPATH="$ROOT/src:$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
-export CUBLAS_WORKSPACE_CONFIG=":4096:8"
+# shellcheck source=benchmarks/_env.sh
+source "$(dirname "$0")/_env.sh"
 cd "$ROOT" || exit 2
 if [ "$DEVICE" = cuda ]; then
   GPUS="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"

@@ -80,6 +80,27 @@ class CudaCopies:
         copied.record(self.d2h)
         return copied
 
+    def copy_in(self, hosts: Sequence[torch.Tensor],
+                after: object | None = None) -> tuple[list[torch.Tensor], object]:
+        """Device copies of host byte buffers (RELOAD, FETCH) and the event of their completion,
+        which the compute stream must wait for before using them. They are allocated on the
+        compute stream, which uses and frees them, so no ``record_stream`` ties their reuse to
+        the host; the copy stream first waits for the compute stream's queued work (it may still
+        use the blocks' previous tenants) and for ``after`` (the buffers' copy out)."""
+        compute = torch.cuda.current_stream(self._device)
+        targets = [torch.empty(h.numel(), dtype=torch.uint8, device=self._device) for h in hosts]
+        allowed = torch.cuda.Event()
+        allowed.record(compute)
+        self.h2d.wait_event(allowed)
+        if after is not None:
+            self.h2d.wait_event(after)  # type: ignore[arg-type]
+        with torch.cuda.stream(self.h2d):
+            for target, host in zip(targets, hosts):
+                target.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.h2d)
+        return targets, done
+
     def done(self, event: object) -> bool:
         return event.query()  # type: ignore[attr-defined]
 

@@ -99,6 +99,10 @@ class Pipeline:
       stages, whose gradients are summed (Note: [tied parameters], runtime/tied.py); a stage
       module's ``tied_parameters`` attribute in the same form counts too.
     - torch's UNSHARD / RESHARD / REDUCE_GRAD markers in the schedule are skipped (no FSDP here).
+    - Before the first step: ``connect_peers()`` sets up every P2P connection (the first
+      ``step`` calls it), and ``reserve_host_memory(stage_bytes)`` allocates the offloader's
+      host buffers from the plan (docs/runtime.md, "GPU rules": on NCCL neither may happen
+      inside a step).
     """
 
     def __init__(

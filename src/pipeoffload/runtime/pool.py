@@ -23,9 +23,9 @@ Note: [host pool]
   segment or more than ``SHRINK_ABOVE`` times that need (shapes changed), after waiting for
   the segments' last copies. Over 200 steps of sequence lengths rising 8 -> 256, or drawn at
   random, the pool stays below 1.25 times the largest step's need (1.23 and 1.24), in a step
-  and after it (tests/test_runtime_pool.py checks 1.5; it grew to 82 times before). Between steps a device-wide sync
-  cannot deadlock NCCL (every operation of the step has its match posted;
-  tests/test_runtime_rendezvous.py).
+  and after it (tests/test_runtime_pool.py checks 1.5; it grew to 82 times before). Between
+  steps a device-wide sync cannot deadlock NCCL (every operation of the step has its match
+  posted; tests/test_runtime_rendezvous.py).
 """
 
 from __future__ import annotations
