@@ -56,8 +56,8 @@ def test_every_printed_command_is_one_train_accepts(capsys) -> None:
     parser = argparse.ArgumentParser(prog="pipeoffload")
     add_plan_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["plan", "--model", "gpt3-2.7b", "--gpus", "8", "--hardware",
-                              "a100", "--seq", "4096", "--memory", "40", "--global-batch", "32",
-                              "--json", "--top", "10", "--quiet"])
+                              "a100", "--seq", "4096", "--memory", "24", "--global-batch", "32",
+                              "--json", "--top", "10", "--quiet", "--no-verdict"])
     assert args.handler(args) == 0
     plans = json.loads(capsys.readouterr().out)["candidates"]
     train = argparse.ArgumentParser(prog="pipeoffload")
