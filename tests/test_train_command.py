@@ -35,6 +35,7 @@ def test_tp_recompute_and_bf16_are_flags_of_the_command() -> None:
 @pytest.mark.parametrize(("change", "spec_change", "reason"), [
     ({"tp": 16}, {}, "tp=16 does not divide kv_heads=8"),
     ({}, {"activation_bytes": 1}, "1 bytes per element"),
+    ({"recompute": Recompute.SELECTIVE}, {}, "recompute option is selective"),
 ])
 def test_what_train_cannot_run_is_refused(change, spec_change, reason) -> None:
     spec = dataclasses.replace(model_spec("pipeoffload-42.9b"), **spec_change)
