@@ -46,7 +46,6 @@ from pipeoffload.planner.comm_bytes import ring_collective_bytes
 from pipeoffload.planner.gemm import Gemm, head_gemm, layer_gemms
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.layer_work import (
-    MemoryWork,
     PassWork,
     embedding_memory_work,
     head_memory_work,
@@ -252,11 +251,3 @@ def head_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSec
     else:
         comm = PassSeconds(0.0, 0.0, _exposed(2 * one, w))
     return PassSeconds(f + launch, i + launch, w + launch) + comm + _memory(hw, work)
-
-
-def memory_work_seconds(hw: Hardware, work: PassWork | MemoryWork) -> float:
-    """Seconds of memory-bound work, all passes together (for reports)."""
-    if isinstance(work, MemoryWork):
-        return hw.memory_s(work.nbytes, work.kernels)
-    seconds = _memory(hw, work)
-    return seconds.f_s + seconds.i_s + seconds.w_s

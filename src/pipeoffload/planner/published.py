@@ -28,8 +28,9 @@ from pipeoffload.planner.layer_time import RunConfig, layer_seconds
 from pipeoffload.planner.optimizer import OptimizerSpec
 from pipeoffload.planner.transformer import MlpKind, Recompute, TransformerSpec
 
-#: Megatron's GPT runs use GPT-2's BPE padded to 51200 at TP8 (Narayanan et al. 2021, section
-#: 5.1: "vocabulary size of 51,200"); their FLOP formulas use it too.
+#: Megatron's GPT runs use GPT-2's BPE padded to 51200 at TP8 (Megatron-LM's README of these
+#: runs: "All models use a vocabulary size of 51,200 and a sequence length of 2048"); the
+#: papers' FLOP formulas use it too.
 MEGATRON_VOCAB = 51200
 
 
