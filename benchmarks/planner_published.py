@@ -6,7 +6,7 @@ run of planner/published.py, measured MFU against the planner's prediction, the 
 first (the 3-point bar) and the held-out ones after (not used to choose anything); (3) with
 ``--terms``, where the predicted step time of each run goes.
 
-    python benchmarks/planner_published.py            # (1) and (2), about 15 s on one core
+    python benchmarks/planner_published.py            # (1) and (2), about 15 s of CPU
     python benchmarks/planner_published.py --terms    # and (3)
 """
 
