@@ -121,5 +121,5 @@ def say(text: str, out: IO[str] = sys.stderr) -> None:
     """Print, but not fail when the reader is gone (after the launcher died)."""
     try:
         print(text, file=out, flush=True)
-    except (BrokenPipeError, ValueError):
+    except (OSError, ValueError):  # a closed pipe, or no terminal any more
         pass

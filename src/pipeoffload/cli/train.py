@@ -38,7 +38,12 @@ from pipeoffload.cli.preflight import (
 )
 from pipeoffload.core.actions import Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
-from pipeoffload.training.signals import signal_name, stop_on_signals, stop_status
+from pipeoffload.training.signals import (
+    signal_name,
+    stop_on_signals,
+    stop_status,
+    watch_worker_parent,
+)
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -241,12 +246,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             return run_worker(TrainConfig.from_dict(payload["config"]),
                               ReportOptions(**payload["report"]), distributed=True, stop=stop,
                               settings=payload.get("settings"))
-    config, report = config_from_args(args)
     torchrun = all(k in os.environ for k in _TORCHRUN_ENV)
     if torchrun:
         from pipeoffload.training.job import read_job_env
 
-        read_job_env(os.environ)  # a bad torchrun environment is an input error, named here
+        read_job_env(os.environ)  # a bad torchrun environment is an input error, named first
+    config, report = config_from_args(args)
     if not torchrun and args.inline and (config.dp > 1 or config.tp > 1):
         raise ConfigError("--inline runs one pipeline replica in one process; use --dp 1 "
                           "and --tp 1, or drop --inline")
@@ -321,7 +326,7 @@ def run_worker(config: Any, report: ReportOptions, *, distributed: bool,
     topology = None
     try:
         if distributed and stop is not None:
-            _watch_parent(stop)
+            watch_worker_parent(stop, os.environ)
         if distributed:
             topology = connect(config.pp, config.dp, config.device, config.p2p_timeout_s,
                                tp=config.tp, agree={"options": config.to_dict()})
@@ -354,7 +359,7 @@ def run_worker(config: Any, report: ReportOptions, *, distributed: bool,
             text = str(error) if isinstance(error, PipeoffloadError) else (
                 f"{error.filename + ': ' if error.filename else ''}{error.strerror or error}")
             text = text[len(where) + 2:] if text.startswith(f"{where}: ") else text
-            _say_or_not(f"pipeoffload train: {where}: error: {text}")
+            say(f"pipeoffload train: {where}: error: {text}")
             # A rank that failed while running (a peer died, a disk filled) failed its work (1);
             # one refused its input (a bad checkpoint or environment) before training (2).
             failed = isinstance(error, (PipelineRuntimeError, OSError))
@@ -375,23 +380,6 @@ def run_worker(config: Any, report: ReportOptions, *, distributed: bool,
                 pass
         os._exit(stop_status(result.stopped_by))
     return stop_status(result.stopped_by) if result.stopped_by else 0
-
-
-def _watch_parent(stop: Any) -> None:
-    """Stop when the process that started this one dies (training/signals.py): the launcher
-    (its pid in the environment, a death signal too) or torchrun's agent (polling only)."""
-    from pipeoffload.training.signals import LAUNCHER_PID_ENV, watch_parent
-
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    parent = os.getppid()
-    watch_parent(stop, parent, death_signal=launcher == str(parent))
-
-
-def _say_or_not(text: str) -> None:
-    try:
-        print(text, file=sys.stderr, flush=True)
-    except (OSError, ValueError):  # stderr is gone with the launcher
-        pass
 
 
 def format_bytes(n: float | None) -> str:

@@ -37,8 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
@@ -46,7 +45,9 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.training.signals import (
     LAUNCHER_PID_ENV,
     STOP_SIGNALS,
+    recording_signals,
     signal_name,
+    stop_outcome,
     stop_status,
 )
 
@@ -140,7 +141,7 @@ def launch(argv: Sequence[str], config: LaunchConfig) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     threads: list[threading.Thread] = []
     received: list[int] = []  # stop signals the launcher got, in order
-    with _recording_signals(received):
+    with recording_signals(received):
         for rank in range(config.nprocs):  # all of them even if a stop comes: none would
             procs.append(_start(argv, rank, port, config, lock, threads))  # join the rest
         try:
@@ -150,7 +151,7 @@ def launch(argv: Sequence[str], config: LaunchConfig) -> int:
             raise
     for thread in threads:
         thread.join(timeout=5)
-    stop = _stop_outcome(procs, received)
+    stop = stop_outcome([p.returncode for p in procs], received)
     if stop is not None:
         signum, by_launcher = stop
         whom = "the launcher" if by_launcher else "the workers"
@@ -190,36 +191,6 @@ def _start(argv: Sequence[str], rank: int, port: int, config: LaunchConfig,
         thread.start()
         threads.append(thread)
     return proc
-
-
-@contextmanager
-def _recording_signals(received: list[int]) -> Iterator[None]:
-    """While the block runs, SIGTERM and SIGHUP are appended to ``received`` (the supervising
-    loop forwards them) instead of ending the launcher; only from the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum))
-                for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
-
-
-def _stop_outcome(procs: list[subprocess.Popen[bytes]],
-                  received: list[int]) -> tuple[int, bool] | None:
-    """(signal, whether the launcher received it) when the run ended by a stop request: every
-    child exited 0 or with a stop status (training/signals.py), at least one with the latter."""
-    statuses = {stop_status(s): s for s in STOP_SIGNALS}
-    codes = [p.returncode for p in procs]
-    if not codes or any(c != 0 and c not in statuses for c in codes):
-        return None
-    stops = [statuses[c] for c in codes if c in statuses]
-    if received:
-        return received[0], True
-    return (max(stops), False) if stops else None
 
 
 def _supervise(procs: list[subprocess.Popen[bytes]], config: LaunchConfig,

@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -139,3 +139,42 @@ def watch_parent(request: StopRequest, parent_pid: int, *, death_signal: bool,
     if not parent_alive(parent_pid):  # died before prctl: no signal will come
         request.request(signal.SIGTERM, f"its parent (pid {parent_pid}) is gone")
     return thread
+
+
+@contextmanager
+def recording_signals(received: list[int]) -> Iterator[None]:
+    """For a launcher: while the block runs, SIGTERM and SIGHUP are appended to ``received``
+    (its supervising loop forwards them to the workers) instead of ending it; only from the
+    main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum))
+                for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def stop_outcome(codes: Sequence[int | None],
+                 received: Sequence[int]) -> tuple[int, bool] | None:
+    """For a launcher whose workers exited with ``codes``: (signal, whether the launcher itself
+    received it) when the run ended by a stop request (every worker exited 0 or with a stop
+    status, at least one with the latter, or the launcher was signalled), else None."""
+    statuses = {stop_status(s): s for s in STOP_SIGNALS}
+    if not codes or any(c != 0 and c not in statuses for c in codes):
+        return None
+    if received:
+        return received[0], True
+    stops = [statuses[c] for c in codes if c in statuses]
+    return (max(stops), False) if stops else None
+
+
+def watch_worker_parent(request: StopRequest, env: Mapping[str, str]) -> threading.Thread:
+    """In a worker process: stop when the process that started it dies, the local launcher
+    (its pid in ``LAUNCHER_PID_ENV``: with the death signal) or torchrun's agent (polling only,
+    see the Note)."""
+    parent = os.getppid()
+    return watch_parent(request, parent, death_signal=env.get(LAUNCHER_PID_ENV) == str(parent))
