@@ -49,7 +49,6 @@ from pipeoffload.training.data import TextDataset
 from pipeoffload.training.sharded_state import load_tensors, local_state, shard_optimizer_state
 
 FORMAT_VERSION = 2  # 2: stage and rank files record the run id and step
-__all__ = ["CheckpointError", "MANIFEST"]  # re-exported from checkpoint_files
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Kubernetes' terminationGracePeriodSeconds, 30 s by default); torchrun forwards S
 SIGINT and SIGQUIT to its workers and kills them 30 s later (``--shutdown-timeout``). So:
 - The handler only sets a flag (``StopRequest``): a rank blocked in a send, receive or
   collective stays there, and the step in flight finishes on every rank.
-- After each step the ranks agree (a max over the group, ``agreed_stop`` in train.py's gather):
+- After each step the ranks agree (a max in the step's one all-gather, gather.gather_step):
   if any rank was asked to stop, all stop after that same step, write the checkpoint when one
   is configured (a collective, so every rank's part is the same step), and exit with
   ``stop_status`` (128 + the signal's number, as a shell reports a process a signal ended:
