@@ -14,7 +14,8 @@ four hidden actions per offloaded (stage, microbatch) (Note: [torch splice]).
 
 Private torch API used (hence the version pin, ``SUPPORTED_TORCH``): ``_PipelineScheduleRuntime``,
 ``_Action``, ``_prepare_schedule_with_comms``, ``pipeline_order_with_comms``,
-``_comp_type_to_function_map`` and ``PipelineStage.args_recv_info``.
+``_comp_type_to_function_map``, ``PipelineStage.args_recv_info`` and, from torch 2.15,
+``_validate_send_waits``. What differs between the tested versions: integrations/torch_versions.py.
 """
 
 from __future__ import annotations
@@ -30,26 +31,12 @@ from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError, IntegrationError
+from pipeoffload.integrations.torch_versions import torch_pipelining
 from pipeoffload.runtime.config import OffloadConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.offloader import ActivationOffloader
 
-SUPPORTED_TORCH = ("2.13",)
-"""torch major.minor versions this adapter was tested on (it uses private pipelining APIs)."""
-
-
-def check_torch_version(version: str) -> None:
-    """Raise IntegrationError unless ``version`` (a ``torch.__version__``) is a tested one."""
-    major_minor = ".".join(version.split("+")[0].split(".")[:2])
-    if major_minor not in SUPPORTED_TORCH:
-        raise IntegrationError(
-            f"pipeoffload.torch uses private torch.distributed.pipelining APIs and is tested on "
-            f"torch {', '.join(v + '.x' for v in SUPPORTED_TORCH)}; this is torch {version}. "
-            "Install a tested torch, or run the schedule with pipeoffload.Pipeline, which uses "
-            "only public torch APIs")
-
-
-check_torch_version(torch.__version__)
+_TORCH = torch_pipelining(torch.__version__)  # raises IntegrationError on an untested torch
 
 from torch.distributed.pipelining.schedules import (  # noqa: E402 - after the version check
     BACKWARD_INPUT,
@@ -130,6 +117,8 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         self.pipeline_order_with_comms = {
             rank: _splice(ours.ranks[rank], lowered)
             for rank, lowered in self.pipeline_order_with_comms.items()}
+        if _TORCH.send_waits:
+            _check_send_waits(self.pipeline_order_with_comms)
         self._offload_config = offload_config or OffloadConfig()
         self._offloader: ActivationOffloader | None = None
         if schedule.has_kind(Kind.OFFLOAD):
@@ -200,9 +189,10 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
     def _scope_begin(self, key: tuple[int, int]) -> None:
         assert self._offloader is not None
         stage = next(s for s in self._stages if s.stage_index == key[0])
-        # torch keeps one receive buffer per microbatch for the whole run (or, for a stage fed on
-        # this rank, the previous stage's output, held until its backward): copying it to host
-        # would free nothing, so it stays like a parameter.
+        # The stage's input (the receive buffer of this microbatch, or for a stage fed on this
+        # rank the previous stage's output), read just before F takes it: torch holds it for the
+        # backward whatever we do (up to 2.14 also as a buffer kept for the whole run), so
+        # copying it to host would free nothing; it stays like a parameter.
         keep = [info.buffer for info in stage.args_recv_info.get(key[1], ())
                 if isinstance(getattr(info, "buffer", None), torch.Tensor)]
         scope = self._offloader.scope(key, self.rank, self._offload_config.stream, keep=keep)
@@ -244,6 +234,20 @@ def _check_stages(stages: Sequence[Any], schedule: Schedule) -> None:
             raise ConfigError(
                 f"PipelineStage {stage.stage_index} was built with num_stages="
                 f"{stage.num_stages} but schedule {schedule.name!r} has {schedule.num_stages}")
+
+
+def _check_send_waits(lowered: dict[int, list[Any]]) -> None:
+    """torch's own check that every SEND_F / SEND_B has one WAIT_SEND after it, run on the
+    spliced lists (torch runs it before the splice)."""
+    from torch.distributed.pipelining.schedules import _validate_send_waits
+
+    try:
+        _validate_send_waits(lowered)
+    except ValueError as error:
+        raise IntegrationError(
+            f"pipeoffload.torch: the action lists with our transfer actions spliced in fail "
+            f"torch's send-wait check: {error}. This is a pipeoffload bug; please report it "
+            "with the schedule") from error
 
 
 def _splice(row: Sequence[Action], lowered: list[Any]) -> list[Any]:
