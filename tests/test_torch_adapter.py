@@ -254,6 +254,83 @@ def test_four_ranks_zbv_and_po_f_fetch_are_bitwise_torch_and_plain(tmp_path):
     _check(launch(_four_ranks, 4, tmp_path, join_timeout_s=240), 4)
 
 
+class _Head(nn.Module):
+    """A last stage like torchtitan's: the final norm; the output layer runs inside the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.out = nn.RMSNorm(WIDTH), nn.Linear(WIDTH, 3 * WIDTH, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+
+class _GivenGrad(torch.autograd.Function):
+    """A loss value whose backward hands ``h`` a gradient computed beforehand."""
+
+    @staticmethod
+    def forward(ctx, h, grad, loss):  # noqa: ANN001
+        ctx.save_for_backward(grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, _):  # noqa: ANN001
+        return ctx.saved_tensors[0], None, None
+
+
+def _split_backward_under_fsdp(rank: int, world: int) -> dict:
+    """One process, two stages: the last stage's norm and output layer are one FSDP group,
+    which the loss reshards (as torchtitan's chunked loss does), and a nested FSDP unit with
+    reshard_after_forward=True: every gradient of our schedules with I / W split (po-f with
+    offload, zbv) against torch's Interleaved1F1B (full backward). Note: [split FSDP]."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    def build(kind: str):
+        torch.manual_seed(0)
+        body = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+        head = _Head()
+        fully_shard(body[1], reshard_after_forward=True)
+        fully_shard(body)
+        fully_shard([head.norm, head.out])
+        fully_shard(head)
+
+        def chunked_loss(h, y):  # noqa: ANN001
+            head.out.unshard()
+            leaf = h.detach().requires_grad_(True)
+            loss = nn.functional.cross_entropy(head.out(leaf), y)
+            loss.backward()
+            head.out.reshard()  # and with it head.norm
+            return _GivenGrad.apply(h, leaf.grad, loss.detach())
+
+        stages = [PipelineStage(body, 0, 2, torch.device("cpu")),
+                  PipelineStage(head, 1, 2, torch.device("cpu"))]
+        if kind == "torch":
+            pipe = schedules.ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=chunked_loss)
+        else:
+            schedule = build_schedule(kind, pp=1, microbatches=MICROBATCHES)
+            pipe = PipeOffloadSchedule(stages, schedule, loss_fn=chunked_loss,
+                                       offload_config=OffloadConfig(min_offload_elements=0))
+        x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(3))
+        y = torch.randint(0, 3 * WIDTH, (BATCH,), generator=torch.Generator().manual_seed(4))
+        pipe.step(x, target=y)
+        return {name: None if p.grad is None else p.grad.full_tensor()
+                for module in (body, head) for name, p in module.named_parameters()}
+
+    native = build("torch")
+    return {kind: {name: grad is not None and torch.equal(grad, native[name])
+                   for name, grad in build(kind).items()}
+            for kind in ("po-f", "zbv")}
+
+
+@pytest.mark.slow
+def test_split_backward_gets_the_gradients_of_fsdp_groups_resharded_before_it(tmp_path):
+    results = launch(_split_backward_under_fsdp, 1, tmp_path, join_timeout_s=240)
+    assert "ok" in results.get(0, {}), results.get(0, {}).get("trace", results)
+    for kind, bitwise in results[0]["ok"].items():
+        assert len(bitwise) == 6 and all(bitwise.values()), (kind, bitwise)
+
+
 def _misuse(rank: int, world: int) -> list[str]:
     from torch.distributed.pipelining import PipelineStage
 
