@@ -44,10 +44,12 @@ echo "newest-torch: torch $("$py" -c 'import torch; print(torch.__version__)') i
 "$py" -c "import pipeoffload.torch"
 
 cd "$repo"
-"$py" -m pytest -q -p no:cacheprovider -rs tests/test_torch_adapter.py tests/test_torch_csv.py \
+"$py" -m pytest -p no:cacheprovider -rs tests/test_torch_adapter.py tests/test_torch_csv.py \
     tests/test_torch_versions.py tests/test_hf.py 2>&1 | tee "$work/pytest.log"
 if grep -q "^SKIPPED" "$work/pytest.log"; then
     echo "newest-torch: tests were skipped on torch $version (above); this job runs them all" >&2
     exit 1
 fi
+passed="$(grep -Eo '[0-9]+ passed' "$work/pytest.log" | tail -1)"
 echo "newest-torch: torch $version, $((SECONDS - installed)) s of tests, $((SECONDS - started)) s in all"
+echo "newest-torch: ${passed:-0 passed}, 0 failed"

@@ -16,7 +16,7 @@ from pipeoffload.integrations.torch_versions import (
 )
 
 
-@pytest.mark.parametrize("version", ["2.10.0", "2.13.1+cpu", "2.14.1", "2.15.0+cu132"])
+@pytest.mark.parametrize("version", ["2.12.1", "2.13.1+cpu", "2.14.1", "2.15.0+cu132"])
 def test_tested_versions_are_accepted_with_their_row(version):
     check_torch_version(version)
     row = torch_pipelining(version)
@@ -24,9 +24,9 @@ def test_tested_versions_are_accepted_with_their_row(version):
     assert row.send_waits == (row.version == "2.15")
 
 
-@pytest.mark.parametrize("version", ["2.9.1", "2.7.0", "2.16.0", "3.0.0", "2.1.0+cpu"])
+@pytest.mark.parametrize("version", ["2.11.0", "2.10.0", "2.7.0", "2.16.0", "3.0.0", "2.1.0+cpu"])
 def test_untested_versions_are_refused_naming_the_tested_range(version):
-    with pytest.raises(IntegrationError, match=rf"tested on torch 2\.10 to 2\.15; this is torch "
+    with pytest.raises(IntegrationError, match=rf"tested on torch 2\.12 to 2\.15; this is torch "
                                                rf"{re.escape(version)}\. .*pipeoffload\.Pipeline"):
         check_torch_version(version)
 

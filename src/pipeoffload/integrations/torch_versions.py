@@ -2,7 +2,7 @@
 needs from it: the one place where the adapter's version differences live.
 
     torch       what its private pipelining API does that the adapter meets
-    2.10-2.13   lowering (``_prepare_schedule_with_comms``): UNSHARD / RESHARD, REDUCE_GRAD,
+    2.12-2.13   lowering (``_prepare_schedule_with_comms``): UNSHARD / RESHARD, REDUCE_GRAD,
                 SEND / RECV; sends waited at the end of the step; ``step()`` takes whole batches
     2.14        as 2.13; ``step()`` also takes ``arg_mbs`` / ``kwarg_mbs`` / ``target_mbs``
     2.15        lowering adds WAIT_REDUCE_GRAD after REDUCE_GRAD and a WAIT_SEND_F / WAIT_SEND_B
@@ -12,10 +12,12 @@ needs from it: the one place where the adapter's version differences live.
                 F takes them; a stage's outputs are released at WAIT_SEND_F; ``step()`` also
                 takes ``finalize_gradients``
 
-Nothing the adapter calls was removed or renamed across these. torch 2.9 and older cannot be
-served: their runtime has no ``_comp_type_to_function_map``, through which our transfer actions
-run (2.6, 2.8 and 2.9 have ``_PipelineScheduleRuntime`` without it, 2.4 not even that). What was run
-on which version: docs/runtime.md ("Tested torch versions").
+Nothing the adapter calls was removed or renamed across these. Older torch is not served: 2.10
+and 2.11 have everything the adapter calls, but torch's own ScheduleZBVZeroBubble fails at its
+first step over gloo there ("Pair is not connected"), and so does every V-placed schedule through
+the adapter; 2.9 and older have no ``_comp_type_to_function_map``, through which our transfer
+actions run (2.6, 2.8 and 2.9 have ``_PipelineScheduleRuntime`` without it, 2.4 not even that).
+What was run on which version: docs/runtime.md ("Tested torch versions").
 
 Pure Python (no torch import), so that tests and tools can ask before importing the adapter.
 """
@@ -39,8 +41,6 @@ class TorchPipelining:
 
 
 TESTED: tuple[TorchPipelining, ...] = (
-    TorchPipelining("2.10", send_waits=False),
-    TorchPipelining("2.11", send_waits=False),
     TorchPipelining("2.12", send_waits=False),
     TorchPipelining("2.13", send_waits=False),
     TorchPipelining("2.14", send_waits=False),
