@@ -2,6 +2,7 @@
 docs/torchtitan.md plus what torchtitan 0.3.0 needs to run without an accelerator.
 
     python docs/torchtitan_cpu.py --make-assets RUN_DIR      a tokenizer and a c4_test dataset
+    python docs/torchtitan_cpu.py --compare FILE_A FILE_B    gradients saved with PO_GRADS
     cd RUN_DIR && PO_SCHEDULE=po-f torchrun --nproc_per_node 2 .../docs/torchtitan_cpu.py \\
         --module __main__ --config llama3_po <torchtitan options>
 
@@ -49,8 +50,24 @@ def make_assets(run_dir: str) -> None:
     print(f"wrote {tok} and {data}")
 
 
+def compare(path_a: str, path_b: str) -> None:
+    """Per rank: how many of the gradients PO_GRADS saved are bitwise equal, and which are
+    missing (None) on either side."""
+    rank = 0
+    while os.path.exists(f"{path_a}.rank{rank}"):
+        a, b = (torch.load(f"{p}.rank{rank}", weights_only=True) for p in (path_a, path_b))
+        missing = sorted(n for n in a if (a[n] is None) != (b[n] is None))
+        equal = sum(a[n] is not None and b[n] is not None and torch.equal(a[n], b[n]) for n in a)
+        print(f"rank {rank}: {equal} of {len(a)} gradients bitwise equal; "
+              f"missing on one side: {missing or 'none'}")
+        rank += 1
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--make-assets"]:
     make_assets(sys.argv[2])
+    sys.exit(0)
+if __name__ == "__main__" and sys.argv[1:2] == ["--compare"]:
+    compare(*sys.argv[2:4])
     sys.exit(0)
 
 # --- CPU shims (only for a machine without an accelerator) --------------------------------
