@@ -171,7 +171,7 @@ def test_the_fake_backend_refuses_host_tensors(monkeypatch) -> None:
 
 
 def test_the_training_loops_gather_posts_device_tensors(monkeypatch) -> None:
-    from pipeoffload.training.train import _gather
+    from pipeoffload.training.gather import _gather
 
     backend = DeviceOnlyBackend(monkeypatch)
     with FakeCudaMode():

@@ -187,7 +187,7 @@ def test_tp_bf16_checkpoint_resumes_bitwise_and_refuses_another_tp(tmp_path) -> 
     straight = json.loads(out.splitlines()[-1])
     assert (straight["tp"], straight["dtype"]) == (2, "bf16")
     assert sorted(p.name for p in (tmp_path / "ck" / "step_00000002").iterdir()) == [
-        "manifest.json", "rank_00000.pt", "rank_00001.pt", "stage_000_tp0.pt",
+        "config.toml", "manifest.json", "rank_00000.pt", "rank_00001.pt", "stage_000_tp0.pt",
         "stage_000_tp1.pt"]
     manifest = json.loads((tmp_path / "ck" / "step_00000002" / "manifest.json").read_text())
     assert (manifest["info"]["tp"], manifest["info"]["dtype"]) == (2, "bf16")

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from pipeoffload.cli import preflight
+from pipeoffload.cli import config_file, preflight
 from pipeoffload.cli.preflight import count, number
 from pipeoffload.errors import ConfigError, PipeoffloadError
 from pipeoffload.sim.render_text import MIN_WIDTH
@@ -248,7 +248,15 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, check (cli/preflight.py), run; every expected failure is an `error:` line and a
     non-zero exit status (2: bad input, 1: the work failed, 130: interrupted)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # --config FILE.toml: its settings go before the command line's own flags
+        argv = config_file.expand(parser, argv)
+    except ConfigError as error:
+        command = next((t for t in argv if not t.startswith("-")), "")
+        print(f"pipeoffload {command}: error: {error}", file=sys.stderr)
+        return preflight.INPUT_ERROR
+    args = parser.parse_args(argv)
     handler: Handler = args.handler
     return preflight.run_command(args.command, handler, args,
                                  getattr(args, "on_interrupt", None))

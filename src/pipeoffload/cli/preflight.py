@@ -143,8 +143,9 @@ input_path = _path_type(InputPath)
 
 
 def resume_path(text: str) -> str:
-    """argparse type of --resume: the word ``latest`` (also its bare form's value) or a path."""
-    return text if text == "latest" else input_path(text)
+    """argparse type of --resume: the words ``latest`` (also its bare form's value) and
+    ``auto``, or a path."""
+    return text if text in ("latest", "auto") else input_path(text)
 
 
 def flag_name(dest: str) -> str:
@@ -197,7 +198,10 @@ def check_path(flag: str, path: CheckedPath) -> None:
         else:
             problem = _writable_folder(where.parent)
     elif isinstance(path, OutputDir):
-        if where.exists():
+        if where.is_symlink() and not where.exists():
+            problem = (f"is a symlink to {os.readlink(where)}, which does not exist; create "
+                       "the target folder or pass another path")
+        elif where.exists():
             problem = ("is a file; name a folder" if not where.is_dir()
                        else _writable_folder(where))
         else:

@@ -28,18 +28,22 @@ from pipeoffload.offload.plan import OffloadPlan, add_offload
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.targets import parse_target
 from pipeoffload.planner.costing import (
+    DEFAULT_FRAMEWORK,
     GIB,
+    Framework,
     Layout,
     MemoryConfig,
     cost_model,
     dp_seconds,
+    optimizer_seconds,
     peak_flops,
     rank_state,
     stage_costs,
     step_model_flops,
 )
 from pipeoffload.planner.hardware import Hardware
-from pipeoffload.planner.ratio import PieceCost, RunConfig
+from pipeoffload.planner.host_memory import host_peak_bytes, node_host_bytes
+from pipeoffload.planner.ratio import PieceCost
 from pipeoffload.planner.train_command import train_command
 from pipeoffload.planner.transformer import Recompute, TransformerSpec
 from pipeoffload.sim.costs import CostModel
@@ -48,6 +52,9 @@ from pipeoffload.sim.costs import CostModel
 V_SHAPED = frozenset({"zbv", "v-half", "v-min", "dualpipev"})
 #: Schedules with a ``chunks`` option (the others run a fixed number of stages per rank).
 CHUNKED = frozenset({"interleaved-1f1b", "grouped-interleaved"})
+#: Schedules that run W apart from its I (zero bubble and its V and DualPipe kin): the TP
+#: reduce-scatter Megatron hides behind W is exposed in I (layer_time.py).
+W_DEFERRED = frozenset({"zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipe", "dualpipev"})
 
 
 RECOMPUTE_AND_OFFLOAD = "recompute-chunks:1+all"
@@ -81,9 +88,14 @@ class Candidate:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.dp, self.tp, self.pp, self.chunks,
-                      RunConfig(micro_batch=self.micro_batch, tp=self.tp,
-                                recompute=self.recompute))
+        """The layout under the planner's default framework (``layout_under``)."""
+        return self.layout_under(DEFAULT_FRAMEWORK)
+
+    def layout_under(self, framework: Framework) -> Layout:
+        """DP x TP x PP, chunks and the per-GPU run of this candidate under ``framework``."""
+        run = framework.run(self.micro_batch, self.tp, self.recompute,
+                            w_deferred=self.schedule in W_DEFERRED)
+        return Layout(self.dp, self.tp, self.pp, self.chunks, run)
 
     @property
     def display_name(self) -> str:
@@ -139,7 +151,10 @@ class MemorySplit:
 @dataclass(frozen=True)
 class Plan:
     """A simulated candidate. Times in seconds; ``pipeline_time`` is the simulated makespan,
-    ``dp_time`` the data-parallel exchange added after it (not overlapped)."""
+    ``dp_time`` the exposed data-parallel exchange and ``optimizer_time`` the optimizer step,
+    both after it (optimizer.py, Note [step outside the pipeline]). ``host_bytes`` is the pinned
+    host memory offload needs on the fullest GPU and ``host_node_bytes`` on the fullest node
+    (host_memory.py), checked against ``host_budget_bytes`` per node."""
 
     candidate: Candidate
     pipeline_time: float
@@ -152,18 +167,31 @@ class Plan:
     offloaded_fraction: float
     simulated_microbatches: tuple[int, ...]
     notes: tuple[str, ...] = field(default=())
+    optimizer_time: float = 0.0
+    host_bytes: float = 0.0
+    host_node_bytes: float = 0.0
+    host_budget_bytes: float = 0.0
 
     @property
     def step_time(self) -> float:
-        return self.pipeline_time + self.dp_time
+        return self.pipeline_time + self.dp_time + self.optimizer_time
 
     @property
     def memory_gib(self) -> float:
         return self.memory.total / GIB
 
     @property
-    def feasible(self) -> bool:
+    def fits_device(self) -> bool:
         return self.memory.total <= self.budget_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        """Pinned host memory per node within its budget (0: not checked)."""
+        return not self.host_budget_bytes or self.host_node_bytes <= self.host_budget_bytes
+
+    @property
+    def feasible(self) -> bool:
+        return self.fits_device and self.fits_host
 
     @property
     def extrapolated(self) -> bool:
@@ -195,16 +223,22 @@ class Evaluator:
     schedules (they do not depend on each other's costs), so a search reuses them."""
 
     def __init__(self, spec: TransformerSpec, hw: Hardware, memory: MemoryConfig,
-                 budget_bytes: float, extrapolation: Extrapolation = Extrapolation()) -> None:
+                 budget_bytes: float, extrapolation: Extrapolation = Extrapolation(),
+                 framework: Framework = DEFAULT_FRAMEWORK, host_budget_bytes: float = 0.0) -> None:
         self.spec, self.hw, self.memory = spec, hw, memory
         self.budget_bytes = budget_bytes
+        self.host_budget_bytes = host_budget_bytes
         self.extrapolation = extrapolation
+        self.framework = framework
         self._pieces: dict[Layout, tuple[PieceCost, ...]] = {}
         self._schedules: dict[tuple, Schedule] = {}
         self.simulations = 0
 
+    def layout(self, candidate: Candidate) -> Layout:
+        return candidate.layout_under(self.framework)
+
     def pieces(self, candidate: Candidate) -> tuple[PieceCost, ...]:
-        layout = candidate.layout
+        layout = self.layout(candidate)
         if layout not in self._pieces:
             self._pieces[layout] = stage_costs(self.spec, self.hw, layout)
         return self._pieces[layout]
@@ -229,7 +263,7 @@ class Evaluator:
         activation of one microbatch (a forward holds it whatever is offloaded)."""
         pieces = self.pieces(candidate)
         placement = self.stage_to_rank(candidate)
-        states = rank_state(self.spec, pieces, placement, candidate.layout, self.memory)
+        states = rank_state(self.spec, pieces, placement, self.layout(candidate), self.memory)
         floor = [0.0] * candidate.pp
         for stage, piece in enumerate(pieces):
             rank = placement[stage]
@@ -238,10 +272,12 @@ class Evaluator:
 
     def time_bound(self, candidate: Candidate) -> float:
         """A lower bound of the step time: rank r cannot start before the forwards of the stages
-        in front of its first stage, then runs m times its stages' F + I + W; plus DP time."""
+        in front of its first stage, then runs m times its stages' F + I + W; plus the exposed DP
+        exchange and the optimizer step."""
         pieces = self.pieces(candidate)
         placement = self.stage_to_rank(candidate)
-        costs = cost_model(pieces, self.spec, self.hw, candidate.layout)
+        layout = self.layout(candidate)
+        costs = cost_model(pieces, self.spec, self.hw, layout)
         work = [0.0] * candidate.pp
         for stage, piece in enumerate(pieces):
             work[placement[stage]] += piece.chunk_s
@@ -249,13 +285,13 @@ class Evaluator:
         for rank in range(candidate.pp):
             bound = max(bound, lead + candidate.microbatches * work[rank])
             lead += pieces[rank].f_s + costs.p2p_time
-        return bound + dp_seconds(self.spec, self.hw, pieces, placement, candidate.layout,
-                                  self.memory)
+        return bound + dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory) \
+            + optimizer_seconds(self.hw, pieces, placement, layout, self.memory)
 
     def evaluate(self, candidate: Candidate) -> Plan:
         """Simulate ``candidate`` (Note [reduced simulation]) and price its memory."""
         pieces = self.pieces(candidate)
-        layout = candidate.layout
+        layout = self.layout(candidate)
         costs = cost_model(pieces, self.spec, self.hw, layout)
         counts = self.extrapolation.counts(candidate)
         runs = []
@@ -283,10 +319,15 @@ class Evaluator:
         memory = MemorySplit(states[worst].params, states[worst].grads, states[worst].optimizer,
                              peaks[worst], self.memory.reserve_bytes)
         dp_time = dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory)
+        optimizer_time = optimizer_seconds(self.hw, pieces, placement, layout, self.memory)
         sequences = candidate.dp * candidate.micro_batch * candidate.microbatches
         peak, _ = peak_flops(self.hw)
-        step = makespan + dp_time
+        step = makespan + dp_time + optimizer_time
         mfu = step_model_flops(self.spec, sequences) / (step * layout.gpus * peak)
+        host = [0.0] * candidate.pp
+        if candidate.offload != "none":
+            for run in runs:
+                host = [max(a, b) for a, b in zip(host, host_peak_bytes(run.result))]
         return Plan(
             candidate=candidate,
             pipeline_time=makespan,
@@ -299,4 +340,9 @@ class Evaluator:
             offloaded_fraction=last.report.offloaded_fraction,
             simulated_microbatches=counts,
             notes=last.report.notes,
+            optimizer_time=optimizer_time,
+            host_bytes=max(host),
+            host_node_bytes=node_host_bytes(host, candidate.tp, candidate.pp,
+                                            self.hw.gpus_per_node),
+            host_budget_bytes=self.host_budget_bytes,
         )

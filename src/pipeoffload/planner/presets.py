@@ -6,7 +6,8 @@ Shapes and their sources (docs/planner-model.md, "Model presets", has the table)
   the table's 5140 is read as a typo, as Megatron and others do).
 - pipeoffload-*: the PipeOffload paper's table 2 (layers, heads, hidden; GQA with 8 groups).
   f = 4h, GeLU and a 32000-token vocabulary are [derived]: with them the parameter counts
-  (embedding counted once) come out at the paper's 5.8B .. 83.8B to 0.1B.
+  (embedding counted once) come out at the paper's 5.8B .. 83.8B to 0.1B. Biases: GPT-3 has
+  them (its paper follows GPT-2's layers); Llama has none; pipeoffload-* none [assumption].
 - llama3-*: Llama 3 (Dubey et al. 2024, table 3) and the published config.json files.
 """
 
@@ -24,7 +25,7 @@ from pipeoffload.planner.transformer import MlpKind, TransformerSpec
 def _gpt3(name: str, layers: int, hidden: int, heads: int) -> TransformerSpec:
     return TransformerSpec(
         num_layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn_hidden=4 * hidden,
-        vocab=50257, seq_len=2048, mlp=MlpKind.GELU, dropout=True, name=name,
+        vocab=50257, seq_len=2048, mlp=MlpKind.GELU, dropout=True, bias=True, name=name,
     )
 
 
@@ -149,9 +150,14 @@ def model_from_config(
         value = _lookup(data, field, source)
         if value is not None:
             values[field] = value
-    for field in ("flash_attention", "activation_bytes", "param_bytes", "dropout"):
+    for field in ("flash_attention", "activation_bytes", "param_bytes", "dropout", "bias"):
         if data.get(field) is not None:
             values[field] = data[field]
+    if "bias" not in values:
+        # HuggingFace Llama-style configs say attention_bias / mlp_bias; GPT-2's layers have
+        # biases and its config does not say
+        flags = [data[k] for k in ("attention_bias", "mlp_bias") if data.get(k) is not None]
+        values["bias"] = any(flags) if flags else "n_embd" in data
     values.update(overrides)
     if "mlp" not in values:
         values["mlp"] = _mlp_kind(data, source)

@@ -69,6 +69,9 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None) -> 
 
 
 def _refusal(c: Candidate, spec: TransformerSpec | None) -> str | None:
+    if c.recompute.value not in ("none", "lgd", "full"):
+        return (f"its recompute option is {c.recompute.value}; train recomputes lgd or full "
+                "(selective recompute is Megatron's unfused-attention variant)")
     if spec is None:
         return None
     if spec.activation_bytes not in DTYPE_FLAGS:

@@ -87,8 +87,9 @@ def accumulate_in_float32(params: list[torch.Tensor]) -> None:
 
 
 def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: object,
-                   clip: float | None) -> None:
-    """Average gradients over data-parallel replicas, then clip by the global norm.
+                   clip: float | None) -> float | None:
+    """Average gradients over data-parallel replicas, then clip by the global norm; returns
+    that norm before clipping (None when ``clip`` is None: it is not computed then).
 
     ``topology`` is a launch.Topology. Gradients of DTensor parameters are this rank's shards:
     the all-reduce moves shards, and the norm sums the squares of sharded gradients over the
@@ -111,7 +112,7 @@ def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: object,
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
     if clip is None:
-        return
+        return None
     ordered = [g for s in sorted(grads) for g in grads[s]]
     sharded = [g for g in ordered if is_dtensor(g) and any(p.is_shard() for p in g.placements)]
     whole = [g for g in ordered if not any(g is h for h in sharded)]
@@ -127,7 +128,9 @@ def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: object,
     total = part + squares(whole)
     if distributed and topology.pp > 1:  # type: ignore[attr-defined]
         dist.all_reduce(total, group=topology.pp_group)  # type: ignore[attr-defined]
-    scale = clip / (total.sqrt().item() + 1e-6)
+    norm = total.sqrt().item()
+    scale = clip / (norm + 1e-6)
     if scale < 1:
         for g in ordered:
             local_shard(g).mul_(scale)
+    return norm

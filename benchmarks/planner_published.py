@@ -1,0 +1,109 @@
+"""The planner's step-time model against published training runs (issue 21).
+
+Prints, with their sources: (1) Korthikanti et al. 2022's Table 4 per-layer times against the
+planner's, and the fit of the one constant calibrated on its unchecked rows; (2) every published
+run of planner/published.py, measured MFU against the planner's prediction, the issue's rows
+first (the 3-point bar) and the held-out ones after (not used to choose anything); (3) with
+``--terms``, where the predicted step time of each run goes.
+
+    python benchmarks/planner_published.py            # (1) and (2), about 15 s of CPU
+    python benchmarks/planner_published.py --terms    # and (3)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeoffload.planner.hardware import HBM_EFFICIENCY
+from pipeoffload.planner.published import (
+    PUBLISHED,
+    TABLE4,
+    PublishedRun,
+    calibrate_hbm_efficiency,
+    layer_prediction,
+    predict,
+)
+
+#: Issue 21's bar for the runs it lists, in MFU points.
+BAR_POINTS = 3.0
+
+
+def table4() -> str:
+    lines = ["(1) Korthikanti et al. 2022, Table 4: one 22B layer (h 6144, 64 heads, s 2048, "
+             "microbatch 4) on 8 A100s, TP8",
+             f"HBM efficiency fitted on the unchecked rows: {calibrate_hbm_efficiency():.2f} "
+             f"(the A100 preset uses {HBM_EFFICIENCY:.2f})", "",
+             "| time | measured ms | planner ms | error | role |", "|---|---|---|---|---|"]
+    for row in TABLE4:
+        predicted = layer_prediction(row)
+        role = "checked (within 10%)" if row.checked else "fits HBM efficiency"
+        lines.append(f"| {row.name} | {row.measured_s * 1e3:.1f} | {predicted * 1e3:.2f} | "
+                     f"{predicted / row.measured_s - 1:+.1%} | {role} |")
+    return "\n".join(lines)
+
+
+def _row(run: PublishedRun) -> tuple[str, float]:
+    plan = predict(run)
+    error = 100 * (plan.mfu - run.measured_mfu)
+    c = plan.candidate
+    layout = (f"TP{c.tp} PP{c.pp} DP{c.dp} {c.schedule}" + (f" v{c.chunks}" if c.chunks > 1
+                                                          else "")
+              + f" b{c.micro_batch} m{c.microbatches}")
+    return (f"| {run.source} | {run.row} | {layout} | {run.recompute.value} | "
+            f"{run.measured_mfu:.1%} | {plan.mfu:.1%} | {error:+.1f} | "
+            f"{plan.step_time:.2f} | {plan.bubble_rate:.1%} | {run.citation} |", error)
+
+
+def runs() -> str:
+    header = ["| source | run | layout | recompute | measured MFU | planner MFU | error (points) "
+              "| step s | bubble | citation |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["(2) Published runs: the issue's rows (the 3-point bar)", "", *header]
+    shown = [run for run in PUBLISHED if not run.held_out]
+    errors = []
+    for run in shown:
+        text, error = _row(run)
+        lines.append(text)
+        errors.append(error)
+    over = [f"{run.label} ({error:+.1f})" for run, error in zip(shown, errors)
+            if abs(error) > BAR_POINTS]
+    lines += ["", f"within {BAR_POINTS:g} points: {len(shown) - len(over)} of {len(shown)}"
+              + (f"; over: {', '.join(over)}" if over else ""),
+              f"mean error {sum(errors) / len(errors):+.1f} points, largest "
+              f"{max(errors, key=abs):+.1f}", "",
+              "Held out (no constant was chosen with them)", "", *header]
+    held = []
+    for run in (run for run in PUBLISHED if run.held_out):
+        text, error = _row(run)
+        lines.append(text)
+        held.append(error)
+        lines.extend(f"|  | note: {note} |  |  |  |  |  |  |  |  |" for note in run.notes)
+    lines.append(f"\nheld-out mean error {sum(held) / len(held):+.1f} points, largest "
+                 f"{max(held, key=abs):+.1f}")
+    return "\n".join(lines)
+
+
+def terms() -> str:
+    lines = ["(3) Where each predicted step goes", "",
+             "| run | step s | pipeline | exposed DP | optimizer | bubble |",
+             "|---|---|---|---|---|---|"]
+    for run in PUBLISHED:
+        plan = predict(run)
+        lines.append(f"| {run.label} | {plan.step_time:.2f} | {plan.pipeline_time:.2f} | "
+                     f"{plan.dp_time:.3f} | {plan.optimizer_time:.3f} | "
+                     f"{plan.bubble_rate:.1%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--terms", action="store_true", help="also print each step's parts")
+    args = parser.parse_args()
+    print(table4(), end="\n\n")
+    print(runs())
+    if args.terms:
+        print()
+        print(terms())
+
+
+if __name__ == "__main__":
+    main()
