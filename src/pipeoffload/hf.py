@@ -8,8 +8,9 @@ from pipeoffload.integrations.hf import (
     CausalLMStage,
     balanced_layers,
     causal_lm_loss,
+    check_causal_lm,
     split_causal_lm,
 )
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMStage", "balanced_layers", "causal_lm_loss",
-           "split_causal_lm"]
+           "check_causal_lm", "split_causal_lm"]

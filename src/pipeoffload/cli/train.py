@@ -19,11 +19,12 @@ import os
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
 from pipeoffload.cli import preflight
-from pipeoffload.cli.notes import interrupt_note, startup_line
+from pipeoffload.cli.notes import data_line, interrupt_note, startup_line
 from pipeoffload.cli.preflight import (
     MAX_CHUNKS,
     MAX_MICROBATCHES,
@@ -39,6 +40,8 @@ from pipeoffload.core.actions import Kind
 from pipeoffload.errors import ConfigError, PipeoffloadError
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_SHAPE_FLAGS = {"n_layers": "--layers", "dim": "--dim", "n_heads": "--heads",
+                "n_kv_heads": "--kv-heads", "ffn_hidden": "--ffn-hidden"}
 
 
 @dataclass(frozen=True)
@@ -90,13 +93,15 @@ def add_train_parser(subparsers: Any) -> None:
                    help="none (default); lgd: recompute norm and activation-function outputs "
                    "in each layer's backward; full: recompute every stage's forward")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="small", help="preset: tiny | small | medium")
-    for flag, field, what in (("--layers", "n_layers", "transformer layers"),
-                              ("--dim", "dim", "model width"), ("--heads", "n_heads", "heads"),
-                              ("--kv-heads", "n_kv_heads", "key/value heads"),
-                              ("--ffn-hidden", "ffn_hidden", "SwiGLU inner width")):
-        g.add_argument(flag, dest=field, type=count(1, 1 << 20), default=None,
-                       help=f"override {what}")
+    g.add_argument("--model", default="small", metavar="PRESET|PATH",
+                   help="reference model preset tiny | small | medium (default small), or a "
+                   "Hugging Face config.json (random init) or a folder with one and its "
+                   "safetensors weights (loaded: fine-tuning)")
+    for field, what in (("n_layers", "transformer layers"), ("dim", "model width"),
+                        ("n_heads", "heads"), ("n_kv_heads", "key/value heads"),
+                        ("ffn_hidden", "SwiGLU inner width")):
+        g.add_argument(_SHAPE_FLAGS[field], dest=field, type=count(1, 1 << 20), default=None,
+                       help=f"override the preset's {what}")
     g.add_argument("--seq-len", type=count(1, 1 << 20), default=None,
                    help="tokens per sequence (default min(128, the model's max_seq_len); "
                    "a longer one raises max_seq_len)")
@@ -108,6 +113,16 @@ def add_train_parser(subparsers: Any) -> None:
                    "(default: Python standard-library sources)")
     g.add_argument("--max-bytes", type=count(1), default=1 << 20,
                    help="read at most this much text (default 1 MiB)")
+    g.add_argument("--tokenizer", type=input_path, default=None, metavar="PATH",
+                   help="a local tokenizer.json (or its folder), read with the tokenizers "
+                   "package; default: bytes are tokens (the vocabulary must hold 256)")
+    g.add_argument("--eval-fraction", type=number(minimum=0, maximum=0.99), default=0.05,
+                   metavar="X", help="hold out the last X of the tokens (default 0.05; 0: none)")
+    g.add_argument("--eval-every", type=count(0), default=0, metavar="N",
+                   help="also measure the held-out loss at the start and every N steps "
+                   "(default 0: at the end only)")
+    g.add_argument("--eval-batches", type=count(1, 1 << 20), default=4, metavar="N",
+                   help="held-out batches per measurement (default 4)")
     g = p.add_argument_group("optimisation")
     # The same defaults as TrainConfig's (a test checks); torch is not imported to build this.
     g.add_argument("--steps", type=count(1, 1 << 40), default=60,
@@ -144,6 +159,11 @@ def add_train_parser(subparsers: Any) -> None:
                    type=resume_path,
                    help="continue from the newest complete checkpoint in --checkpoint-dir, or "
                    "PATH (a step_<N> folder or a checkpoint folder); --steps must be beyond it")
+    g.add_argument("--export-hf", type=output_dir, default=None, metavar="DIR",
+                   help="write the trained Hugging Face model to DIR (new or empty) for "
+                   "transformers' from_pretrained")
+    g.add_argument("--export-dtype", default=None, choices=("fp32", "bf16"),
+                   help="dtype of --export-hf (default: bf16 for a bf16 run, else fp32)")
     g.add_argument("--no-baseline", action="store_true",
                    help="skip the extra step that measures peaks without offload")
     g.add_argument("--json", action="store_true", help="print one JSON line at the end")
@@ -162,17 +182,35 @@ def add_train_parser(subparsers: Any) -> None:
 def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
     """The TrainConfig and ReportOptions the command line asks for."""
     from pipeoffload.training.data import DataConfig
-    from pipeoffload.training.model import model_preset
+    from pipeoffload.training.model import MODEL_PRESETS, model_preset
     from pipeoffload.training.train import TrainConfig
 
-    model = model_preset(args.model)
     overrides = {f: getattr(args, f) for f in ("n_layers", "dim", "n_heads", "n_kv_heads",
                                                "ffn_hidden") if getattr(args, f) is not None}
-    seq_len = args.seq_len if args.seq_len is not None else min(128, model.max_seq_len)
-    overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
-    model = dataclasses.replace(model, **overrides)
+    hf_model = None if args.model.lower() in MODEL_PRESETS else args.model
+    if hf_model is None:
+        model = model_preset(args.model)
+        positions = model.max_seq_len
+    else:
+        from pipeoffload.training.hf_model import resolve_model
+
+        if overrides:
+            flags = ", ".join(_SHAPE_FLAGS[f] for f in overrides)
+            raise ConfigError(f"{flags} shape the reference model; a Hugging Face model's shape "
+                              "is its config.json")
+        model = model_preset("small")
+        positions = resolve_model(hf_model).max_positions or 128
+    seq_len = args.seq_len if args.seq_len is not None else min(128, positions)
+    if hf_model is None:
+        overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
+        if args.tokenizer is not None:
+            from pipeoffload.training.documents import tokenizer_vocab_size
+
+            overrides["vocab_size"] = tokenizer_vocab_size(args.tokenizer)
+        model = dataclasses.replace(model, **overrides)
     data = DataConfig(source=args.data, seq_len=seq_len, batch_size=args.batch_size,
-                      seed=args.seed, max_bytes=args.max_bytes)
+                      seed=args.seed, max_bytes=args.max_bytes, tokenizer=args.tokenizer,
+                      eval_fraction=args.eval_fraction)
     if args.resume is not None and args.resume == "latest" and args.checkpoint_dir is None:
         raise ConfigError("--resume without a PATH needs --checkpoint-dir (where to look)")
     config = TrainConfig(
@@ -185,7 +223,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
         p2p_timeout_s=args.p2p_timeout, min_offload_elements=args.min_offload_elements,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, measure_baseline=not args.no_baseline,
-        tp=args.tp, dtype=args.dtype, recompute=args.recompute)
+        tp=args.tp, dtype=args.dtype, recompute=args.recompute, hf_model=hf_model,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, export_hf=args.export_hf,
+        export_dtype=args.export_dtype)
     report = ReportOptions(json=args.json, png=args.png,
                            log_every=args.log_every, threads=args.threads)
     return config, report
@@ -201,9 +241,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         return run_worker(TrainConfig.from_dict(payload["config"]),
                           ReportOptions(**payload["report"]), distributed=True)
+    from pipeoffload.training.train import preflight as check_run
+
+    if all(k in os.environ for k in _TORCHRUN_ENV):
+        config, report = _first_rank_reports(lambda: config_from_args(args))
+        _first_rank_reports(lambda: check_run(config, config.pp * config.dp * config.tp))
+        if os.environ["RANK"] == "0":
+            print(data_line(config.data), file=sys.stderr if report.json else sys.stdout,
+                  flush=True)
+        return run_worker(config, report, distributed=True)
     config, report = config_from_args(args)
-    torchrun = all(k in os.environ for k in _TORCHRUN_ENV)
-    if not torchrun and args.inline and (config.dp > 1 or config.tp > 1):
+    if args.inline and (config.dp > 1 or config.tp > 1):
         raise ConfigError("--inline runs one pipeline replica in one process; use --dp 1 "
                           "and --tp 1, or drop --inline")
     if report.png is not None and not preflight.have_matplotlib():
@@ -212,10 +260,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume not in (None, "latest") and args.checkpoint_dir is None:
         preflight.note("train", "--resume PATH without --checkpoint-dir: this run saves no "
                        "checkpoint; add --checkpoint-dir DIR to keep its progress")
-    if torchrun:
-        return run_worker(config, report, distributed=True)
-    from pipeoffload.training.train import preflight as check_run
+    if config.hf_model is not None:
+        from pipeoffload.training.hf_model import weights_note
 
+        note = weights_note(config.hf_model)
+        if note:
+            preflight.note("train", note)
     if config.device == "cuda":
         import torch
 
@@ -225,11 +275,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     processes = 1 if args.inline else config.pp * config.dp * config.tp
     plan = check_run(config, processes=processes)
     preflight.offload_notes("train", plan.report, config.fetch_on_use)
-    print(startup_line(config, report, processes, plan.schedule.name),
-          file=sys.stderr if report.json else sys.stdout, flush=True)
+    out = sys.stderr if report.json else sys.stdout
+    print(startup_line(config, report, processes, plan.schedule.name), file=out, flush=True)
+    print(data_line(config.data), file=out, flush=True)
     if processes == 1:
         return run_worker(config, report, distributed=False)
     return _self_launch(config, report, plan)
+
+
+def _first_rank_reports(check: Callable[[], Any]) -> Any:
+    """Under torchrun every rank checks its input before any process group exists; a bad
+    input is one error per job: global rank 0 reports it, the others exit quietly with the
+    same status (2)."""
+    try:
+        return check()
+    except PipeoffloadError:
+        if os.environ.get("RANK") == "0":
+            raise
+        os._exit(2)
 
 
 def _self_launch(config: Any, report: ReportOptions, plan: Any) -> int:
@@ -264,7 +327,8 @@ def run_worker(config: Any, report: ReportOptions, *, distributed: bool) -> int:
         if topology.device.type == "cpu":
             torch.set_num_threads(report.threads)
         out = sys.stderr if report.json else sys.stdout
-        result = train(config, topology, on_step=lambda log: _progress(log, report, out))
+        result = train(config, topology, on_step=lambda log: _progress(log, report, out),
+                       on_eval=lambda step, loss: _eval_line(step, loss, config, out))
         if result.reporter:
             _report(result, config, report, out)
     except BaseException as error:
@@ -308,6 +372,11 @@ def _progress(log: Any, report: ReportOptions, out: IO[str]) -> None:
           f"{log.tokens_per_s:,.0f} tok/s  activation peak {peaks}", file=out, flush=True)
 
 
+def _eval_line(step: int, loss: float, config: Any, out: IO[str]) -> None:
+    print(f"held-out loss at step {step}: {loss:.4f} ({config.eval_batches} batches at most, "
+          f"the last {config.data.eval_fraction:g} of the data)", file=out, flush=True)
+
+
 def _report(result: Any, config: Any, report: ReportOptions, out: IO[str]) -> None:
     if report.json:
         png = _write_png(result, report.png)
@@ -316,6 +385,9 @@ def _report(result: Any, config: Any, report: ReportOptions, out: IO[str]) -> No
     print(render_table(result), file=out)
     if result.checkpoint:
         print(f"checkpoint: {result.checkpoint}", file=out)
+    if result.export:
+        print(f"Hugging Face export: {result.export} (transformers.AutoModelForCausalLM."
+              "from_pretrained loads it)", file=out)
     out.flush()
     png = _write_png(result, report.png)
     if png:
@@ -386,5 +458,8 @@ def summary(result: Any, config: Any, png: str | None) -> dict[str, Any]:
             as_list(result.baseline_predicted_bytes),
         "stage_activation_bytes": as_list(result.stage_bytes),
         "checkpoint": result.checkpoint, "png": png,
+        "eval_losses": [list(pair) for pair in result.eval_losses],
+        "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None,
+        "export": result.export, "model": config.hf_model or "reference",
     }
 

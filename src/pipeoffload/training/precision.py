@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.errors import ConfigError
-from pipeoffload.runtime.shards import is_dtensor, local_shard
+from pipeoffload.runtime.shards import local_shard
+from pipeoffload.training.gradients import clip_gradients
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -86,23 +87,5 @@ def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: object,
             for g in locals_:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-    if clip is None:
-        return
-    ordered = [g for s in sorted(grads) for g in grads[s]]
-    sharded = [g for g in ordered if is_dtensor(g) and any(p.is_shard() for p in g.placements)]
-    whole = [g for g in ordered if not any(g is h for h in sharded)]
-
-    def squares(group: list[torch.Tensor]) -> torch.Tensor:
-        values = [local_shard(g).double().pow(2).sum() for g in group]
-        return torch.stack(values).sum() if values else torch.zeros((), dtype=torch.float64)
-
-    part = squares(sharded)
-    if distributed and getattr(topology, "tp", 1) > 1 and sharded:
-        dist.all_reduce(part, group=topology.tp_mesh.get_group())  # type: ignore[attr-defined]
-    total = part + squares(whole)
-    if distributed and topology.pp > 1:  # type: ignore[attr-defined]
-        dist.all_reduce(total, group=topology.pp_group)  # type: ignore[attr-defined]
-    scale = clip / (total.sqrt().item() + 1e-6)
-    if scale < 1:
-        for g in ordered:
-            local_shard(g).mul_(scale)
+    if clip is not None:
+        clip_gradients([p for s in sorted(params) for p in params[s]], clip, topology)
