@@ -87,6 +87,9 @@ class TransformerSpec:
 
     ``kv_heads`` < ``heads`` is grouped-query attention; ``dropout`` says whether the layers
     apply dropout (GPT-3 style) or not (Llama style): it adds masks to the saved activations.
+    ``train_model``: what `pipeoffload train --model` takes to train this very model (a Hugging
+    Face config.json or its folder, read from there with ``model_type``), None when train can
+    only run the reference model at this shape.
     """
 
     num_layers: int
@@ -102,6 +105,8 @@ class TransformerSpec:
     param_bytes: int = 2
     dropout: bool = False
     name: str = "custom"
+    train_model: str | None = None
+    model_type: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp", _enum(MlpKind, self.mlp, f"model {self.name!r}: mlp"))
