@@ -7,7 +7,6 @@ Multi-process runs start the real command (launch.py -> gloo); the rest runs in 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
