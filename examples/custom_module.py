@@ -2,7 +2,8 @@
 into stages by ``split_blocks``, trained with AdamW and gradient clipping over the pipeline,
 checkpointed and resumed, against the same model trained in one process without a pipeline.
 
-    torchrun --nproc-per-node 2 examples/custom_module.py
+    torchrun --nproc-per-node 2 examples/custom_module.py --out /tmp/ckpt           # pp 2
+    torchrun --nproc-per-node 2 examples/custom_module.py --out /tmp/ckpt --dp 2    # 2 replicas
 
 Runs in float64, so the pipelined weights equal the plain loop's to ~1e-12. Each rank checks its
 own stages and prints one line; any mismatch raises.
@@ -42,10 +43,12 @@ def build() -> tuple[nn.Module, nn.Sequential, nn.Module]:
             nn.Linear(DIM, 1).double())
 
 
-def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def data(step: int, replica: int = 0, replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch, or a data-parallel replica's equal share of it."""
     g = torch.Generator().manual_seed(step)
     x = torch.randn(BATCH, 8, generator=g, dtype=torch.float64)
-    return x, x.sum(dim=1, keepdim=True).sin()
+    y = x.sum(dim=1, keepdim=True).sin()
+    return x.chunk(replicas)[replica], y.chunk(replicas)[replica]
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -74,8 +77,9 @@ def train(stages: dict[int, nn.Module], pipe: po.Pipeline, topology: po.distribu
     if steps.start:
         assert po.load_checkpoint(checkpoints, stages, optimizers, topology) == steps.start
     for step in steps:
-        x, y = data(step)
+        x, y = data(step, topology.dp_index, topology.dp)
         pipe.step(x, target=y)
+        po.average_gradients(stages, topology)  # over data-parallel replicas (none at dp 1)
         po.clip_grad_norm_(stages, 0.5, topology)
         for optimizer in optimizers.values():
             optimizer.step()
@@ -90,9 +94,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--schedule", default="po-f")
     parser.add_argument("--out", type=Path, required=True, help="checkpoints go here")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     args = parser.parse_args()
-    pp = int(os.environ["WORLD_SIZE"])
-    topology = po.init_distributed(pp=pp, device="cpu")
+    pp = int(os.environ["WORLD_SIZE"]) // args.dp
+    topology = po.init_distributed(pp=pp, dp=args.dp, device="cpu")
     schedule = po.build_schedule(args.schedule, pp=pp, microbatches=MICROBATCHES)
     first, blocks, last = build()  # every rank builds the same model, then keeps its stages
     stages = po.split_blocks(blocks, schedule, rank=topology.pp_rank, first=first, last=last)

@@ -28,11 +28,14 @@ def run(script: str, *args: str, cwd: Path) -> str:
 
 
 @pytest.mark.slow
-def test_custom_module_example_matches_one_process_and_resumes(tmp_path):
-    out = run("custom_module.py", "--out", str(tmp_path / "ckpt"), cwd=tmp_path)
-    for rank, stages in ((0, "[0, 2]"), (1, "[1, 3]")):
-        assert f"rank {rank}: stages {stages} equal the one-process run" in out
-        assert "resume bitwise from step 3" in out
+@pytest.mark.parametrize("layout,stages", [([], ("[0, 2]", "[1, 3]")),
+                                           (["--dp", "2"], ("[0, 1]", "[0, 1]"))],
+                         ids=["pp2", "dp2"])
+def test_custom_module_example_matches_one_process_and_resumes(tmp_path, layout, stages):
+    out = run("custom_module.py", "--out", str(tmp_path / "ckpt"), *layout, cwd=tmp_path)
+    for rank, held in enumerate(stages):
+        assert f"rank {rank}: stages {held} equal the one-process run" in out
+    assert out.count("resume bitwise from step 3") == 2
 
 
 @pytest.mark.slow

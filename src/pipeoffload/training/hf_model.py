@@ -72,11 +72,6 @@ class HFModelSource:
                 f"({self.path}, {weights})")
 
 
-def is_model_path(name: str) -> bool:
-    """Whether ``--model NAME`` names a file or folder (an HF model) rather than a preset."""
-    return Path(name).exists() or name.endswith(".json") or "/" in name
-
-
 def _read_json(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text())
