@@ -82,7 +82,7 @@ def test_gpt2_is_not_sharded_and_its_positions_bound_the_sequence(tmp_path, text
 
 def test_paths_exports_and_notes(tmp_path, text, capsys):
     cfg = write(tmp_path / "m" / "config.json", LLAMA)
-    with pytest.raises(ConfigError, match="no such file or folder"):
+    with pytest.raises(ConfigError, match="not a model preset .* nor an existing file"):
         parse(["--model", str(tmp_path / "missing" / "config.json")])
     with pytest.raises(ConfigError, match="the folder has no config.json"):
         (tmp_path / "empty").mkdir() or parse(["--model", str(tmp_path / "empty")])

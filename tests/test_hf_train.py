@@ -115,12 +115,13 @@ def test_llama_tied_pp2_pof_export_loads_with_the_pipelines_loss_and_trains_on(w
     the export, trained with another layout (dp 2), starts from the loss it ended with."""
     result, log = run_cli(["--model", str(workdir / "llama" / "config.json"), "--pp", "2",
                            "--schedule", "po-f", "--steps", "20", "--export-hf", "export",
-                           "--checkpoint-dir", "ckpt", *common(workdir)], workdir)
+                           "--eval-every", "10", *common(workdir)], workdir)
     size = (workdir / "text.txt").stat().st_size
     assert f"data: {size:,} bytes from 1 file(s)" in log and f"text.txt ({size:,} B)" in log
     assert result["last_loss"] < result["first_loss"] - 0.5
-    (step, loss), = result["eval_losses"]
-    assert step == 20 and result["eval_loss"] == loss
+    assert [step for step, _ in result["eval_losses"]] == [0, 10, 20]
+    loss = result["eval_loss"]
+    assert result["eval_losses"][-1][1] == loss < result["eval_losses"][0][1] - 0.5
     model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "export")
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again on loading
     assert "lm_head.weight" not in tensors(workdir / "export")

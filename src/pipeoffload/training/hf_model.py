@@ -89,8 +89,9 @@ def resolve_model(path: str) -> HFModelSource:
     unreadable or of a family split_causal_lm does not know."""
     given = Path(path)
     if not given.exists():
-        raise ConfigError(f"--model {path}: no such file or folder; pass a preset (tiny, small, "
-                          "medium), a Hugging Face config.json or a folder holding one")
+        raise ConfigError(f"--model {path}: not a model preset (tiny, small, medium) nor an "
+                          "existing file or folder; pass a preset, a Hugging Face config.json or "
+                          "a folder holding one")
     folder = given if given.is_dir() else None
     config_file = given / CONFIG if folder is not None else given
     if not config_file.is_file():

@@ -43,12 +43,7 @@ from pipeoffload.training.gradients import clip_gradients, uncounted_masters
 from pipeoffload.training.hf_model import resolve_model
 from pipeoffload.training.hf_run import build_hf, check_model, export_run
 from pipeoffload.training.launch import Topology
-from pipeoffload.training.measure import (
-    gather_floats,
-    gather_step,
-    measure_without_offload,
-    stage_sizes,
-)
+from pipeoffload.training.measure import gather_step, measure_without_offload, stage_sizes
 from pipeoffload.training.model import (
     RECOMPUTE_MODES,
     ModelConfig,
@@ -58,7 +53,7 @@ from pipeoffload.training.model import (
 from pipeoffload.training.precision import MasterWeights, sync_gradients, torch_dtype
 from pipeoffload.training.split import build_stage_modules, lm_loss
 from pipeoffload.training.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
-from pipeoffload.training.validation import eval_steps, held_out_loss
+from pipeoffload.training.validation import eval_steps, held_out
 
 
 @dataclass(frozen=True)
@@ -450,13 +445,3 @@ def build_stages(config: TrainConfig, num_stages: int, mine: list[int],
             apply_tensor_parallel(module, topology.tp_mesh)  # type: ignore[arg-type]
         set_layer_recompute(module, config.recompute)
     return stages
-
-
-def held_out(pipe: Pipeline, stages: Mapping[int, nn.Module], dataset: TextDataset,
-             topology: Topology, max_batches: int, last_rank: int) -> float:
-    """The held-out loss, the mean over the data-parallel replicas (training/validation.py)."""
-    rows = gather_floats(topology, [held_out_loss(pipe, stages, dataset, max_batches)])
-    if not topology.distributed:
-        return rows[0][0]
-    losses = [rows[topology.global_rank(last_rank, d)][0] for d in range(topology.dp)]
-    return sum(losses) / len(losses)

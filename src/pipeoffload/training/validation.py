@@ -10,6 +10,8 @@ from torch import nn
 
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.training.data import TextDataset
+from pipeoffload.training.launch import Topology
+from pipeoffload.training.measure import gather_floats
 
 
 def held_out_loss(pipe: Pipeline, stages: Mapping[int, nn.Module], dataset: TextDataset,
@@ -44,3 +46,13 @@ def eval_steps(start: int, steps: int, every: int, available: bool) -> set[int]:
         wanted.update(range(every * (start // every + 1), steps, every))
     return wanted
 
+
+def held_out(pipe: Pipeline, stages: Mapping[int, nn.Module], dataset: TextDataset,
+             topology: Topology, max_batches: int, last_rank: int) -> float:
+    """The held-out loss: held_out_loss's, from the last stage's process of each replica,
+    averaged over the data-parallel replicas (the same value on every process)."""
+    rows = gather_floats(topology, [held_out_loss(pipe, stages, dataset, max_batches)])
+    if not topology.distributed:
+        return rows[0][0]
+    losses = [rows[topology.global_rank(last_rank, d)][0] for d in range(topology.dp)]
+    return sum(losses) / len(losses)
