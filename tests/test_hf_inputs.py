@@ -214,3 +214,21 @@ def test_the_planner_names_the_config_and_keeps_to_what_train_runs(tmp_path):
     gpt2 = dataclasses.replace(spec, model_type="gpt2")
     assert "does not shard gpt2" in train_command(plan, gpt2).refused
     assert hf_families.sizes({"n_embd": 8, "n_head": 2})["ffn_hidden"] == 32
+
+
+def test_export_command_refuses_what_it_cannot_export(tmp_path, capsys):
+    import pipeoffload as po
+    from pipeoffload.cli.main import main
+    from pipeoffload.training.split import build_stage_modules
+    from pipeoffload.training.train import model_preset
+
+    stages = build_stage_modules(model_preset("tiny"), 1, [0], 0)
+    optimizers = {0: torch.optim.AdamW(stages[0].parameters())}
+    po.save_checkpoint(tmp_path / "ckpt", 1, stages, optimizers)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
+    assert "holds no Hugging Face config" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "file").write_text("")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "used")]) == 2
+    assert "DIR " in capsys.readouterr().err

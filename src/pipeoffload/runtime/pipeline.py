@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.core.actions import MARKER_KINDS, OFFLOAD_KINDS, Action, Kind
-from pipeoffload.core.deps import Dependencies
+from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError
@@ -20,7 +19,14 @@ from pipeoffload.runtime import rendezvous
 from pipeoffload.runtime.config import RuntimeConfig
 from pipeoffload.runtime.executor import RankExecutor, StepData
 from pipeoffload.runtime.inputs import StageCall, check_form, positional, wrap_stages
-from pipeoffload.runtime.lowering import Channel, channel_of, order_conflicts, with_comms
+from pipeoffload.runtime.lowering import (
+    Channel,
+    channel_of,
+    forward_only,
+    interleave,
+    order_conflicts,
+    with_comms,
+)
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.microbatch import as_tuple, check_same, signature, split
 from pipeoffload.runtime.offloader import ActivationOffloader
@@ -164,7 +170,7 @@ class Pipeline:
                                                if self.distributed and not nccl else 0))
             for rank in self.ranks
         }
-        self._order = _interleave(self._lowered, self.ranks)
+        self._order = interleave(self._lowered, self.ranks)
         self._lookahead = self.config.recv_lookahead if self.distributed and not nccl else 0
         self._forward_only: tuple[list[tuple[int, Action]], dict[int, RankExecutor]] | None = None
         ties = merge_ties([tied or {}, *(getattr(m, "tied_parameters", {})
@@ -350,8 +356,7 @@ class Pipeline:
         """The step's schedule without backward, transfers and recomputation: its F actions and
         their SEND_F / RECV_F, in the same order (made once)."""
         if self._forward_only is None:
-            lowered = self._lowered.without(Kind.B, Kind.I, Kind.W, Kind.SEND_B, Kind.RECV_B,
-                                            Kind.RECOMPUTE, *OFFLOAD_KINDS)
+            lowered = forward_only(self._lowered)
             if self._nccl_groups is not None:
                 self._check_nccl_layout(*self._nccl_groups, lowered=lowered)
             executors = {
@@ -363,7 +368,7 @@ class Pipeline:
                                    forward_only=True)
                 for rank in self.ranks
             }
-            self._forward_only = (_interleave(lowered, self.ranks), executors)
+            self._forward_only = (interleave(lowered, self.ranks), executors)
         return self._forward_only
 
 
@@ -380,33 +385,3 @@ def _device_of(modules: Mapping[int, nn.Module], nccl: bool) -> torch.device:
     if nccl:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _interleave(schedule: Schedule, ranks: tuple[int, ...]) -> list[tuple[int, Action]]:
-    """One execution order of ``ranks``' lists that respects every dependency among them.
-
-    For one rank it is that rank's list. For several (local mode) each rank runs as far as it
-    can, round robin, like the validator's clockless run; dependencies on ranks outside
-    ``ranks`` do not exist here (local mode holds them all).
-    """
-    if len(ranks) == 1:
-        return [(ranks[0], a) for a in schedule.ranks[ranks[0]]]
-    deps = Dependencies(schedule)
-    done: set[Action] = set()
-    pointer = {r: 0 for r in ranks}
-    order: list[tuple[int, Action]] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank in ranks:
-            actions = schedule.ranks[rank]
-            while pointer[rank] < len(actions):
-                action = actions[pointer[rank]]
-                if any(d not in done for d in deps.of(action)):
-                    break
-                done.add(action)
-                order.append((rank, action))
-                pointer[rank] += 1
-                progress = True
-    assert all(pointer[r] == len(schedule.ranks[r]) for r in ranks), "validated schedule deadlocked"
-    return order

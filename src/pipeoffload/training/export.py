@@ -167,8 +167,9 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
     model_info = info.get("model")
     config = model_info.get("hf_config") if isinstance(model_info, dict) else None
     if not isinstance(config, dict):
-        raise ConfigError(f"checkpoint {manifest.folder} is of the reference model; `export` "
-                          "writes Hugging Face models (train them with --model PATH)")
+        raise ConfigError(f"checkpoint {manifest.folder} holds no Hugging Face config (the "
+                          "reference model's, or a save_checkpoint of your own); export writes "
+                          "models trained with `pipeoffload train --model PATH`")
     run_dtype, tp = info.get("dtype", "fp32"), int(info.get("tp", 1))
     name = dtype_name or ("bf16" if run_dtype == "bf16" else "fp32")
     dtype = export_dtype(name)
