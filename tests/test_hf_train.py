@@ -244,3 +244,36 @@ def test_plan_prints_a_command_that_trains_the_config_in_bf16(workdir, tmp_path,
     assert all(torch.equal(masters[k].to(torch.bfloat16), bf16[k]) for k in bf16)
     assert any(not torch.equal(masters[k], bf16[k].float()) for k in bf16)
     assert abs(held_out(workdir, folder, microbatches=microbatches) - loss) < 0.05
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gpt2"])
+def test_every_family_splits_exports_and_reloads_at_the_same_loss(tmp_path, family):
+    """train's stages of each family (Mistral with a sliding window shorter than the sequence,
+    Qwen2 with Q/K/V biases) give, forward only, the loss of the exported model reloaded."""
+    from pipeoffload import Pipeline, build_schedule
+    from pipeoffload.training.export import export_pretrained
+    from pipeoffload.training.hf_model import build_hf_stages, resolve_model
+
+    if family == "gpt2":
+        cfg = write_config(tmp_path / family, "gpt2", tie_word_embeddings=False)
+    else:
+        cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+        extra = {"sliding_window": 5} if family == "mistral" else {}
+        (tmp_path / family).mkdir()
+        cls(**{**LLAMA, "head_dim": 8, **extra}).save_pretrained(tmp_path / family)
+        cfg = tmp_path / family / "config.json"
+    schedule = build_schedule("1f1b", pp=2, microbatches=2)
+    built = build_hf_stages(resolve_model(str(cfg)), 2, [0, 1], seed=5, dtype=torch.float64,
+                            device=torch.device("cpu"))
+    for module in built.stages.values():
+        module.eval()
+    ids = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    loss = Pipeline(built.stages, schedule, lm_loss).evaluate(ids[:, :-1], target=ids[:, 1:])
+    export_pretrained(tmp_path / "out", built.model, built.stages, dtype=torch.float64)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                              dtype=torch.float64)
+    with torch.no_grad():
+        expected = torch.stack([lm_loss(model(input_ids=x).logits, y) for x, y in
+                                zip(ids[:, :-1].chunk(2), ids[:, 1:].chunk(2))]).mean()
+    assert abs(loss.item() - expected.item()) < 1e-12

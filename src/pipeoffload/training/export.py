@@ -29,7 +29,7 @@ from pipeoffload.training import checkpoint as ckpt
 from pipeoffload.training.gradients import tie_copy_names
 from pipeoffload.training.precision import DTYPES
 
-EXPORT_DTYPES = ("fp32", "bf16")
+EXPORT_DTYPES = ("fp32", "bf16")  # the command's; export_pretrained takes any dtype
 INDEX = "model.safetensors.index.json"
 
 
