@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map
 from pipeoffload.api import build_schedule
 from pipeoffload.runtime.tied import TiedGradients
 from pipeoffload.training import launch
+from pipeoffload.training.gradients import clip_gradients
 from pipeoffload.training.precision import sync_gradients
 
 CUDA = torch.device("cuda", 0)
@@ -149,16 +150,16 @@ def test_a_rank_without_gradients_posts_a_device_zero_for_the_norm(monkeypatch) 
     backend = DeviceOnlyBackend(monkeypatch)
     with FakeCudaMode():
         param = nn.Parameter(FakeCuda(torch.ones(3)))  # never got a gradient
-        sync_gradients({0: [param]}, _topology(), clip=1.0)
+        clip_gradients([param], 1.0, _topology())
     assert backend.posted == [("all_reduce", CUDA, torch.float64)]
 
 
-def test_data_parallel_gradients_and_the_norm_go_on_the_device(monkeypatch) -> None:
+def test_data_parallel_gradients_go_on_the_device(monkeypatch) -> None:
     backend = DeviceOnlyBackend(monkeypatch)
     with FakeCudaMode():
         param = nn.Parameter(FakeCuda(torch.ones(3)))
         param.grad = FakeCuda(torch.full((3,), 4.0))
-        sync_gradients({0: [param]}, _topology(dp=2), clip=None)
+        sync_gradients({0: [param]}, _topology(dp=2))
     assert backend.posted == [("all_reduce", CUDA, torch.float32)]
     assert param.grad.data_.tolist() == [4.0, 4.0, 4.0]  # summed over 2 replicas, averaged
 

@@ -370,7 +370,9 @@ def test_load_huggingface_config(tmp_path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA3_8B_HF))
     loaded = load_model_config(path)
-    assert dataclasses.replace(loaded, name="llama3-8b") == model_preset("llama3-8b")
+    assert dataclasses.replace(loaded, name="llama3-8b", train_model=None,
+                               model_type=None) == model_preset("llama3-8b")
+    assert (loaded.train_model, loaded.model_type) == (str(path), "llama")  # train --model it
     assert load_model(str(path), seq_len=2048).seq_len == 2048
     gpt2 = model_from_config({"n_layer": 12, "n_embd": 768, "n_head": 12, "n_inner": None,
                               "n_positions": 1024, "vocab_size": 50257,

@@ -156,8 +156,14 @@ def test_the_example_config_runs_resumes_keeps_two_and_writes_metrics(tmp_path: 
     assert "resuming from checkpoints/step_00000006 (step 6)" in second.out
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_00000006", "step_00000008"]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in lines if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 9))
+    # The held-out loss each run measures at its end: a line of its own, kept across the resume.
+    held_out = [r for r in lines if "eval_loss" in r]
+    assert [(set(r), r["step"]) for r in held_out] == [({"step", "eval_loss"}, 6),
+                                                        ({"step", "eval_loss"}, 8)]
+    assert all(r["eval_loss"] > 0 for r in held_out)
     for record in records:
         assert set(record) >= {"step", "loss", "lr", "grad_norm", "tokens_per_s",
                                "step_time_s", "mfu", "model_flops_per_s",
@@ -182,6 +188,29 @@ def test_the_example_config_runs_resumes_keeps_two_and_writes_metrics(tmp_path: 
     assert "nothing to train" in capsys.readouterr().err
 
 
+def test_a_hugging_face_model_is_counted_at_its_own_shape(tmp_path: Path) -> None:
+    """`train --model PATH`'s MFU counts that model (as `plan --model PATH` reads it), not the
+    reference model: a Llama config of the reference "tiny" shape counts the same FLOPs, and a
+    wider one more."""
+    import json as json_module
+
+    from pipeoffload.training.metrics import hf_model_flops_per_step
+
+    tiny = model_preset("tiny")
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              "num_hidden_layers": tiny.n_layers, "hidden_size": tiny.dim,
+              "num_attention_heads": tiny.n_heads, "num_key_value_heads": tiny.n_kv_heads,
+              "intermediate_size": tiny.ffn_hidden, "vocab_size": tiny.vocab_size,
+              "hidden_act": "silu",
+              "max_position_embeddings": tiny.max_seq_len}
+    path = tmp_path / "config.json"
+    path.write_text(json_module.dumps(config))
+    assert hf_model_flops_per_step(str(path), 32, 3) == pytest.approx(
+        model_flops_per_step(tiny, 32, 3), rel=1e-12)
+    path.write_text(json_module.dumps({**config, "intermediate_size": 4 * tiny.ffn_hidden}))
+    assert hf_model_flops_per_step(str(path), 32, 3) > model_flops_per_step(tiny, 32, 3)
+
+
 def test_metrics_mfu_and_tensorboard(tmp_path: Path, capsys, monkeypatch) -> None:
     from pipeoffload.cli import progress
 
@@ -193,7 +222,8 @@ def test_metrics_mfu_and_tensorboard(tmp_path: Path, capsys, monkeypatch) -> Non
     out, err = capsys.readouterr()
     assert "the tensorboard extra is not installed" in err
     assert "MFU " in out and "elapsed 0:00:" in out and "ETA " in out
-    record = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    record = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)][-1]
     tiny = model_preset("tiny")
     flops = model_flops_per_step(tiny, min(128, tiny.max_seq_len), 4)
     assert record["mfu"] == pytest.approx(flops / record["step_time_s"] / 1e9)

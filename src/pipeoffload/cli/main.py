@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pipeoffload",
         description="Pipeline-parallel schedules with activation offload (PipeOffload).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    from pipeoffload.cli.export import add_export_parser
     from pipeoffload.cli.plan import add_plan_parser
     from pipeoffload.cli.train import add_train_parser
 
@@ -234,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save the preset as JSON")
     p.set_defaults(handler=cmd_probe)
     add_train_parser(sub)
+    add_export_parser(sub)
     add_plan_parser(sub)
     return parser
 

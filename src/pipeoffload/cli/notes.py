@@ -11,14 +11,20 @@ def startup_line(config: Any, report: Any, processes: int, schedule: str) -> str
     """What is about to run and where its outputs go (said before the first slow step)."""
     from pipeoffload.training.checkpoint import complete_checkpoints, describe_resume
 
-    model = config.model
+    if config.hf_model is None:
+        model = f"model {config.model.n_layers} layers x dim {config.model.dim}"
+    else:
+        from pipeoffload.training.hf_model import resolve_model
+
+        model = f"model {resolve_model(config.hf_model).describe()}"
     data = config.data.source or "the Python standard library's sources"
+    tokens = (f"tokens from {config.data.tokenizer}" if config.data.tokenizer
+              else "byte tokens")
     where = (f"{processes} local processes (pp {config.pp} x dp {config.dp} x tp {config.tp})"
              if processes > 1 else f"one process (all {config.pp} pipeline ranks)")
     parts = [f"pipeoffload train: {where}, device {config.device}; schedule {schedule}, "
-             f"{config.num_microbatches} microbatches; model {model.n_layers} layers x dim "
-             f"{model.dim}, {config.dtype}, recompute {config.recompute}; data {data}; "
-             f"steps up to {config.steps}"]
+             f"{config.num_microbatches} microbatches; {model}, {config.dtype}, recompute "
+             f"{config.recompute}; data {data}, {tokens}; steps up to {config.steps}"]
     if config.resume == "auto" and not complete_checkpoints(config.checkpoint_dir):
         parts.append(f"no checkpoint in {config.checkpoint_dir} yet: starting from scratch "
                      "(--resume auto)")
@@ -28,8 +34,20 @@ def startup_line(config: Any, report: Any, processes: int, schedule: str) -> str
     outputs = [f"checkpoints in {config.checkpoint_dir}" if config.checkpoint_dir
                else "no checkpoints (no --checkpoint-dir)"]
     outputs.append(f"picture {report.png}" if report.png else "no picture")
+    if config.export_hf:
+        outputs.append(f"a Hugging Face export in {config.export_hf}")
     parts.append("writes " + ", ".join(outputs))
     return "; ".join(parts)
+
+
+def data_line(data: Any) -> str:
+    """Which files the run reads and how many bytes of each."""
+    from pipeoffload.training.data import load_corpus
+    from pipeoffload.training.documents import files_report
+
+    corpus = load_corpus(data)
+    cut = " (cut at --max-bytes)" if corpus.truncated else ""
+    return files_report(corpus.origin, corpus.files, corpus.file_bytes) + cut
 
 
 def interrupt_note(args: argparse.Namespace) -> str:

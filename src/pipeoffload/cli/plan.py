@@ -91,10 +91,14 @@ def _spec(args: argparse.Namespace):  # -> TransformerSpec
         overrides.update(hidden=args.hidden, heads=heads,
                          kv_heads=spec.kv_heads if heads % spec.kv_heads == 0 else heads,
                          ffn_hidden=round(spec.ffn_hidden * args.hidden / spec.hidden))
+    if spec.train_model is not None and ("num_layers" in overrides or "hidden" in overrides):
+        # another shape than the file's: train can run it only as the reference model
+        overrides["train_model"] = None
     return dataclasses.replace(spec, **overrides) if overrides else spec
 
 
-def _space(args: argparse.Namespace):  # -> SearchSpace
+def _space(args: argparse.Namespace, spec) -> object:  # -> SearchSpace
+    from pipeoffload import hf_families
     from pipeoffload.core.registry import canonical_name
     from pipeoffload.planner.search import SearchSpace
 
@@ -121,6 +125,17 @@ def _space(args: argparse.Namespace):  # -> SearchSpace
     for field in ("tp", "pp", "offload"):
         if getattr(args, field):
             options[field] = getattr(args, field)
+    if spec.train_model is not None:  # only what `train --model PATH` runs (hf_families)
+        limits = []
+        if not args.recompute:
+            options["recompute"] = hf_families.RECOMPUTE_MODES
+            limits.append("--recompute none or full")
+        if not args.tp and spec.model_type not in hf_families.TENSOR_PARALLEL_MODEL_TYPES:
+            options["tp"] = (1,)
+            limits.append("--tp 1")
+        if limits and not args.quiet:
+            print(f"pipeoffload plan: note: {spec.model_type} models train with "
+                  f"{' and '.join(limits)}, so the search keeps to that", file=sys.stderr)
     if args.micro_batch_sizes:
         options["micro_batch_sizes"] = args.micro_batch_sizes
     if args.chunks:
@@ -170,7 +185,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    space = _space(args)
+    space = _space(args, spec)
     fixed = _every_dimension_fixed(args, space)
     if fixed:
         config = dataclasses.replace(config, nearest_tries=max(config.nearest_tries, 8))

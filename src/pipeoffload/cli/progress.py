@@ -13,6 +13,7 @@ from pipeoffload.training.metrics import (
     MetricsConfig,
     MetricsWriter,
     datasheet_peak_flops,
+    hf_model_flops_per_step,
     model_flops_per_step,
     step_record,
     tensorboard_writer,
@@ -37,9 +38,11 @@ def metrics_config(config: Any, report: Any, topology: Any) -> MetricsConfig:
         import torch
 
         peak = datasheet_peak_flops(torch.cuda.get_device_name(topology.device), config.dtype)
+    seq, batch = config.data.seq_len, config.data.batch_size
+    flops = (model_flops_per_step(config.model, seq, batch) if config.hf_model is None
+             else hf_model_flops_per_step(config.hf_model, seq, batch))
     return MetricsConfig(jsonl=report.metrics, tensorboard=report.tensorboard,
-                         flops_per_step=model_flops_per_step(config.model, config.data.seq_len,
-                                                             config.data.batch_size),
+                         flops_per_step=flops,
                          processes=processes, peak_flops_per_s=peak)
 
 
@@ -50,9 +53,13 @@ class Reporter:
         self.report = report
         self.out = out
         self.metrics = metrics_config(config, report, topology)
+        self._held_out = (f"{config.eval_batches} batches at most, the last "
+                          f"{config.data.eval_fraction:g} of the data")
         self._writer: MetricsWriter | None = None
 
-    def __call__(self, log: Any) -> None:
+    def _open(self, start_step: int) -> MetricsWriter | None:
+        """The metrics writer, made at the run's first record (a resumed run's start step
+        decides what of an existing file is kept)."""
         if self._writer is None and (self.metrics.jsonl or self.metrics.tensorboard):
             board = None
             if self.metrics.tensorboard:
@@ -60,15 +67,26 @@ class Reporter:
                 if board is None:
                     preflight.note("train", TENSORBOARD_MISSING.format(
                         what=self.metrics.tensorboard))
-            self._writer = MetricsWriter(self.metrics, log.start_step, board)
-        if self._writer is not None:
-            self._writer.write(log)
+            self._writer = MetricsWriter(self.metrics, start_step, board)
+        return self._writer
+
+    def __call__(self, log: Any) -> None:
+        writer = self._open(log.start_step)
+        if writer is not None:
+            writer.write(log)
         if log.step % self.report.log_every and log.step not in (log.start_step + 1, log.steps):
             return
         try:
             print(progress_line(log, self.metrics), file=self.out, flush=True)
         except BrokenPipeError:  # the reader is gone (its launcher died): keep training
             pass
+
+    def held_out(self, step: int, loss: float) -> None:
+        """The ``on_eval`` callback: the held-out loss after ``step`` steps."""
+        writer = self._open(step)  # before any step: the run's first record, at its start
+        if writer is not None:
+            writer.write_eval(step, loss)
+        say(f"held-out loss at step {step}: {loss:.4f} ({self._held_out})", self.out)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -19,12 +19,13 @@ import os
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
 from pipeoffload.cli import preflight
 from pipeoffload.cli.config_file import changed_flags, settings_toml
-from pipeoffload.cli.notes import interrupt_note, nothing_to_resume, startup_line
+from pipeoffload.cli.notes import data_line, interrupt_note, nothing_to_resume, startup_line
 from pipeoffload.cli.preflight import (
     MAX_CHUNKS,
     MAX_MICROBATCHES,
@@ -46,6 +47,8 @@ from pipeoffload.training.signals import (
 )
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_SHAPE_FLAGS = {"n_layers": "--layers", "dim": "--dim", "n_heads": "--heads",
+                "n_kv_heads": "--kv-heads", "ffn_hidden": "--ffn-hidden"}
 
 
 @dataclass(frozen=True)
@@ -104,13 +107,15 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="none (default); lgd: recompute norm and activation-function outputs "
                    "in each layer's backward; full: recompute every stage's forward")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="small", help="preset: tiny | small | medium")
-    for flag, field, what in (("--layers", "n_layers", "transformer layers"),
-                              ("--dim", "dim", "model width"), ("--heads", "n_heads", "heads"),
-                              ("--kv-heads", "n_kv_heads", "key/value heads"),
-                              ("--ffn-hidden", "ffn_hidden", "SwiGLU inner width")):
-        g.add_argument(flag, dest=field, type=count(1, 1 << 20), default=None,
-                       help=f"override {what}")
+    g.add_argument("--model", default="small", metavar="PRESET|PATH",
+                   help="reference model preset tiny | small | medium (default small), or a "
+                   "Hugging Face config.json (random init) or a folder with one and its "
+                   "safetensors weights (loaded: fine-tuning)")
+    for field, what in (("n_layers", "transformer layers"), ("dim", "model width"),
+                        ("n_heads", "heads"), ("n_kv_heads", "key/value heads"),
+                        ("ffn_hidden", "SwiGLU inner width")):
+        g.add_argument(_SHAPE_FLAGS[field], dest=field, type=count(1, 1 << 20), default=None,
+                       help=f"override the preset's {what}")
     g.add_argument("--seq-len", type=count(1, 1 << 20), default=None,
                    help="tokens per sequence (default min(128, the model's max_seq_len); "
                    "a longer one raises max_seq_len)")
@@ -122,6 +127,16 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "(default: Python standard-library sources)")
     g.add_argument("--max-bytes", type=count(1), default=1 << 20,
                    help="read at most this much text (default 1 MiB)")
+    g.add_argument("--tokenizer", type=input_path, default=None, metavar="PATH",
+                   help="a local tokenizer.json (or its folder), read with the tokenizers "
+                   "package; default: bytes are tokens (the vocabulary must hold 256)")
+    g.add_argument("--eval-fraction", type=number(minimum=0, maximum=0.99), default=0.05,
+                   metavar="X", help="hold out the last X of the tokens (default 0.05; 0: none)")
+    g.add_argument("--eval-every", type=count(0), default=0, metavar="N",
+                   help="also measure the held-out loss at the start and every N steps "
+                   "(default 0: at the end only)")
+    g.add_argument("--eval-batches", type=count(1, 1 << 20), default=4, metavar="N",
+                   help="held-out batches per measurement (default 4)")
     g = p.add_argument_group("optimisation")
     # The same defaults as TrainConfig's (a test checks); torch is not imported to build this.
     g.add_argument("--steps", type=count(1, 1 << 40), default=60,
@@ -169,6 +184,11 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=number(above=0, maximum=1e6), default=None,
                    metavar="T", help="one device's peak TFLOP/s, for MFU (default: the "
                    "datasheet bf16 peak of A100 / H100 / H200 in bf16 runs; else no MFU)")
+    g.add_argument("--export-hf", type=output_dir, default=None, metavar="DIR",
+                   help="write the trained Hugging Face model to DIR (new or empty) for "
+                   "transformers' from_pretrained")
+    g.add_argument("--export-dtype", default=None, choices=("fp32", "bf16"),
+                   help="dtype of --export-hf (default: bf16 for a bf16 run, else fp32)")
     g.add_argument("--no-baseline", action="store_true",
                    help="skip the extra step that measures peaks without offload")
     g.add_argument("--json", action="store_true", help="print one JSON line at the end")
@@ -203,17 +223,35 @@ def run_settings(args: argparse.Namespace) -> tuple[str, str]:
 def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
     """The TrainConfig and ReportOptions the command line asks for."""
     from pipeoffload.training.data import DataConfig
-    from pipeoffload.training.model import model_preset
+    from pipeoffload.training.model import MODEL_PRESETS, model_preset
     from pipeoffload.training.train import TrainConfig
 
-    model = model_preset(args.model)
     overrides = {f: getattr(args, f) for f in ("n_layers", "dim", "n_heads", "n_kv_heads",
                                                "ffn_hidden") if getattr(args, f) is not None}
-    seq_len = args.seq_len if args.seq_len is not None else min(128, model.max_seq_len)
-    overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
-    model = dataclasses.replace(model, **overrides)
+    hf_model = None if args.model.lower() in MODEL_PRESETS else args.model
+    if hf_model is None:
+        model = model_preset(args.model)
+        positions = model.max_seq_len
+    else:
+        from pipeoffload.training.hf_model import resolve_model
+
+        if overrides:
+            flags = ", ".join(_SHAPE_FLAGS[f] for f in overrides)
+            raise ConfigError(f"{flags} shape the reference model; a Hugging Face model's shape "
+                              "is its config.json")
+        model = model_preset("small")
+        positions = resolve_model(hf_model).max_positions or 128
+    seq_len = args.seq_len if args.seq_len is not None else min(128, positions)
+    if hf_model is None:
+        overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
+        if args.tokenizer is not None:
+            from pipeoffload.training.documents import tokenizer_vocab_size
+
+            overrides["vocab_size"] = tokenizer_vocab_size(args.tokenizer)
+        model = dataclasses.replace(model, **overrides)
     data = DataConfig(source=args.data, seq_len=seq_len, batch_size=args.batch_size,
-                      seed=args.seed, max_bytes=args.max_bytes)
+                      seed=args.seed, max_bytes=args.max_bytes, tokenizer=args.tokenizer,
+                      eval_fraction=args.eval_fraction)
     if args.resume is not None and args.resume == "latest" and args.checkpoint_dir is None:
         raise ConfigError("--resume without a PATH needs --checkpoint-dir (where to look)")
     config = TrainConfig(
@@ -226,7 +264,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
         p2p_timeout_s=args.p2p_timeout, min_offload_elements=args.min_offload_elements,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, measure_baseline=not args.no_baseline,
-        tp=args.tp, dtype=args.dtype, recompute=args.recompute, keep_last=args.keep_last)
+        tp=args.tp, dtype=args.dtype, recompute=args.recompute, keep_last=args.keep_last,
+        hf_model=hf_model, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        export_hf=args.export_hf, export_dtype=args.export_dtype)
     peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else None
     report = ReportOptions(json=args.json, png=args.png,
                            log_every=args.log_every, threads=args.threads, metrics=args.metrics,
@@ -246,12 +286,16 @@ def cmd_train(args: argparse.Namespace) -> int:
             return run_worker(TrainConfig.from_dict(payload["config"]),
                               ReportOptions(**payload["report"]), distributed=True, stop=stop,
                               settings=payload.get("settings"))
+    from pipeoffload.training.train import preflight as check_run
+
     torchrun = all(k in os.environ for k in _TORCHRUN_ENV)
     if torchrun:
         from pipeoffload.training.job import read_job_env
 
         read_job_env(os.environ)  # a bad torchrun environment is an input error, named first
-    config, report = config_from_args(args)
+        config, report = _first_rank_reports(lambda: config_from_args(args))
+    else:
+        config, report = config_from_args(args)
     if not torchrun and args.inline and (config.dp > 1 or config.tp > 1):
         raise ConfigError("--inline runs one pipeline replica in one process; use --dp 1 "
                           "and --tp 1, or drop --inline")
@@ -266,14 +310,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     if done:
         preflight.note("train", done)
         return 0
+    out = sys.stderr if report.json else sys.stdout
     if torchrun:
+        _first_rank_reports(lambda: check_run(config, config.pp * config.dp * config.tp))
         if os.environ.get("RANK") == "0":
-            print(f"pipeoffload train: settings: {changed or '(all defaults)'}",
-                  file=sys.stderr if report.json else sys.stdout, flush=True)
+            print(f"pipeoffload train: settings: {changed or '(all defaults)'}", file=out,
+                  flush=True)
+            print(data_line(config.data), file=out, flush=True)
         with stop_on_signals() as stop:
             return run_worker(config, report, distributed=True, stop=stop, settings=settings)
-    from pipeoffload.training.train import preflight as check_run
+    if config.hf_model is not None:
+        from pipeoffload.training.hf_model import weights_note
 
+        note = weights_note(config.hf_model)
+        if note:
+            preflight.note("train", note)
     if config.device == "cuda":
         import torch
 
@@ -283,14 +334,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     processes = 1 if args.inline else config.pp * config.dp * config.tp
     plan = check_run(config, processes=processes)
     preflight.offload_notes("train", plan.report, config.fetch_on_use)
-    print(startup_line(config, report, processes, plan.schedule.name),
-          file=sys.stderr if report.json else sys.stdout, flush=True)
-    print(f"pipeoffload train: settings: {changed or '(all defaults)'}",
-          file=sys.stderr if report.json else sys.stdout, flush=True)
+    print(startup_line(config, report, processes, plan.schedule.name), file=out, flush=True)
+    print(f"pipeoffload train: settings: {changed or '(all defaults)'}", file=out, flush=True)
+    print(data_line(config.data), file=out, flush=True)
     if processes == 1:
         with stop_on_signals() as stop:
             return run_worker(config, report, distributed=False, stop=stop, settings=settings)
     return _self_launch(config, report, plan, settings)
+
+
+def _first_rank_reports(check: Callable[[], Any]) -> Any:
+    """Under torchrun every rank checks its input before any process group exists; a bad
+    input is one error per job: global rank 0 reports it, the others exit quietly with the
+    same status (2)."""
+    try:
+        return check()
+    except PipeoffloadError:
+        if os.environ.get("RANK") == "0":
+            raise
+        os._exit(2)
 
 
 def _self_launch(config: Any, report: ReportOptions, plan: Any, settings: str) -> int:
@@ -338,8 +400,8 @@ def run_worker(config: Any, report: ReportOptions, *, distributed: bool,
         reporter = Reporter(config, report, topology, out)
         files = {"config.toml": settings.encode()} if settings else None
         try:
-            result = train(config, topology, on_step=reporter, stop=stop,
-                           checkpoint_files=files)
+            result = train(config, topology, on_step=reporter, on_eval=reporter.held_out,
+                           stop=stop, checkpoint_files=files)
         finally:
             reporter.close()
         if result.reporter and result.stopped_by:
@@ -400,6 +462,9 @@ def _report(result: Any, config: Any, report: ReportOptions, out: IO[str]) -> No
     print(render_table(result), file=out)
     if result.checkpoint:
         print(f"checkpoint: {result.checkpoint}", file=out)
+    if result.export:
+        print(f"Hugging Face export: {result.export} (transformers.AutoModelForCausalLM."
+              "from_pretrained loads it)", file=out)
     out.flush()
     png = _write_png(result, report.png)
     if png:
@@ -471,5 +536,8 @@ def summary(result: Any, config: Any, png: str | None) -> dict[str, Any]:
         "stage_activation_bytes": as_list(result.stage_bytes),
         "checkpoint": result.checkpoint, "png": png,
         "stopped_by": signal_name(result.stopped_by) if result.stopped_by else None,
+        "eval_losses": [list(pair) for pair in result.eval_losses],
+        "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None,
+        "export": result.export, "model": config.hf_model or "reference",
     }
 

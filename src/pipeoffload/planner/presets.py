@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.hf_families import SUPPORTED_MODEL_TYPES
 from pipeoffload.planner.transformer import MlpKind, TransformerSpec
 
 
@@ -170,6 +171,8 @@ def model_from_config(
             isinstance(data.get(k), (int, float)) and data[k] > 0 for k in _DROPOUT_KEYS
         )
     values.setdefault("name", data.get("name") or data.get("_name_or_path") or source)
+    if isinstance(data.get("model_type"), str):
+        values.setdefault("model_type", data["model_type"])
     missing = [f for f in _SYNONYMS if f not in values]
     if missing:
         wanted = "; ".join(f"{f} (or {' / '.join(_SYNONYMS[f])})" for f in missing)
@@ -187,7 +190,9 @@ def model_from_config(
 
 
 def load_model_config(path: str | Path, **overrides: Any) -> TransformerSpec:
-    """``model_from_config`` on a JSON file (a HuggingFace config.json works as is)."""
+    """``model_from_config`` on a JSON file (a HuggingFace config.json works as is); a config of
+    a family `pipeoffload train --model` runs records the path it was read from (or
+    ``train_model=`` its folder) as the spec's ``train_model``."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -200,12 +205,20 @@ def load_model_config(path: str | Path, **overrides: Any) -> TransformerSpec:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})") from None
+    train_model = overrides.pop("train_model", str(path))
+    if isinstance(data, dict) and data.get("model_type") in SUPPORTED_MODEL_TYPES:
+        overrides["train_model"] = train_model
     return model_from_config(data, source=str(path), **overrides)
 
 
 def load_model(name_or_path: str, **overrides: Any) -> TransformerSpec:
-    """A preset by name, or a config file (a path ending in .json, or any existing file)."""
+    """A preset by name, a config file (a path ending in .json, or any existing file), or a
+    folder holding a config.json (a Hugging Face model: `train --model FOLDER` loads its
+    weights)."""
     path = Path(name_or_path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_model_config(path / "config.json",
+                                 **{"train_model": name_or_path, **overrides})
     if name_or_path.lower().endswith(".json") or path.is_file():
         return load_model_config(path, **overrides)
     return model_preset(name_or_path, **overrides)

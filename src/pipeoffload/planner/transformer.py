@@ -95,6 +95,9 @@ class TransformerSpec:
     ``bias``: the linear layers have biases (GPT-3, Megatron's GPT); they are not counted as
     parameters (< 0.1%), but adding them and reducing their gradients are memory-bound kernels
     (layer_work.py).
+    ``train_model``: what `pipeoffload train --model` takes to train this very model (a Hugging
+    Face config.json or its folder, read from there with ``model_type``), None when train can
+    only run the reference model at this shape.
     """
 
     num_layers: int
@@ -111,6 +114,8 @@ class TransformerSpec:
     dropout: bool = False
     bias: bool = False
     name: str = "custom"
+    train_model: str | None = None
+    model_type: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp", _enum(MlpKind, self.mlp, f"model {self.name!r}: mlp"))

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
-from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError
@@ -25,7 +24,13 @@ from pipeoffload.runtime.groups import (
     uses_nccl,
 )
 from pipeoffload.runtime.inputs import StageCall, check_form, positional, wrap_stages
-from pipeoffload.runtime.lowering import Channel, peer_connections, with_comms
+from pipeoffload.runtime.lowering import (
+    Channel,
+    forward_only,
+    interleave,
+    peer_connections,
+    with_comms,
+)
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.microbatch import as_tuple, check_same, signature, split
 from pipeoffload.runtime.offloader import ActivationOffloader
@@ -165,6 +170,7 @@ class Pipeline:
                                                   pool=pool)
         self._lowered = with_comms(schedule)
         self._connected = not self.distributed
+        self._nccl_groups = (group, backward_group, channel_groups) if nccl else None
         if self.distributed:
             if nccl:
                 check_nccl_layout(self._lowered, group, backward_group, channel_groups)
@@ -184,7 +190,9 @@ class Pipeline:
                                                if self.distributed and not nccl else 0))
             for rank in self.ranks
         }
-        self._order = _interleave(self._lowered, self.ranks)
+        self._order = interleave(self._lowered, self.ranks)
+        self._lookahead = self.config.recv_lookahead if self.distributed and not nccl else 0
+        self._forward_only: tuple[list[tuple[int, Action]], dict[int, RankExecutor]] | None = None
         ties = merge_ties([tied or {}, *(getattr(m, "tied_parameters", {})
                                          for m in stages.values())], schedule.num_stages)
         self._tied = TiedGradients(ties, stages, schedule, group, self.device, self.distributed,
@@ -236,6 +244,8 @@ class Pipeline:
         self._transport.abandon()
         for executor in self._executors.values():
             executor.abandon()
+        for executor in (self._forward_only[1] if self._forward_only else {}).values():
+            executor.abandon()
         for runner in self._runners.values():
             runner.abandon()
         if self._offloader is not None:
@@ -277,10 +287,9 @@ class Pipeline:
                              offloader.kept_bytes if offloader is not None else {},
                              offloader.host_pool_need_bytes if offloader is not None else 0)
 
-    def step(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
-             target: Tensors | None = None) -> torch.Tensor | None:
-        """Run one training step's forward and backward; see the class docstring. A dict of
-        ``inputs`` goes to the first stage(s) as keyword arguments (Note: [stage contract])."""
+    def _prepare(self, inputs: Tensors | Mapping[str, torch.Tensor] | None,
+                 target: Tensors | None) -> StepData:
+        """Split a step's batch into the microbatches this process's stages use."""
         has_first = any(runner.is_first for runner in self._runners.values())
         has_last = any(runner.is_last for runner in self._runners.values())
         m = self.schedule.microbatches
@@ -309,8 +318,22 @@ class Pipeline:
                 if runner.is_first:
                     assert isinstance(runner.module, StageCall)
                     runner.module.names = names
-        data = StepData(list(micro_inputs), list(micro_targets))
-        del micro_inputs, micro_targets, batch, targets
+        return StepData(list(micro_inputs), list(micro_targets))
+
+    def _mean_loss(self, data: StepData) -> torch.Tensor | None:
+        if not any(runner.is_last for runner in self._runners.values()):
+            return None
+        m = self.schedule.microbatches
+        if len(data.losses) < m:  # the last stage of some routes only: this rank's share
+            return torch.stack([data.losses[i] for i in sorted(data.losses)]).sum() / m
+        losses = [data.losses[i] for i in range(m)]
+        return torch.stack(losses).mean()
+
+    def step(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
+             target: Tensors | None = None) -> torch.Tensor | None:
+        """Run one training step's forward and backward; see the class docstring. A dict of
+        ``inputs`` goes to the first stage(s) as keyword arguments (Note: [stage contract])."""
+        data = self._prepare(inputs, target)
         self.connect_peers()
         self._transport.begin_step()
         self._tied.begin_step()
@@ -326,12 +349,49 @@ class Pipeline:
         except BaseException:
             self._abandon_step()
             raise
-        if not has_last:
-            return None
-        if len(data.losses) < m:  # the last stage of some routes only: this rank's share
-            return torch.stack([data.losses[i] for i in sorted(data.losses)]).sum() / m
-        losses = [data.losses[i] for i in range(m)]
-        return torch.stack(losses).mean()
+        return self._mean_loss(data)
+
+    def evaluate(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
+                 target: Tensors | None = None) -> torch.Tensor | None:
+        """Forward only, for validation: the mean loss over the schedule's microbatches where
+        the last stage lives (None elsewhere), as ``step`` returns it, but with no autograd
+        graph, nothing saved, offloaded or sent back, and ``.grad`` untouched. The F actions run
+        in the schedule's order, so every rank of the pipeline calls it together. Modules keep
+        their mode: call ``.eval()`` on them first to switch dropout off."""
+        order, executors = self._forward_only_program()
+        data = self._prepare(inputs, target)
+        self.connect_peers()  # the step's connections, a superset of the forward's
+        self._transport.begin_step()
+        try:
+            with torch.no_grad():
+                for rank, action in order:
+                    executors[rank].run(action, data)
+            self._transport.finish()
+            for executor in executors.values():
+                executor.finish()
+        except BaseException:
+            self._abandon_step()
+            raise
+        return self._mean_loss(data)
+
+    def _forward_only_program(self) -> tuple[list[tuple[int, Action]], dict[int, RankExecutor]]:
+        """The step's schedule without backward, transfers and recomputation: its F actions and
+        their SEND_F / RECV_F, in the same order (made once)."""
+        if self._forward_only is None:
+            lowered = forward_only(self._lowered)
+            if self._nccl_groups is not None:
+                check_nccl_layout(lowered, *self._nccl_groups)
+            executors = {
+                rank: RankExecutor(rank, lowered,
+                                   {s: r for s, r in self._runners.items()
+                                    if self.schedule.rank_of(s) == rank},
+                                   self._transport, None, None, self.config.clone_hand_off,
+                                   device=self.device, recv_lookahead=self._lookahead,
+                                   forward_only=True)
+                for rank in self.ranks
+            }
+            self._forward_only = (interleave(lowered, self.ranks), executors)
+        return self._forward_only
 
 
 def _describe(names: tuple[str, ...] | None) -> str:
@@ -347,33 +407,3 @@ def _device_of(modules: Mapping[int, nn.Module], nccl: bool) -> torch.device:
     if nccl:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _interleave(schedule: Schedule, ranks: tuple[int, ...]) -> list[tuple[int, Action]]:
-    """One execution order of ``ranks``' lists that respects every dependency among them.
-
-    For one rank it is that rank's list. For several (local mode) each rank runs as far as it
-    can, round robin, like the validator's clockless run; dependencies on ranks outside
-    ``ranks`` do not exist here (local mode holds them all).
-    """
-    if len(ranks) == 1:
-        return [(ranks[0], a) for a in schedule.ranks[ranks[0]]]
-    deps = Dependencies(schedule)
-    done: set[Action] = set()
-    pointer = {r: 0 for r in ranks}
-    order: list[tuple[int, Action]] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank in ranks:
-            actions = schedule.ranks[rank]
-            while pointer[rank] < len(actions):
-                action = actions[pointer[rank]]
-                if any(d not in done for d in deps.of(action)):
-                    break
-                done.add(action)
-                order.append((rank, action))
-                pointer[rank] += 1
-                progress = True
-    assert all(pointer[r] == len(schedule.ranks[r]) for r in ranks), "validated schedule deadlocked"
-    return order

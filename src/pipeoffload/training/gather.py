@@ -17,7 +17,7 @@ from pipeoffload.training.checkpoint_files import CheckpointError
 from pipeoffload.training.launch import Topology
 
 
-def _gather(topology: Topology, values: list[float]) -> list[list[float]]:
+def gather_floats(topology: Topology, values: list[float]) -> list[list[float]]:
     """Every process's ``values`` (same length everywhere), by global rank."""
     if not topology.distributed:
         return [values]
@@ -46,7 +46,7 @@ def gather_step(topology: Topology, loss: torch.Tensor | None, meter: Activation
         return StepGather(loss.item(), [meter.peak_bytes(r) for r in range(topology.pp)],
                           (pool_bytes,), stop_signum)  # one process: one pool
     value = math.nan if loss is None else loss.item()
-    rows = _gather(topology, [value, float(meter.peak_bytes(topology.pp_rank)),
+    rows = gather_floats(topology, [value, float(meter.peak_bytes(topology.pp_rank)),
                               float(pool_bytes), float(stop_signum)])
     losses = [rows[topology.global_rank(last_rank, d)][0] for d in range(topology.dp)]
     replica0 = [rows[topology.global_rank(p, 0)] for p in range(topology.pp)]
@@ -60,7 +60,7 @@ def agree_on_start(topology: Topology, start: int, run: str,
     run id of global rank 0 (each drew or read its own) and the largest stop request so far."""
     if not topology.distributed:
         return run, stop_signum
-    rows = _gather(topology, [float(start), float(int(run, 16)), float(stop_signum)])
+    rows = gather_floats(topology, [float(start), float(int(run, 16)), float(stop_signum)])
     starts = sorted({int(r[0]) for r in rows})
     if len(starts) > 1:
         raise CheckpointError(f"the processes would start at different steps {starts}: they "
@@ -80,7 +80,7 @@ def stage_sizes(topology: Topology, meter: ActivationMeter,
     local = [float(next(iter(seen[s])) if len(seen[s]) == 1 else -1) if s in seen else -2.0
              for s in range(num_stages)]
     sizes = []
-    for values in zip(*_gather(topology, local)):
+    for values in zip(*gather_floats(topology, local)):
         measured = {int(v) for v in values if v != -2}
         sizes.append(measured.pop() if len(measured) == 1 else -1)
     return None if min(sizes) < 0 else tuple(sizes)

@@ -41,14 +41,15 @@ def measure_stage_bytes(stages: Mapping[int, nn.Module], first: int, last: int,
 
 
 def reserve_host_memory(pipe: Pipeline, stages: Mapping[int, nn.Module], microbatch: int,
-                        seq_len: int, dim: int, tp: int, dtype: torch.dtype,
+                        seq_len: int, hidden_shape: tuple[int, ...], dtype: torch.dtype,
                         device: torch.device) -> int:
     """Reserve ``pipe``'s host pool before its first step; the bytes it needs (0 without
-    offload). Between stages a tensor-parallel rank holds [microbatch, seq / tp, dim]."""
+    offload). ``hidden_shape``: what a stage receives from the one before it (the reference
+    model's tensor-parallel ranks hold [microbatch, seq / tp, dim], a Hugging Face model's the
+    whole [microbatch, seq, hidden])."""
     if pipe.offloader is None:
         return 0
     schedule = pipe.schedule
     tokens = torch.zeros((microbatch, seq_len), dtype=torch.int64, device=device)
-    sizes = measure_stage_bytes(stages, 0, schedule.num_stages - 1, tokens,
-                                (microbatch, seq_len // tp, dim), dtype)
+    sizes = measure_stage_bytes(stages, 0, schedule.num_stages - 1, tokens, hidden_shape, dtype)
     return pipe.reserve_host_memory(sizes)

@@ -288,6 +288,19 @@ class Topology:
     def global_rank(self, pp_rank: int, dp_index: int, tp_index: int = 0) -> int:
         return (pp_rank * self.dp + dp_index) * self.tp + tp_index
 
+    def stages_of(self, schedule: Any) -> list[int]:
+        """The stages of ``schedule`` this process holds (every stage in local mode)."""
+        return sorted(s for r in self.pipeline_ranks for s in schedule.stages_on_rank(r))
+
+    def pipeline_options(self) -> dict[str, Any]:
+        """What ``Pipeline`` takes from the job: ``Pipeline(stages, schedule, loss_fn,
+        **topology.pipeline_options())`` (the pipeline group, its P2P channel groups, the
+        device)."""
+        if not self.distributed:
+            return {"device": self.device}
+        return {"group": self.pp_group, "channel_groups": self.channel_groups,
+                "device": self.device}
+
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """"cpu", "cuda" or "auto" (CUDA when available) as this process's device."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from pipeoffload.planner.presets import load_model
 from pipeoffload.planner.transformer import (
     FlopCount,
     MlpKind,
@@ -39,7 +40,17 @@ def model_flops_per_step(model: Any, seq_len: int, batch_size: int) -> float:
     spec = TransformerSpec(num_layers=model.n_layers, hidden=model.dim, heads=model.n_heads,
                            kv_heads=model.n_kv_heads, ffn_hidden=model.ffn_hidden,
                            vocab=model.vocab_size, seq_len=seq_len, mlp=MlpKind.SWIGLU)
-    per_sequence = (model.n_layers * layer_flops(spec, 1, count=FlopCount.MODEL).total
+    return spec_flops_per_step(spec, batch_size)
+
+
+def hf_model_flops_per_step(path: str, seq_len: int, batch_size: int) -> float:
+    """The same for a Hugging Face model (`train --model PATH`), read as `plan --model PATH`
+    reads it."""
+    return spec_flops_per_step(load_model(path, seq_len=seq_len), batch_size)
+
+
+def spec_flops_per_step(spec: TransformerSpec, batch_size: int) -> float:
+    per_sequence = (spec.num_layers * layer_flops(spec, 1, count=FlopCount.MODEL).total
                     + head_flops(spec, 1).total)
     return per_sequence * batch_size
 
@@ -121,6 +132,15 @@ class MetricsWriter:
                 self._tensorboard.add_scalar(f"host_pool_bytes/rank{rank}", nbytes, log.step)
             self._tensorboard.flush()
         return record
+
+    def write_eval(self, step: int, loss: float) -> None:
+        """A held-out loss after ``step`` steps: its own line, ``{"step", "eval_loss"}``."""
+        if self._file is not None:
+            self._file.write(json.dumps({"eval_loss": loss, "step": step}) + "\n")
+            self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.add_scalar("eval/loss", loss, step)
+            self._tensorboard.flush()
 
     def close(self) -> None:
         if self._file is not None:

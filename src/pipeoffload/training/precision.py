@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.errors import ConfigError
-from pipeoffload.runtime.shards import is_dtensor, local_shard
+from pipeoffload.runtime.shards import local_shard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 _HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
@@ -86,19 +86,14 @@ def accumulate_in_float32(params: list[torch.Tensor]) -> None:
         p.grad_dtype = torch.float32
 
 
-def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: object,
-                   clip: float | None) -> float | None:
-    """Average gradients over data-parallel replicas, then clip by the global norm; returns
-    that norm before clipping (None when ``clip`` is None: it is not computed then).
+def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: object) -> None:
+    """Average gradients over data-parallel replicas (one all-reduce per stage).
 
     ``topology`` is a launch.Topology. Gradients of DTensor parameters are this rank's shards:
-    the all-reduce moves shards, and the norm sums the squares of sharded gradients over the
-    tensor-parallel group and counts replicated ones once. Every tensor posted lives on the
-    training device (NCCL takes device tensors only), a rank without gradients posting zeros.
+    the all-reduce moves shards. Clipping is gradients.clip_gradients, after this.
     """
     grads = {s: [p.grad for p in ps if p.grad is not None] for s, ps in params.items()}
     distributed = getattr(topology, "distributed", False)
-    device = getattr(topology, "device", None) or torch.device("cpu")
     if distributed and topology.dp > 1:  # type: ignore[attr-defined]
         for group in grads.values():
             if not group:  # the same on every replica of this pipeline rank
@@ -111,26 +106,3 @@ def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: object,
             for g in locals_:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-    if clip is None:
-        return None
-    ordered = [g for s in sorted(grads) for g in grads[s]]
-    sharded = [g for g in ordered if is_dtensor(g) and any(p.is_shard() for p in g.placements)]
-    whole = [g for g in ordered if not any(g is h for h in sharded)]
-
-    def squares(group: list[torch.Tensor]) -> torch.Tensor:
-        values = [local_shard(g).double().pow(2).sum() for g in group]
-        return (torch.stack(values).sum() if values
-                else torch.zeros((), dtype=torch.float64, device=device))
-
-    part = squares(sharded)
-    if distributed and getattr(topology, "tp", 1) > 1 and sharded:
-        dist.all_reduce(part, group=topology.tp_mesh.get_group())  # type: ignore[attr-defined]
-    total = part + squares(whole)
-    if distributed and topology.pp > 1:  # type: ignore[attr-defined]
-        dist.all_reduce(total, group=topology.pp_group)  # type: ignore[attr-defined]
-    norm = total.sqrt().item()
-    scale = clip / (norm + 1e-6)
-    if scale < 1:
-        for g in ordered:
-            local_shard(g).mul_(scale)
-    return norm

@@ -40,9 +40,14 @@ from pipeoffload.sim.simulator import SimResult, simulate
 from pipeoffload.training import checkpoint as ckpt
 from pipeoffload.training.checkpoint_files import check_root, resolve_resume
 from pipeoffload.training.data import DataConfig, TextDataset
+from pipeoffload.training.export import check_export_folder, export_dtype
 from pipeoffload.training.gather import agree_on_start, gather_step, stage_sizes
+from pipeoffload.training.gradients import clip_gradients, uncounted_masters
+from pipeoffload.training.hf_model import resolve_model
+from pipeoffload.training.hf_run import build_hf, check_model, export_run
 from pipeoffload.training.host_reserve import reserve_host_memory
 from pipeoffload.training.launch import Topology
+from pipeoffload.training.measure import measure_without_offload
 from pipeoffload.training.model import (
     RECOMPUTE_MODES,
     ModelConfig,
@@ -51,8 +56,9 @@ from pipeoffload.training.model import (
 )
 from pipeoffload.training.precision import MasterWeights, sync_gradients, torch_dtype
 from pipeoffload.training.signals import StopRequest, signal_name
-from pipeoffload.training.split import build_stage_modules, lm_loss, stage_layer_ranges
+from pipeoffload.training.split import build_stage_modules, lm_loss
 from pipeoffload.training.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from pipeoffload.training.validation import eval_steps, held_out
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,12 @@ class TrainConfig:
     None, "latest", "auto" (latest when ``checkpoint_dir`` holds a complete checkpoint, else a
     fresh start) or a path; ``keep_last`` keeps only the newest N complete checkpoints (None:
     all).
+    ``hf_model``: a Hugging Face config.json or a folder with one (and maybe weights) to train
+    instead of the reference ``model`` (training/hf_model.py). The held-out loss
+    (training/validation.py) is measured on up to ``eval_batches`` batches at the last step,
+    and with ``eval_every`` also at the start and every that many steps. ``export_hf``: a
+    folder to write the trained model to as a Hugging Face model, in ``export_dtype`` (None:
+    bf16 for a bf16 run, else fp32).
     """
 
     model: ModelConfig = field(default_factory=lambda: model_preset("small"))
@@ -103,10 +115,24 @@ class TrainConfig:
     dtype: str = "fp32"
     recompute: str = "none"
     keep_last: int | None = None
+    hf_model: str | None = None
+    eval_every: int = 0
+    eval_batches: int = 4
+    export_hf: str | None = None
+    export_dtype: str | None = None
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)
-        check_tensor_parallel(self.model, self.tp, self.data.seq_len)
+        if self.hf_model is None:
+            check_tensor_parallel(self.model, self.tp, self.data.seq_len)
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError(f"--eval-every must be >= 0 and --eval-batches >= 1, got "
+                              f"{self.eval_every} and {self.eval_batches}")
+        if self.export_hf is not None and self.hf_model is None:
+            raise ConfigError("--export-hf writes a Hugging Face model; train one with --model "
+                              "PATH (a config.json or a folder with one)")
+        if self.export_dtype is not None:
+            export_dtype(self.export_dtype)
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"--recompute {self.recompute!r}: choose one of "
                               f"{', '.join(RECOMPUTE_MODES)}")
@@ -138,7 +164,7 @@ class TrainConfig:
         if self.resume == "auto" and self.checkpoint_dir is None:
             raise ConfigError("--resume auto needs --checkpoint-dir (where to look, and where "
                               "to save)")
-        if self.data.seq_len > self.model.max_seq_len:
+        if self.hf_model is None and self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"--seq-len {self.data.seq_len} exceeds the model's max_seq_len "
                               f"{self.model.max_seq_len}; lower --seq-len or raise it")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -207,10 +233,12 @@ def preflight(config: TrainConfig, processes: int) -> OffloadPlan:
                           "whose stages share weights (DualPipe's two copies), which train does "
                           "not tie or all-reduce; use dualpipev (one copy, the same order folded "
                           "into V placement)")
-    stage_layer_ranges(config.model.n_layers, plan.schedule.num_stages)
+    check_model(config, plan.schedule.num_stages)
     TextDataset.from_config(config.data, dp_size=config.dp)
     if config.checkpoint_dir is not None:
         check_root(config.checkpoint_dir)
+    if config.export_hf is not None:
+        check_export_folder(config.export_hf)
     resume = resolve_resume(config.resume, config.checkpoint_dir)
     if resume is not None:
         manifest = ckpt.read_manifest(ckpt.find_checkpoint(resume, config.checkpoint_dir))
@@ -264,6 +292,8 @@ class TrainResult:
     reporter: bool
     stopped_by: int = 0  # the signal every rank agreed to stop on (0: ran to the end)
     stop_reason: str = ""
+    eval_losses: tuple[tuple[int, float], ...] = ()  # (steps done, held-out loss)
+    export: str | None = None
 
     @property
     def predicted_bytes(self) -> tuple[float, ...] | None:
@@ -276,10 +306,13 @@ class TrainResult:
 
 
 def train(config: TrainConfig, topology: Topology,
-          on_step: Callable[[StepLog], None] | None = None, *,
+          on_step: Callable[[StepLog], None] | None = None,
+          on_eval: Callable[[int, float], None] | None = None, *,
           stop: StopRequest | None = None,
           checkpoint_files: Mapping[str, bytes] | None = None) -> TrainResult:
-    """Train from step 0 (or the checkpoint ``config.resume`` names) up to ``config.steps``.
+    """Train from step 0 (or the checkpoint ``config.resume`` names) up to ``config.steps``;
+    ``on_step`` and ``on_eval`` (steps done, held-out loss) are called on the reporting
+    process.
 
     ``stop`` (training/signals.py): checked after every step; once any rank's is set, every
     rank finishes that step, saves a checkpoint when ``checkpoint_dir`` is set and returns
@@ -294,9 +327,12 @@ def train(config: TrainConfig, topology: Topology,
     schedule = plan.schedule
     last_rank = schedule.rank_of(schedule.num_stages - 1)
     reporter = not topology.distributed or topology.rank == topology.global_rank(last_rank, 0)
-    mine = sorted(s for r in topology.pipeline_ranks for s in schedule.stages_on_rank(r))
-    stages = build_stages(config, schedule.num_stages, mine, topology)
+    mine = topology.stages_of(schedule)
+    hf = build_hf(config, schedule.num_stages, mine, topology) if config.hf_model else None
+    stages = hf.stages if hf is not None else build_stages(config, schedule.num_stages, mine,
+                                                           topology)
     masters = MasterWeights(stages, mixed=config.dtype == "bf16")
+    ties = uncounted_masters(stages, masters)
     optimizers = {s: torch.optim.AdamW(masters.params[s], lr=config.lr, betas=config.betas,
                                        weight_decay=config.weight_decay)
                   for s in stages}
@@ -308,9 +344,11 @@ def train(config: TrainConfig, topology: Topology,
     pipe = Pipeline(stages, schedule, lm_loss, group=topology.pp_group, config=runtime,
                     device=topology.device, meter=meter, channel_groups=topology.channel_groups)
     # Pinned memory is allocated now, not inside a step (training/host_reserve.py).
-    reserve_host_memory(pipe, stages, config.data.batch_size // config.dp
-                        // config.num_microbatches, config.data.seq_len, config.model.dim,
-                        config.tp, torch_dtype(config.dtype),
+    microbatch, seq = config.data.batch_size // config.dp // config.num_microbatches, \
+        config.data.seq_len
+    hidden = ((microbatch, seq, hf.model.config.hidden_size) if hf is not None  # whole on TP
+              else (microbatch, seq // config.tp, config.model.dim))  # sequence shards
+    reserve_host_memory(pipe, stages, microbatch, seq, hidden, torch_dtype(config.dtype),
                         topology.device or torch.device("cpu"))
     state = ckpt.TrainingState(stages, optimizers, dataset, masters.params)
     identity = checkpoint_identity(config, schedule)
@@ -337,6 +375,18 @@ def train(config: TrainConfig, topology: Topology,
     stage_bytes: tuple[int, ...] | None = None
     busy_s, saved = 0.0, None
     first_began = time.perf_counter()
+    evals = eval_steps(start, config.steps, config.eval_every, dataset.num_eval_batches > 0)
+    eval_losses: list[tuple[int, float]] = []
+
+    def validate(done: int) -> None:
+        with _peer_failures(topology, f"the held-out loss at step {done}"):
+            loss = held_out(pipe, stages, dataset, topology, config.eval_batches, last_rank)
+        eval_losses.append((done, loss))
+        if on_eval is not None and reporter:
+            on_eval(done, loss)
+
+    if start in evals and start < config.steps and not stopped:
+        validate(start)
     for step in range(start if not stopped else config.steps, config.steps):
         began = time.perf_counter()
         inputs, target = next(dataset)
@@ -345,7 +395,12 @@ def train(config: TrainConfig, topology: Topology,
         with _peer_failures(topology, f"step {step + 1}"):
             loss = pipe.step(inputs, target=target)
             masters.take_grads()
-            grad_norm = sync_gradients(masters.params, topology, config.grad_clip)
+            sync_gradients(masters.params, topology)
+            grad_norm = None
+            if config.grad_clip is not None:
+                grad_norm = clip_gradients(
+                    [m for s in sorted(stages) for m in masters.params[s]], config.grad_clip,
+                    topology, ties)
             for optimizer in optimizers.values():
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -369,6 +424,8 @@ def train(config: TrainConfig, topology: Topology,
                             grad_norm, elapsed, gathered.pool_bytes, start,
                             time.perf_counter() - first_began))
         done = step + 1
+        if done in evals:
+            validate(done)
         if config.checkpoint_dir is not None and (
                 done == config.steps or stopped or (config.checkpoint_every
                                                     and done % config.checkpoint_every == 0)):
@@ -395,10 +452,14 @@ def train(config: TrainConfig, topology: Topology,
                 with _peer_failures(topology, "the step without offload"):
                     baseline = measure_without_offload(pipe, stages, dataset, topology, runtime,
                                                        last_rank)
+    exported = None
+    if config.export_hf is not None and hf is not None and not stopped:
+        with _peer_failures(topology, f"exporting to {config.export_hf}"):
+            exported = str(export_run(config, hf, masters, topology))
     return TrainResult(plan, start, end, tuple(losses),
                        tokens * len(losses) / busy_s if busy_s else 0.0, tuple(peaks),
                        stage_bytes, simulation, baseline_sim, baseline, saved, reporter,
-                       stopped, reason)
+                       stopped, reason, eval_losses=tuple(eval_losses), export=exported)
 
 
 @contextmanager
@@ -433,9 +494,11 @@ def checkpoint_identity(config: TrainConfig, schedule: Any) -> dict[str, Any]:
     """What a checkpoint is only valid with (its manifest's ``info``, compared on resume):
     a checkpoint holds each tensor-parallel rank's shards, so another ``tp`` is refused (not
     resharded), and another ``dtype``, whose weights and optimizer state differ, too."""
+    model = (dataclasses.asdict(config.model) if config.hf_model is None
+             else {"hf_config": resolve_model(config.hf_model).config})
     return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "dtype": config.dtype,
             "schedule": schedule.name, "stage_to_rank": list(schedule.stage_to_rank),
-            "model": dataclasses.asdict(config.model)}
+            "model": model}
 
 
 def build_stages(config: TrainConfig, num_stages: int, mine: list[int],
@@ -449,19 +512,3 @@ def build_stages(config: TrainConfig, num_stages: int, mine: list[int],
             apply_tensor_parallel(module, topology.tp_mesh)  # type: ignore[arg-type]
         set_layer_recompute(module, config.recompute)
     return stages
-
-
-def measure_without_offload(pipe: Pipeline, stages: Mapping[int, nn.Module],
-                            dataset: TextDataset, topology: Topology, runtime: RuntimeConfig,
-                            last_rank: int) -> tuple[int, ...]:
-    """Peak bytes per pipeline rank of one forward/backward of the next batch with the same
-    schedule minus its transfers; gradients are dropped, the model and data position kept."""
-    meter = ActivationMeter()
-    bare = Pipeline(stages, pipe.schedule.without(*OFFLOAD_KINDS), lm_loss,
-                    group=topology.pp_group, config=runtime, device=topology.device,
-                    meter=meter, channel_groups=topology.channel_groups)
-    inputs, target = dataset.batch_at(dataset.step)
-    loss = bare.step(inputs, target=target)
-    for module in stages.values():
-        module.zero_grad(set_to_none=True)
-    return tuple(gather_step(topology, loss, meter, last_rank)[1])
