@@ -6,6 +6,7 @@ This is the one representation every layer speaks (design.md, "a schedule is dat
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -113,7 +114,15 @@ class Schedule:
 
     def stages_on_rank(self, rank: int) -> tuple[int, ...]:
         """The stages rank ``rank`` holds, in increasing order (its chunks 0, 1, ...)."""
-        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+        return self._stages_by_rank[rank]
+
+    @functools.cached_property
+    def _stages_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        """Every rank's stages, made in one pass (callers ask per rank: thousands of ranks)."""
+        by_rank: list[list[int]] = [[] for _ in self.ranks]
+        for stage, rank in enumerate(self.stage_to_rank):
+            by_rank[rank].append(stage)
+        return tuple(tuple(stages) for stages in by_rank)
 
     def rank_of(self, stage: int) -> int:
         return self.stage_to_rank[stage]
