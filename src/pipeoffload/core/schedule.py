@@ -185,7 +185,7 @@ class Schedule:
 def _check_routes(routes: tuple[tuple[int, ...], ...], stages: int, microbatches: int) -> None:
     flat = [s for route in routes for s in route]
     consecutive = all(list(r) == list(range(r[0], r[0] + len(r))) for r in routes if r)
-    if flat != list(range(stages)) or not consecutive:
+    if len(flat) != stages or flat != list(range(stages)) or not consecutive:
         raise ScheduleError(
             f"routes {[list(r) for r in routes]} must split stages 0..{stages - 1} into "
             "consecutive runs, in order (Note: [routes])")
@@ -211,6 +211,8 @@ def infer_routes(rows: Sequence[Sequence[Action]],
         _check_routes(routes, 1 + max(max(r) for r in routes), microbatches)
     except ScheduleError:
         return ()  # not a split into routes: leave it to the validator to say what is missing
+    if len(forward) != microbatches:  # some microbatch has no F: the validator says which
+        return ()
     expected = [routes[m * len(routes) // microbatches] for m in range(microbatches)]
     if any(tuple(sorted(forward.get(m, ()))) != expected[m] for m in range(microbatches)):
         return ()
@@ -238,7 +240,8 @@ def infer_stage_to_rank(rows: Sequence[Sequence[Action]]) -> tuple[int, ...]:
                 )
     if not owner:
         raise ScheduleError("the schedule has no compute actions")
-    missing = [s for s in range(max(owner) + 1) if s not in owner]
-    if missing:
-        raise ScheduleError(f"stage {missing[0]} has no actions; stages must be numbered 0..S-1")
+    if max(owner) + 1 != len(owner):  # a gap; looked for among the stages present, as a
+        # range up to the largest index could be astronomically long (a typo in one cell)
+        missing = next(s for s, present in enumerate(sorted(owner)) if s != present)
+        raise ScheduleError(f"stage {missing} has no actions; stages must be numbered 0..S-1")
     return tuple(owner[s] for s in range(len(owner)))
