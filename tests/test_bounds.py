@@ -76,3 +76,26 @@ def test_the_microbatches_of_a_stage_are_those_whose_route_has_it(routes, microb
     for stage in range(stages):
         assert list(_microbatches_of(schedule, stage)) == [
             m for m in range(microbatches) if stage in schedule.route_of(m)]
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--pp", "512", "--batch-size", "1024"], "stage-microbatches, more than a schedule may"),
+    (["--pp", "4", "--dp", "4096", "--batch-size", "32768"], "16384 processes, more than"),
+])
+def test_train_refuses_work_and_processes_beyond_its_caps_before_any_work(capsys, flags, says):
+    pytest.importorskip("torch")
+    from pipeoffload.cli.main import main
+
+    assert main(["train", "--model", "tiny", "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_the_process_cap_follows_the_cores(monkeypatch):
+    from pipeoffload.cli import preflight
+
+    monkeypatch.setattr(preflight.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert preflight.local_process_limit() == 3 * preflight.LOCAL_PROCESSES_PER_CPU
+    preflight.check_local_processes(3 * preflight.LOCAL_PROCESSES_PER_CPU, 1, 1)
+    with pytest.raises(preflight.ConfigError, match="processes, more than train starts"):
+        preflight.check_local_processes(3 * preflight.LOCAL_PROCESSES_PER_CPU, 1, 2)

@@ -13,13 +13,10 @@ from importlib import metadata
 
 from pipeoffload.cli import preflight
 from pipeoffload.cli.preflight import count, number
-from pipeoffload.errors import ConfigError, PipeoffloadError
+from pipeoffload.errors import PipeoffloadError
 from pipeoffload.sim.render_text import MIN_WIDTH
 
 Handler = Callable[[argparse.Namespace], int]
-
-# Beyond this a run takes minutes and gigabytes: refused, as a typo far more often than a wish.
-MAX_STAGE_MICROBATCHES = 1 << 18
 
 
 def _add_schedule_args(p: argparse.ArgumentParser) -> None:
@@ -93,12 +90,7 @@ def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult 
     options = {k: v for k, v in (("chunks", args.chunks), ("group_size", args.group_size))
                if v is not None}
     microbatches = args.microbatches if args.microbatches is not None else 4 * args.pp
-    work = args.pp * (args.chunks or 2) * microbatches
-    if work > MAX_STAGE_MICROBATCHES:
-        raise ConfigError(
-            f"--pp {args.pp} x --chunks {args.chunks or 2} x --microbatches {microbatches} = "
-            f"{work} stage-microbatches, more than this command simulates "
-            f"({MAX_STAGE_MICROBATCHES}); lower --microbatches or --pp")
+    preflight.check_work(args.pp, args.chunks or 2, microbatches)
     if args.allow_stall and target is None:
         raise PipeoffloadError("--allow-stall needs --offload SPEC")
     return plan_schedule(args.schedule, args.pp, microbatches, target, costs=costs,

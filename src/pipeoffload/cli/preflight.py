@@ -38,6 +38,13 @@ INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 MAX_RANKS = 4096
 MAX_MICROBATCHES = 1 << 16
 MAX_CHUNKS = 64
+# Stages x microbatches a schedule may have: p = 64, v = 4, m = 1024, whose `limit:` offload
+# plan takes half a minute and about 1.6 GB (benchmarks/limit_plan.py); beyond it a plan takes
+# minutes and gigabytes.
+MAX_STAGE_MICROBATCHES = 1 << 18
+# Local processes `train` starts per CPU core (each imports torch, ~0.3 GB); more is a job for
+# torchrun across machines.
+LOCAL_PROCESSES_PER_CPU = 8
 
 
 def count(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
@@ -145,6 +152,36 @@ input_path = _path_type(InputPath)
 def resume_path(text: str) -> str:
     """argparse type of --resume: the word ``latest`` (also its bare form's value) or a path."""
     return text if text == "latest" else input_path(text)
+
+
+def check_work(pp: int, chunks: int, microbatches: int) -> None:
+    """Refuse a schedule with more stage-microbatches than MAX_STAGE_MICROBATCHES, before it is
+    built (``chunks``: stages per rank, at most what the schedule will have)."""
+    work = pp * chunks * microbatches
+    if work > MAX_STAGE_MICROBATCHES:
+        raise ConfigError(
+            f"--pp {pp} x --chunks {chunks} x --microbatches {microbatches} = {work} "
+            f"stage-microbatches, more than a schedule may have ({MAX_STAGE_MICROBATCHES}: "
+            "planning it would take minutes and gigabytes); lower --microbatches or --pp")
+
+
+def local_process_limit() -> int:
+    """How many local processes `train` may start: LOCAL_PROCESSES_PER_CPU per usable core."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return LOCAL_PROCESSES_PER_CPU * max(cores, 1)
+
+
+def check_local_processes(pp: int, dp: int, tp: int) -> None:
+    """Refuse to start more local processes than ``local_process_limit``."""
+    limit = local_process_limit()
+    if pp * dp * tp > limit:
+        raise ConfigError(
+            f"--pp {pp} x --dp {dp} x --tp {tp} = {pp * dp * tp} processes, more than train "
+            f"starts on one machine ({limit}: {LOCAL_PROCESSES_PER_CPU} per CPU core); run it "
+            "across machines with torchrun (docs/training.md), or lower --pp / --dp / --tp")
 
 
 def flag_name(dest: str) -> str:

@@ -222,6 +222,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: this machine has no CUDA device torch can use; "
                               "pass --device cpu (or auto)")
+    preflight.check_work(config.pp, config.chunks or 2, config.num_microbatches)
+    if not args.inline:
+        preflight.check_local_processes(config.pp, config.dp, config.tp)
     processes = 1 if args.inline else config.pp * config.dp * config.tp
     plan = check_run(config, processes=processes)
     preflight.offload_notes("train", plan.report, config.fetch_on_use)
