@@ -76,7 +76,8 @@ def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult 
         host_link=HostLink(Duplex.HALF if args.half_duplex else Duplex.FULL,
                            args.ranks_per_link),
     ), args.offload_ratio)
-    target = parse_target(args.offload, allow_stall=args.allow_stall) if args.offload else None
+    target = (parse_target(args.offload, allow_stall=args.allow_stall)
+              if args.offload is not None else None)
     policy = OffloadPolicy(fetch_on_use=args.fetch_on_use)
     if args.from_csv:
         for flag in ("chunks", "group_size"):
@@ -104,7 +105,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     plan = _schedule_and_plan(args)
     result, report, schedule = plan.result, plan.report, plan.schedule
     if args.csv:
-        write_csv(schedule, args.csv)
+        with preflight.writing(args.csv):
+            write_csv(schedule, args.csv)
     if args.png and not preflight.have_matplotlib():
         preflight.note("simulate", preflight.MATPLOTLIB_MISSING.format(what=args.png))
     elif args.png:
@@ -115,11 +117,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         bare = schedule.without(*OFFLOAD_KINDS)
         baseline = simulate(dataclasses.replace(bare, name=f"{bare.name} without offload"),
                             result.costs) if report.offloaded else None
-        render_png(result, args.png, compare=baseline)
+        with preflight.writing(args.png):
+            render_png(result, args.png, compare=baseline)
     if args.trace:
         from pipeoffload.sim.render_trace import write_trace
 
-        write_trace(result, args.trace)
+        with preflight.writing(args.trace):
+            write_trace(result, args.trace)
     preflight.offload_notes("simulate", report, args.fetch_on_use, result.peak_activation)
     if args.json:
         print(json.dumps(_simulate_json(plan), sort_keys=True))
@@ -142,8 +146,8 @@ def _grid_width(flag: int | None) -> int | None:
     """--width, else $COLUMNS (as shells export it) when it is a usable width, else None."""
     if flag is not None:
         return flag
-    columns = os.environ.get("COLUMNS", "")
-    if columns.strip().isdigit():
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isascii() and columns.isdigit():  # isdigit() alone takes '²', which int() refuses
         return max(MIN_WIDTH, int(columns))
     return None
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import io
 import math
 import os
+import stat
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -218,13 +221,26 @@ def _not_text(path: Path, head_bytes: int = 1 << 16) -> str | None:
     return None
 
 
+def _special(path: Path) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a folder (a FIFO, a device,
+    /dev/stdin): opening it may block, and reading it consumes what the command needs."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def check_path(flag: str, path: CheckedPath) -> None:
-    """Raise ConfigError naming ``flag`` if ``path`` cannot serve as its role."""
+    """Raise ConfigError naming ``flag`` if ``path`` cannot serve as its role. Never blocks
+    and never reads from a FIFO or device (the command reads it once, later)."""
     where = Path(path)
     problem = None
     if isinstance(path, OutputFile):
         if where.is_dir():
             problem = "is a folder; name a file"
+        elif _special(where):  # opening a FIFO here would block, or end its reader's input
+            problem = None if os.access(where, os.W_OK) else "cannot be written"
         elif where.exists():
             try:
                 with open(where, "ab"):
@@ -247,19 +263,55 @@ def check_path(flag: str, path: CheckedPath) -> None:
             problem = "does not exist"
         elif isinstance(path, InputFile) and where.is_dir():
             problem = "is a folder; name a file"
+        elif isinstance(path, InputFile) and _special(where):  # a pipe: read once, later
+            problem = None if os.access(where, os.R_OK) else "cannot be read"
         elif isinstance(path, InputFile):
             problem = _not_text(where)
+        elif _special(where):
+            problem = ("is not a regular file or folder (a pipe or device); every process "
+                       "reads it, so save it to a file first")
     if problem:
         raise ConfigError(f"{flag} {path}: {problem}")
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse non-finite floats in any flag and check every marked path (see the module doc)."""
+    """Refuse non-finite floats in any flag and check every marked path (see the module doc),
+    and output files that would overwrite an input or another output, or land in an input
+    folder (a data folder reads every file in it on the next run)."""
     for dest, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{flag_name(dest)} must be a finite number, got {value}")
         if isinstance(value, CheckedPath):
             check_path(flag_name(dest), value)
+    paths = [(flag_name(dest), value) for dest, value in vars(args).items()
+             if isinstance(value, CheckedPath)]
+    outputs = [(flag, path) for flag, path in paths if isinstance(path, OutputFile)]
+    for index, (flag, path) in enumerate(outputs):
+        for other_flag, other in paths:
+            if other is path or isinstance(other, OutputDir) or (
+                    isinstance(other, OutputFile) and outputs.index((other_flag, other)) < index):
+                continue
+            clash = _clash(Path(path), Path(other))
+            if clash:
+                raise ConfigError(f"{flag} {path} {clash} {other_flag} {other}; "
+                                  "choose another file")
+
+
+def _clash(output: Path, other: Path) -> str | None:
+    """How writing ``output`` would touch ``other`` (a file or folder given too), or None."""
+    if _special(output):  # /dev/stdout, a FIFO: nothing stored
+        return None
+    try:
+        if output.exists() and other.exists() and os.path.samefile(output, other):
+            return "is the same file as"
+    except OSError:
+        pass
+    mine, theirs = output.resolve(), other.resolve()
+    if mine == theirs:
+        return "is the same file as"
+    if theirs in mine.parents and other.is_dir():
+        return "would be written into the folder of"
+    return None
 
 
 def note(command: str, text: str) -> None:
@@ -294,18 +346,80 @@ MATPLOTLIB_MISSING = ("matplotlib is not installed, so {what} was not written; "
                       "pip install 'pipeoffload[plot]' to get it")
 
 
+@contextmanager
+def writing(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Name ``path`` in an OSError raised inside (a full disk fails a write, whose error names
+    no file)."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            error.filename = str(path)
+        raise
+
+
+class _StandardOutput:
+    """``sys.stdout`` whose write errors name it, as a full disk fails a write with an error
+    that names no file."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with writing("standard output"):
+            return self._stream.write(text)
+
+    def flush(self) -> None:
+        with writing("standard output"):
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _silence(stream: Any) -> None:
+    """Point ``stream``'s file at the null device, so that the exit's own flush of what could
+    not be written does not fail again."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def run_command(command: str, handler: Callable[[argparse.Namespace], int],
                 args: argparse.Namespace,
                 on_interrupt: Callable[[argparse.Namespace], str] | None = None) -> int:
     """Check ``args``, run ``handler`` and map every expected failure to an `error:` line and
     an exit status (2 input, 1 failed work, 130 interrupted); ``on_interrupt`` adds a word on
-    what survives a Ctrl-C."""
+    what survives a Ctrl-C. A closed standard output is refused up front; text the terminal's
+    encoding cannot show (an ASCII locale, a file name that is not UTF-8) is escaped."""
     prefix = f"pipeoffload {command}: error:"
+    if sys.stdout is None:  # started with stdout closed (`>&-`)
+        if sys.stderr is not None:
+            print(f"{prefix} standard output is closed; redirect it (> FILE, > /dev/null)",
+                  file=sys.stderr)
+        return INPUT_ERROR
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
+    stdout = sys.stdout
+    sys.stdout = _StandardOutput(stdout)
     try:
         check_args(args)
-        return handler(args)
+        status = handler(args)
+        sys.stdout.flush()
+        return status
     except BrokenPipeError:  # the reader (head, less) went away: not an error
+        _silence(stdout)
         return 0
+    except OSError as error:
+        if error.filename == "standard output":
+            _silence(stdout)
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"{prefix} {where}{error.strerror or error}", file=sys.stderr)
+        return FAILED
     except PipeoffloadError as error:
         print(f"{prefix} {error}", file=sys.stderr)
         return INPUT_ERROR
@@ -313,11 +427,9 @@ def run_command(command: str, handler: Callable[[argparse.Namespace], int],
         print(f"{prefix} an input file is not UTF-8 text ({error.reason} at byte "
               f"{error.start}); pass a text file", file=sys.stderr)
         return INPUT_ERROR
-    except OSError as error:
-        where = f"{error.filename}: " if error.filename else ""
-        print(f"{prefix} {where}{error.strerror or error}", file=sys.stderr)
-        return FAILED
     except KeyboardInterrupt:
         extra = on_interrupt(args) if on_interrupt is not None else ""
         print(f"{prefix} interrupted (Ctrl-C){'; ' + extra if extra else ''}", file=sys.stderr)
         return INTERRUPTED
+    finally:
+        sys.stdout = stdout

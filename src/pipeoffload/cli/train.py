@@ -334,7 +334,8 @@ def _write_png(result: Any, path: str | None) -> str | None:
     from pipeoffload.sim.render_png import render_png
 
     simulation = result.simulation or result.plan.result
-    return str(render_png(simulation, path, compare=result.baseline_simulation))
+    with preflight.writing(path):
+        return str(render_png(simulation, path, compare=result.baseline_simulation))
 
 
 def render_table(result: Any) -> str:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeoffload.checks import parse_json
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.gemm import Gemm, check_points, curve_fraction, roofline_points
 from pipeoffload.sim.costs import Duplex, HostLink
@@ -158,12 +159,7 @@ class Hardware:
     @classmethod
     def from_json(cls, text: str, *, source: str = "<json>") -> Hardware:
         """A preset from ``to_json``'s output; ``source`` names the file in error messages."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"{source}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})"
-            ) from None
+        data = parse_json(text, source)
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object of hardware fields")
         names = [f.name for f in dataclasses.fields(cls)]

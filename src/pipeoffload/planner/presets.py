@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeoffload.checks import parse_json
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.transformer import MlpKind, TransformerSpec
 
@@ -190,11 +191,7 @@ def load_model_config(path: str | Path, **overrides: Any) -> TransformerSpec:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"model config {path} is not UTF-8 text (byte {exc.start}: "
                           f"{exc.reason}); pass a config.json or a preset name") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})") from None
-    return model_from_config(data, source=str(path), **overrides)
+    return model_from_config(parse_json(text, str(path)), source=str(path), **overrides)
 
 
 def load_model(name_or_path: str, **overrides: Any) -> TransformerSpec:
