@@ -61,6 +61,15 @@ class Schedule:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
+        for rank, actions in enumerate(self.ranks):
+            for position, action in enumerate(actions):
+                if not isinstance(action, Action):
+                    raise ScheduleError(
+                        f"rank {rank}, position {position}: {action!r} is a "
+                        f"{type(action).__name__}, not an Action; build actions with "
+                        "Action(stage, Kind.F, microbatch) or parse_action('0F3'), or load "
+                        "text with core.text.parse_rows / read_csv",
+                        rank=rank, position=position)
         object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
         if not self.ranks:
             raise ScheduleError("a schedule needs at least one rank")
