@@ -193,8 +193,8 @@ def test_extrapolated_simulation_is_close_to_the_full_one(
 
 
 def test_po_f_activation_falls_with_stages_while_1f1b_and_interleaved_stay_flat() -> None:
-    """paper-notes s1 / s4: 1F1B's rank 0 holds one whole model's activation whatever p is;
-    with everything offloaded, a rank holds about v chunks, 1/p of the model."""
+    """docs/method.md sections 1 and 4: 1F1B's rank 0 holds one whole model's activation
+    whatever p is; with everything offloaded, a rank holds about v chunks, 1/p of the model."""
     spec = dataclasses.replace(BIG, num_layers=32)  # k < 1: full offload can hide
     evaluator = Evaluator(spec, A100, MemoryConfig(), math.inf)
     rows = {}

@@ -29,7 +29,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=count(1, preflight.MAX_RANKS), default=4,
                    help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", type=count(1, preflight.MAX_MICROBATCHES), default=None,
-                   help="microbatches per step (default 4 * pp)")
+                   help="microbatches per step (default 4 * pp: enough for every schedule "
+                   "to reach its steady state, as the authors measure)")
     p.add_argument("--chunks", type=count(1, preflight.MAX_CHUNKS), default=None,
                    help="stages per rank (schedules with several chunks)")
     p.add_argument("--group-size", type=count(1, preflight.MAX_RANKS), default=None,
@@ -46,10 +47,14 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
                    help="bring activations back by FETCH (each backward pass reads them from "
                    "host memory as it uses them) where the reads hide, instead of RELOAD")
     time = number(minimum=0, maximum=1e12)
-    p.add_argument("--cost-f", type=time, default=1.0, help="forward time of one chunk")
-    p.add_argument("--cost-i", type=time, default=1.0, help="input-gradient backward time")
-    p.add_argument("--cost-w", type=time, default=1.0, help="weight-gradient backward time")
-    p.add_argument("--p2p", type=time, default=0.0, help="latency of a cross-rank hand-off")
+    p.add_argument("--cost-f", type=time, default=1.0,
+                   help="forward time of one chunk (default 1)")
+    p.add_argument("--cost-i", type=time, default=1.0,
+                   help="input-gradient backward time (default 1)")
+    p.add_argument("--cost-w", type=time, default=1.0,
+                   help="weight-gradient backward time (default 1)")
+    p.add_argument("--p2p", type=time, default=0.0,
+                   help="latency of a cross-rank hand-off (default 0)")
     p.add_argument("--overlap-f-b", type=number(minimum=0, maximum=1), default=None,
                    metavar="X",
                    help="time an F followed by another microbatch's B as DeepSeek's overlapped "
@@ -58,7 +63,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
                    help="bytes one microbatch keeps on one stage (adds byte peaks)")
     p.add_argument("--half-duplex", action="store_true", help="host link copies one way at a time")
     p.add_argument("--ranks-per-link", type=count(1, preflight.MAX_RANKS), default=1,
-                   help="ranks sharing one host link (2: two GPUs behind one PCIe switch)")
+                   help="ranks sharing one host link (default 1; 2: two GPUs behind one PCIe "
+                   "switch)")
 
 
 def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult without offload)
@@ -194,6 +200,7 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    preflight.need_torch("probe")
     from pipeoffload.training.probe import run_probe_cli
 
     return run_probe_cli(args.output)

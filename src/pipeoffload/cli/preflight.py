@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import importlib.util
 import io
 import math
 import os
@@ -332,6 +333,15 @@ def offload_notes(command: str, report: Any, fetch_on_use: bool,
         note(command, "the plan copies activations to host memory but lowers no rank's peak, "
              "so the copies only cost host-link time; try a larger --offload target (all, "
              "chunks:K) or another schedule")
+
+
+def need_torch(command: str) -> None:
+    """Refuse a command that needs PyTorch where it is not installed (the pure-Python ones,
+    simulate, plan and schedules, run without it)."""
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError(f"{command} runs on PyTorch, which is not installed: pip install "
+                          "'pipeoffload[torch]' (or torch for your CUDA version, "
+                          "https://pytorch.org); simulate, plan and schedules run without it")
 
 
 def have_matplotlib() -> bool:

@@ -71,7 +71,8 @@ def add_train_parser(subparsers: Any) -> None:
     g.add_argument("--group-size", type=count(1, MAX_RANKS), default=None,
                    help="grouped-interleaved g")
     g.add_argument("--microbatches", type=count(1, MAX_MICROBATCHES), default=None,
-                   help="microbatches per replica and step (default 2 * pp)")
+                   help="microbatches per replica and step (default 2 * pp: the default "
+                   "batch of 16 then splits evenly up to pp 8; simulate's 4 * pp would not)")
     g.add_argument("--offload", default=None, metavar="SPEC",
                    help="none | all | chunks:K | fraction:X | limit:X | recompute-chunks:1+all "
                    "(po-h/po-f: own default)")
@@ -90,7 +91,7 @@ def add_train_parser(subparsers: Any) -> None:
                    help="none (default); lgd: recompute norm and activation-function outputs "
                    "in each layer's backward; full: recompute every stage's forward")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="small", help="preset: tiny | small | medium")
+    g.add_argument("--model", default="small", help="preset: tiny | small | medium (default small)")
     for flag, field, what in (("--layers", "n_layers", "transformer layers"),
                               ("--dim", "dim", "model width"), ("--heads", "n_heads", "heads"),
                               ("--kv-heads", "n_kv_heads", "key/value heads"),
@@ -122,7 +123,7 @@ def add_train_parser(subparsers: Any) -> None:
     g.add_argument("--weight-decay", type=number(minimum=0, maximum=1e6), default=0.1,
                    help="AdamW weight decay (default 0.1)")
     g.add_argument("--grad-clip", type=number(minimum=0, maximum=1e30), default=1.0,
-                   help="clip the global gradient norm (0: off)")
+                   help="clip the global gradient norm to this (default 1.0; 0: off)")
     g.add_argument("--seed", type=count(0, 2**63 - 1), default=0,
                    help="seed of the weights and of the data order (default 0)")
     g = p.add_argument_group("runtime, checkpoints and output")
@@ -139,7 +140,8 @@ def add_train_parser(subparsers: Any) -> None:
     g.add_argument("--checkpoint-dir", type=output_dir, default=None, metavar="DIR",
                    help="save checkpoints here (step_<N> folders; one at the end of the run)")
     g.add_argument("--checkpoint-every", type=count(0), default=0, metavar="N",
-                   help="also save every N steps (a checkpoint is always saved at the end)")
+                   help="also save every N steps (default 0: only the one at the end, which is "
+                   "always saved)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    type=resume_path,
                    help="continue from the newest complete checkpoint in --checkpoint-dir, or "
@@ -193,6 +195,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """The `train` handler: decide where to run (see the module docstring) and run."""
+    preflight.need_torch("train")
     # torch warns on import when numpy is absent; nothing here needs numpy (a minimal install).
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if args.worker_config is not None:
