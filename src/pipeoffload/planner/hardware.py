@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeoffload.checks import parse_json
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.gemm import (
     Gemm,
@@ -201,12 +202,7 @@ class Hardware:
     @classmethod
     def from_json(cls, text: str, *, source: str = "<json>") -> Hardware:
         """A preset from ``to_json``'s output; ``source`` names the file in error messages."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"{source}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})"
-            ) from None
+        data = parse_json(text, source)
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object of hardware fields")
         names = [f.name for f in dataclasses.fields(cls)]
@@ -269,7 +265,7 @@ _TB = 1e12
 #   architecture whitepapers).
 # - host_bytes_per_node: system memory of NVIDIA's DGX of that GPU, 2 TB each (DGX A100 640GB,
 #   DGX H100, DGX H200 datasheets).
-# - host link GB/s: the PipeOffload authors' code (paper-notes.md s2); H200 the H100's PCIe 5.
+# - host link GB/s: the PipeOffload authors' code (docs/method.md section 2); H200 the H100's PCIe 5.
 # - Memory: nvidia-smi's total (A100 80GB 81920 MiB, H100 80GB 81559 MiB, H200 143771 MiB).
 # - NVLink per direction: A100 NVLink3 300 GB/s, H100/H200 NVLink4 450 GB/s (datasheets).
 # - Network: one 200 Gb/s (A100) / 400 Gb/s (H100, H200) NIC per GPU, as in DGX systems.

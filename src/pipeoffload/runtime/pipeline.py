@@ -279,16 +279,19 @@ class Pipeline:
         targets = as_tuple(target, "target")
         if has_first and not batch:
             raise ConfigError("this process holds a first stage, so step() needs inputs")
-        if batch and targets and batch[0].shape[0] != targets[0].shape[0]:
+        if batch and targets and batch[0].dim() and targets[0].dim() and \
+                batch[0].shape[0] != targets[0].shape[0]:  # 0-d: split() says which
             raise ConfigError(f"inputs have batch size {batch[0].shape[0]} but target has "
                               f"{targets[0].shape[0]} (dim 0); they must match")
         micro_inputs = (split(batch, m, "inputs", self.device) if has_first
                         else [() for _ in range(m)])
         micro_targets = (split(targets, m, "target", self.device) if has_last
                          else [() for _ in range(m)])
+        learnt = False  # shapes learnt from this step are forgotten if it fails
         if has_first:
             if self._input_sig is None:
                 self._input_sig, self._input_names = signature(micro_inputs[0]), names
+                learnt = True
             if names != self._input_names:
                 raise ConfigError(
                     f"inputs are {_describe(names)}, but this Pipeline was set up for "
@@ -327,6 +330,8 @@ class Pipeline:
             self._tied.finish_step()
         except BaseException:
             self._abandon_step()
+            if learnt:
+                self._input_sig = self._input_names = None
             raise
         return self._mean_loss(data)
 
