@@ -13,7 +13,7 @@ from importlib import metadata
 
 from pipeoffload.cli import config_file, preflight
 from pipeoffload.cli.preflight import count, number
-from pipeoffload.errors import PipeoffloadError
+from pipeoffload.errors import ConfigError, PipeoffloadError
 from pipeoffload.sim.render_text import MIN_WIDTH
 
 Handler = Callable[[argparse.Namespace], int]

@@ -265,7 +265,8 @@ _TB = 1e12
 #   architecture whitepapers).
 # - host_bytes_per_node: system memory of NVIDIA's DGX of that GPU, 2 TB each (DGX A100 640GB,
 #   DGX H100, DGX H200 datasheets).
-# - host link GB/s: the PipeOffload authors' code (docs/method.md section 2); H200 the H100's PCIe 5.
+# - host link GB/s: the PipeOffload authors' code (docs/method.md section 2); H200 the H100's
+#   PCIe 5.
 # - Memory: nvidia-smi's total (A100 80GB 81920 MiB, H100 80GB 81559 MiB, H200 143771 MiB).
 # - NVLink per direction: A100 NVLink3 300 GB/s, H100/H200 NVLink4 450 GB/s (datasheets).
 # - Network: one 200 Gb/s (A100) / 400 Gb/s (H100, H200) NIC per GPU, as in DGX systems.

@@ -1,9 +1,9 @@
 """Seconds from the analytic model and a hardware preset, per-GPU model state, and the ratio k.
 
 k = (D2H + H2D time of a layer's saved activations) / (F + I + W time of that layer)
-(PipeOffload, Wan et al. 2025, section 2; docs/method.md section 2): at k <= 1 every activation can be
-offloaded with (almost) no slowdown. ``offload_ratio`` computes it from the per-layer FLOPs and
-bytes of ``transformer``; ``paper_k`` is the paper's closed form for a GPT layer. Run
+(PipeOffload, Wan et al. 2025, section 2; docs/method.md section 2): at k <= 1 every activation
+can be offloaded with (almost) no slowdown. ``offload_ratio`` computes it from the per-layer FLOPs
+and bytes of ``transformer``; ``paper_k`` is the paper's closed form for a GPT layer. Run
 ``python -m pipeoffload.planner.ratio`` for the table in docs/planner-model.md.
 """
 

@@ -287,11 +287,9 @@ class Pipeline:
                         else [() for _ in range(m)])
         micro_targets = (split(targets, m, "target", self.device) if has_last
                          else [() for _ in range(m)])
-        learnt = False  # shapes learnt from this step are forgotten if it fails
         if has_first:
             if self._input_sig is None:
                 self._input_sig, self._input_names = signature(micro_inputs[0]), names
-                learnt = True
             if names != self._input_names:
                 raise ConfigError(
                     f"inputs are {_describe(names)}, but this Pipeline was set up for "
@@ -316,6 +314,7 @@ class Pipeline:
              target: Tensors | None = None) -> torch.Tensor | None:
         """Run one training step's forward and backward; see the class docstring. A dict of
         ``inputs`` goes to the first stage(s) as keyword arguments (Note: [stage contract])."""
+        learnt = self._input_sig is None  # shapes learnt by a step are forgotten if it fails
         data = self._prepare(inputs, target)
         self._transport.begin_step()
         self._tied.begin_step()
@@ -343,6 +342,7 @@ class Pipeline:
         in the schedule's order, so every rank of the pipeline calls it together. Modules keep
         their mode: call ``.eval()`` on them first to switch dropout off."""
         order, executors = self._forward_only_program()
+        learnt = self._input_sig is None  # shapes learnt by a step are forgotten if it fails
         data = self._prepare(inputs, target)
         self._transport.begin_step()
         try:
@@ -354,6 +354,8 @@ class Pipeline:
                 executor.finish()
         except BaseException:
             self._abandon_step()
+            if learnt:
+                self._input_sig = self._input_names = None
             raise
         return self._mean_loss(data)
 
