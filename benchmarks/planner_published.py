@@ -6,9 +6,9 @@ run of planner/published.py, measured MFU against the planner's prediction, the 
 first (the 3-point bar) and the held-out ones after (not used to choose anything); (3) with
 ``--terms``, where the predicted step time of each run goes.
 
-    python benchmarks/planner_published.py              # (1) and (2), about 15 s of CPU
+    python benchmarks/planner_published.py              # (1) and (2), about 8 s of CPU
     python benchmarks/planner_published.py --terms      # and (3)
-    python benchmarks/planner_published.py --ablation   # and (4), about 75 s more
+    python benchmarks/planner_published.py --ablation   # and (4), about 45 s more
 """
 
 from __future__ import annotations
