@@ -4,7 +4,11 @@ Prints, with their sources: (1) Korthikanti et al. 2022's Table 4 per-layer time
 planner's, and the fit of the one constant calibrated on its unchecked rows; (2) every published
 run of planner/published.py, measured MFU against the planner's prediction, the issue's rows
 first (the 3-point bar) and the held-out ones after (not used to choose anything); (3) with
-``--terms``, where the predicted step time of each run goes.
+``--terms``, where the predicted step time of each run goes; (4) with ``--ablation``, every
+run's error with each of issue 21's second-round terms taken out (the one fitted constant
+refitted without it, as calibrate_hbm_efficiency fits it) and with all three out: the first
+round's model but for the head's blocking all-reduce in Megatron 2021, a fix of round 2 that
+no configuration undoes (docs/planner-model.md gives round 1's own numbers too).
 
     python benchmarks/planner_published.py              # (1) and (2), about 8 s of CPU
     python benchmarks/planner_published.py --terms      # and (3)
@@ -112,7 +116,7 @@ ABLATIONS: tuple[tuple[str, Callable[[Hardware], Hardware], bool], ...] = (
     ("no SM sharing", _without_sm_sharing, False),
     ("NICs at 0.9", _without_one_gpu_nic_share, False),
     ("untied", lambda hw: hw, True),
-    ("first round", lambda hw: _without_one_gpu_nic_share(_without_sm_sharing(hw)), True),
+    ("all three out", lambda hw: _without_one_gpu_nic_share(_without_sm_sharing(hw)), True),
 )
 
 

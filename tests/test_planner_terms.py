@@ -112,3 +112,18 @@ def test_tied_embeddings_are_kept_once_per_rank_and_all_reduced_across_the_pipel
     tied_dp = dp_seconds(tied, A100, pieces[tied], placement, layout, memory)
     if pp > 1:  # the same parameters per rank: the sync is all that differs
         assert tied_dp - untied_dp == pytest.approx(sync)
+
+
+def test_the_heads_backward_all_reduce_blocks_without_overlap() -> None:
+    """Megatron 2021 all-reduces the head's input gradient synchronously (the conjugate of
+    copy_to_tensor_model_parallel_region): 2 collectives' worth in I, nothing hidden in W;
+    2022's asynchronous all-reduce hides it behind the head's weight-gradient matmul."""
+    from pipeoffload.planner.layer_time import head_seconds
+
+    overlap = RunConfig(micro_batch=1, tp=8, recompute=Recompute.FULL, sequence_parallel=False)
+    blocking = dataclasses.replace(overlap, tp_overlap=False)
+    one = collective_s(GPT_22B, A100, 1, 8)
+    hidden, blocked = head_seconds(GPT_22B, A100, overlap), head_seconds(GPT_22B, A100, blocking)
+    assert blocked.f_s == pytest.approx(hidden.f_s)
+    assert blocked.i_s - hidden.i_s == pytest.approx(2 * one)
+    assert hidden.w_s - blocked.w_s == pytest.approx(2 * one * 24 / 108)  # hid, holding SMs

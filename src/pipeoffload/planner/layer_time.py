@@ -250,14 +250,19 @@ def embedding_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> Pa
 
 def head_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSeconds:
     """The output projection by shape in each pass, the final norm and the loss (memory-bound);
-    its F all-gather exposed, its backward collectives behind its own matmuls."""
+    its F all-gather exposed, its backward collectives behind its own matmuls, or blocking in I
+    without ``tp_overlap`` (Megatron 2021's ``copy_to_tensor_model_parallel_region`` before
+    ``parallel_lm_logits``: a synchronous all-reduce of the input gradient)."""
     one = collective_s(spec, hw, run.micro_batch, run.tp)
     gemm = head_gemm(spec, run.micro_batch, run.tp)
     f, i, w = (hw.gemm_s(g) for g in (gemm, gemm.input_gradient(), gemm.weight_gradient()))
     launch = hw.kernel_launch_s if hw.hbm_bytes_per_s else 0.0
     work = head_memory_work(spec, run.micro_batch, run.tp,
                             sequence_parallel=run.sequence_parallel)
-    if run.sequence_parallel:
+    gather = one if run.sequence_parallel else 0.0
+    if not run.tp_overlap:
+        comm = PassSeconds(gather, 2 * one, 0.0)
+    elif run.sequence_parallel:
         comm = PassSeconds(one, _exposed(hw, one, i), _exposed(hw, one, w))
     else:
         comm = PassSeconds(0.0, 0.0, _exposed(hw, 2 * one, w))
