@@ -193,8 +193,9 @@ def stage_cost(
 def p2p_s(
     spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN, *, cross_node: bool
 ) -> float:
-    """Seconds to send one microbatch's boundary activation (or its gradient) to the next stage."""
-    link = hw.achieved_bytes_per_s(cross_node=cross_node)
+    """Seconds to send one microbatch's boundary activation (or its gradient) to the next stage
+    (across nodes, one GPU of each node talks to one of the other)."""
+    link = hw.achieved_bytes_per_s(cross_node=cross_node, one_gpu_per_node=True)
     return p2p_bytes(spec, run.micro_batch, tp=run.tp) / link
 
 
