@@ -45,9 +45,10 @@ cd "$ROOT" || exit 2
 
 if [ "$DEVICE" = cpu ]; then
   STRESS=(--device cpu --microbatches 4 --predict-scale "$SCALE")
+  LIMIT="${GPU_CHECK_LIMIT_S:-120}"  # seconds per step; the test suite sets a hang guard
   OFFLOAD=(--device cpu --tiny --sizes 4x64x32 --variants po-f,po-f+fetch --steps 1 --warmup 0
-           --predict-scale "$SCALE")
-  TESTS_LIMIT=120; SANITIZER_LIMIT=120; STRESS_LIMIT=120; OFFLOAD_LIMIT=120
+           --time-budget-s "$LIMIT" --predict-scale "$SCALE")
+  TESTS_LIMIT=$LIMIT; SANITIZER_LIMIT=$LIMIT; STRESS_LIMIT=$LIMIT; OFFLOAD_LIMIT=$LIMIT
 else
   STRESS=(--device cuda --predict-scale "$SCALE")
   OFFLOAD=(--device cuda --sizes 8x4096x8192 --variants po-f,po-f+fetch --steps 3 --warmup 1

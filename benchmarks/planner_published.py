@@ -4,17 +4,24 @@ Prints, with their sources: (1) Korthikanti et al. 2022's Table 4 per-layer time
 planner's, and the fit of the one constant calibrated on its unchecked rows; (2) every published
 run of planner/published.py, measured MFU against the planner's prediction, the issue's rows
 first (the 3-point bar) and the held-out ones after (not used to choose anything); (3) with
-``--terms``, where the predicted step time of each run goes.
+``--terms``, where the predicted step time of each run goes; (4) with ``--ablation``, every
+run's error with each of issue 21's second-round terms taken out (the one fitted constant
+refitted without it, as calibrate_hbm_efficiency fits it) and with all three out: the first
+round's model but for the head's blocking all-reduce in Megatron 2021, a fix of round 2 that
+no configuration undoes (docs/planner-model.md gives round 1's own numbers too).
 
-    python benchmarks/planner_published.py            # (1) and (2), about 15 s of CPU
-    python benchmarks/planner_published.py --terms    # and (3)
+    python benchmarks/planner_published.py              # (1) and (2), about 8 s of CPU
+    python benchmarks/planner_published.py --terms      # and (3)
+    python benchmarks/planner_published.py --ablation   # and (4), about 45 s more
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from collections.abc import Callable
 
-from pipeoffload.planner.hardware import HBM_EFFICIENCY
+from pipeoffload.planner.hardware import HBM_EFFICIENCY, Hardware, hardware_preset
 from pipeoffload.planner.published import (
     PUBLISHED,
     TABLE4,
@@ -94,15 +101,69 @@ def terms() -> str:
     return "\n".join(lines)
 
 
+def _without_sm_sharing(hw: Hardware) -> Hardware:
+    return dataclasses.replace(hw, collective_sms=0)
+
+
+def _without_one_gpu_nic_share(hw: Hardware) -> Hardware:
+    """The first round's network: 0.9 of every NIC [its assumption], whoever drives it."""
+    return dataclasses.replace(hw, inter_node_busbw_fraction=0.9,
+                               inter_node_one_gpu_busbw_fraction=0.0)
+
+
+#: Each second-round term and how to take it out: (name, hardware change, untie embeddings).
+ABLATIONS: tuple[tuple[str, Callable[[Hardware], Hardware], bool], ...] = (
+    ("no SM sharing", _without_sm_sharing, False),
+    ("NICs at 0.9", _without_one_gpu_nic_share, False),
+    ("untied", lambda hw: hw, True),
+    ("all three out", lambda hw: _without_one_gpu_nic_share(_without_sm_sharing(hw)), True),
+)
+
+
+def _refitted(change: Callable[[Hardware], Hardware]) -> dict[str, Hardware]:
+    """Every preset with ``change`` applied and HBM_EFFICIENCY refitted on Table 4's unchecked
+    rows under it (the A100's fit carried to the others, as the presets do)."""
+    a100 = change(hardware_preset("a100-80gb"))
+    fraction = calibrate_hbm_efficiency(a100)
+    presets = {}
+    for name in {run.hardware for run in PUBLISHED}:
+        hw = change(hardware_preset(name))
+        presets[name] = dataclasses.replace(
+            hw, hbm_bytes_per_s=hw.hbm_bytes_per_s / HBM_EFFICIENCY * fraction)
+    return presets
+
+
+def ablation() -> str:
+    names = [name for name, _, _ in ABLATIONS]
+    lines = ["(4) Error (MFU points) with each second-round term taken out", "",
+             "| run | now | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    variants = [(_refitted(change), untie) for _, change, untie in ABLATIONS]
+    for run in PUBLISHED:
+        cells = [100 * (predict(run).mfu - run.measured_mfu)]
+        for presets, untie in variants:
+            spec = dataclasses.replace(run.spec, tied_embeddings=False) if untie else None
+            plan = predict(run, presets[run.hardware], spec)
+            cells.append(100 * (plan.mfu - run.measured_mfu))
+        held = " (held out)" if run.held_out else ""
+        lines.append(f"| {run.label}{held} | " + " | ".join(f"{c:+.1f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--terms", action="store_true", help="also print each step's parts")
+    parser.add_argument("--ablation", action="store_true",
+                        help="also print each run's error with each second-round term out")
     args = parser.parse_args()
     print(table4(), end="\n\n")
     print(runs())
     if args.terms:
         print()
         print(terms())
+    if args.ablation:
+        print()
+        print(ablation())
 
 
 if __name__ == "__main__":

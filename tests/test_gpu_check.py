@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from patience import PATIENCE_S
 
 pytest.importorskip("torch")
 
@@ -20,9 +21,11 @@ needs_shell = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("t
 
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "GPU_CHECK_LIMIT_S": str(int(PATIENCE_S))}  # its per-step limit: a hang guard here
     return subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--log-dir", str(tmp_path),
-                           *args], env=env, capture_output=True, text=True, timeout=900)
+                           *args], env=env, capture_output=True, text=True,
+                          timeout=4 * PATIENCE_S)
 
 
 def _rows(stdout: str) -> list[list[str]]:

@@ -2,7 +2,7 @@
 
 Expected values are computed here independently: FLOPs by listing the layer's matmuls and
 their backward matmuls, activation bytes from Korthikanti et al. 2022's closed form or by
-listing the tensors autograd keeps, k from paper-notes.md's published figures.
+listing the tensors autograd keeps, k from docs/method.md's published figures.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def test_activation_bytes_match_korthikanti() -> None:
     flash = dataclasses.replace(spec, flash_attention=True)
     lse = 4 * A * S * B  # fp32 log-sum-exp per (sequence, head, position)
     assert layer_activation_bytes(flash, B, "none") == 34 * S * B * H + lse
-    # paper-notes.md s2: ~20 b s h for LGD with flash attention.
+    # docs/method.md section 2: ~20 b s h for LGD with flash attention.
     assert layer_activation_bytes(flash, B, "lgd") == 20 * B * S * H + lse
     assert layer_activation_bytes(flash, B, "full") == 2 * B * S * H
     assert layer_activation_bytes(flash, B, "full", tp=2) == B * S * H
@@ -239,7 +239,7 @@ def test_times_from_flops_and_bytes() -> None:
         stage_cost(spec, hw, run, layers=0)
 
 
-# paper-notes.md section 2, A100 figures (220 TFLOP/s, 15 GB/s), s = 8192.
+# docs/method.md section 2, A100 figures (220 TFLOP/s, 15 GB/s), s = 8192.
 PAPER_K = [(4096, 1.49), (8192, 0.85), (16384, 0.46)]
 
 

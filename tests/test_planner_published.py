@@ -12,6 +12,7 @@ from pipeoffload.planner.hardware import HBM_EFFICIENCY
 from pipeoffload.planner.published import (
     KORTHIKANTI_2022,
     LLAMA3_2024,
+    MEGATRON_CORE_2024,
     NARAYANAN_2021,
     TABLE4,
     PublishedRun,
@@ -26,14 +27,15 @@ from pipeoffload.planner.transformer import Recompute
 #: Issue 21's bar, in MFU points.
 BAR = 3.0
 #: Issue rows the model misses by more than the bar today, with the largest miss accepted
-#: (docs/planner-model.md, "What the model still misses": the sequence-parallel layer is 3-4%
-#: fast against Table 4, and Megatron's 2021 code ran slower than the 2022 kernels the one
-#: constant was fitted to). A regression past these fails.
+#: (docs/planner-model.md, "What the model still misses": Megatron's 2021 code ran slower than
+#: the 2022 kernels the one constant was fitted to, by more than its sourced differences; the
+#: 2240-GPU run's DP exchange took 0.5 s more than its sourced terms, on top of the 3% by which
+#: the sequence-parallel layer is fast against Table 4). A regression past these fails.
 KNOWN_OVER = {
-    "Narayanan 2021 7.5B (full)": 3.5,
-    "Narayanan 2021 529.6B (full)": 4.0,
-    "Korthikanti 2022 175B (selective)": 3.5,
-    "Korthikanti 2022 530B on 2240 GPUs (selective)": 4.0,
+    "Narayanan 2021 7.5B (full)": 3.7,
+    "Narayanan 2021 18.4B (full)": 3.3,
+    "Narayanan 2021 529.6B (full)": 3.8,
+    "Korthikanti 2022 530B on 2240 GPUs (selective)": 3.3,
 }
 
 
@@ -91,7 +93,21 @@ def test_held_out_runs_are_predicted_and_reported() -> None:
     """Held-out runs (not used to choose anything) are predicted without error; their misses
     are reported by the benchmark, not bounded here, except that the model must not fall
     behind a measurement by more than the bar (it is optimistic, never pessimistic, today)."""
-    held = tuple(run for run in NARAYANAN_2021 + LLAMA3_2024 if run.held_out)
-    assert len(held) == 5
+    held = tuple(run for run in NARAYANAN_2021 + LLAMA3_2024 + MEGATRON_CORE_2024
+                 if run.held_out)
+    assert len(held) == 7
     for label, error in _errors(held).items():
         assert error > -BAR, f"{label}: {error:+.1f}"
+
+
+def test_megatron_core_2024_h100_rows_show_the_hopper_presets_optimistic() -> None:
+    """Megatron-LM's README weak-scaling rows without pipelining and with at most TP2
+    (Megatron-Core r0.8.0 on H100, BF16): the MFU convention is ours (408.8 TFLOP/s per GPU is
+    the table's 41% of 989), and the H100 preset predicts them 5-10 points high even with the
+    least optimistic microbatch size (docs/planner-model.md, "What the model still misses").
+    If a later change brings them within the bar, move them out of this test's range."""
+    assert MEGATRON_CORE_2024[0].measured_mfu == pytest.approx(0.413, abs=5e-4)
+    assert all(run.micro_batch == 1 and run.pp == 1 and run.tp <= 2 and run.held_out
+               for run in MEGATRON_CORE_2024)
+    for label, error in _errors(MEGATRON_CORE_2024).items():
+        assert 5.0 < error < 10.0, f"{label}: {error:+.1f}"

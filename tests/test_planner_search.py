@@ -248,8 +248,8 @@ def test_extrapolated_simulation_is_close_to_the_full_one(
 
 
 def test_po_f_activation_falls_with_stages_while_1f1b_and_interleaved_stay_flat() -> None:
-    """paper-notes s1 / s4: 1F1B's rank 0 holds one whole model's activation whatever p is;
-    with everything offloaded, a rank holds about v chunks, 1/p of the model."""
+    """docs/method.md sections 1 and 4: 1F1B's rank 0 holds one whole model's activation
+    whatever p is; with everything offloaded, a rank holds about v chunks, 1/p of the model."""
     # k = 0.71 at s = 32768 (0.87 at 16384, where two GPUs on one PCIe switch cannot hide it
     # all): full offload can hide
     spec = dataclasses.replace(BIG, num_layers=32, seq_len=32768)

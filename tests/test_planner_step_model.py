@@ -121,7 +121,9 @@ def test_optimizer_step_bytes(grad_bytes: int, sharded: bool, dp: int, per_param
 
 def test_dp_exchange_runs_at_the_nics_of_its_nodes_and_overlaps_when_asked() -> None:
     nic = A100.achieved_bytes_per_s(cross_node=True)
-    assert dp_bytes_per_s(A100, cross_node=True, gpus_per_node=1) == pytest.approx(nic)
+    alone = A100.achieved_bytes_per_s(cross_node=True, one_gpu_per_node=True)
+    assert alone < nic  # NCCL drives one GPU's NIC less well than a full node's
+    assert dp_bytes_per_s(A100, cross_node=True, gpus_per_node=1) == pytest.approx(alone)
     assert dp_bytes_per_s(A100, cross_node=True, gpus_per_node=4) == pytest.approx(4 * nic)
     nvlink = A100.achieved_bytes_per_s(cross_node=False)
     assert dp_bytes_per_s(A100, cross_node=False) == nvlink

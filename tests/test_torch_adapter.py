@@ -15,6 +15,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+from patience import PATIENCE_S
 from test_runtime_support import launch, one_thread  # noqa: F401 - fixture
 from torch import nn
 
@@ -227,7 +228,7 @@ def _check(results: dict, world: int) -> None:
 @pytest.mark.slow
 def test_two_ranks_every_schedule_with_offload_is_bitwise_torch_and_plain(tmp_path):
     """Also: wrong stages and a wrong microbatch count name what to change."""
-    results = launch(_two_ranks, 2, tmp_path, join_timeout_s=240)
+    results = launch(_two_ranks, 2, tmp_path, join_timeout_s=PATIENCE_S)
     assert sorted(results) == [0, 1], results
     for rank, outcome in results.items():
         assert "ok" in outcome, f"rank {rank}: {outcome.get('trace')}"
@@ -251,7 +252,7 @@ def test_two_ranks_every_schedule_with_offload_is_bitwise_torch_and_plain(tmp_pa
 
 @pytest.mark.slow
 def test_four_ranks_zbv_and_po_f_fetch_are_bitwise_torch_and_plain(tmp_path):
-    _check(launch(_four_ranks, 4, tmp_path, join_timeout_s=240), 4)
+    _check(launch(_four_ranks, 4, tmp_path, join_timeout_s=PATIENCE_S), 4)
 
 
 class _Head(nn.Module):

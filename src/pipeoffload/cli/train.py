@@ -88,7 +88,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--group-size", type=count(1, MAX_RANKS), default=None,
                    help="grouped-interleaved g")
     g.add_argument("--microbatches", type=count(1, MAX_MICROBATCHES), default=None,
-                   help="microbatches per replica and step (default 2 * pp)")
+                   help="microbatches per replica and step (default 2 * pp: the default "
+                   "batch of 16 then splits evenly up to pp 8; simulate's 4 * pp would not)")
     g.add_argument("--offload", default=None, metavar="SPEC",
                    help="none | all | chunks:K | fraction:X | limit:X | recompute-chunks:1+all "
                    "(po-h/po-f: own default)")
@@ -151,7 +152,7 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=number(minimum=0, maximum=1e6), default=0.1,
                    help="AdamW weight decay (default 0.1)")
     g.add_argument("--grad-clip", type=number(minimum=0, maximum=1e30), default=1.0,
-                   help="clip the global gradient norm (0: off)")
+                   help="clip the global gradient norm to this (default 1.0; 0: off)")
     g.add_argument("--seed", type=count(0, 2**63 - 1), default=0,
                    help="seed of the weights and of the data order (default 0)")
     g = p.add_argument_group("runtime, checkpoints and output")
@@ -168,7 +169,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-dir", type=output_dir, default=None, metavar="DIR",
                    help="save checkpoints here (step_<N> folders; one at the end of the run)")
     g.add_argument("--checkpoint-every", type=count(0), default=0, metavar="N",
-                   help="also save every N steps (a checkpoint is always saved at the end)")
+                   help="also save every N steps (default 0: only the one at the end, which is "
+                   "always saved)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    type=resume_path,
                    help="continue from the newest complete checkpoint in --checkpoint-dir, or "
@@ -276,6 +278,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """The `train` handler: decide where to run (see the module docstring) and run."""
+    preflight.need_torch("train")
     # torch warns on import when numpy is absent; nothing here needs numpy (a minimal install).
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if args.worker_config is not None:
@@ -331,6 +334,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: this machine has no CUDA device torch can use; "
                               "pass --device cpu (or auto)")
+    preflight.check_work(config.pp, config.chunks or 2, config.num_microbatches)
+    if not args.inline:
+        preflight.check_local_processes(config.pp, config.dp, config.tp)
     processes = 1 if args.inline else config.pp * config.dp * config.tp
     plan = check_run(config, processes=processes)
     preflight.offload_notes("train", plan.report, config.fetch_on_use)
@@ -480,7 +486,8 @@ def _write_png(result: Any, path: str | None) -> str | None:
     from pipeoffload.sim.render_png import render_png
 
     simulation = result.simulation or result.plan.result
-    return str(render_png(simulation, path, compare=result.baseline_simulation))
+    with preflight.writing(path):
+        return str(render_png(simulation, path, compare=result.baseline_simulation))
 
 
 def render_table(result: Any) -> str:

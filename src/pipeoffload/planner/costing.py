@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pipeoffload.checks import check_number
 from pipeoffload.errors import ConfigError
+from pipeoffload.planner.comm_bytes import ring_collective_bytes
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.layer_time import collective_s
 from pipeoffload.planner.optimizer import (
@@ -45,6 +46,7 @@ from pipeoffload.planner.ratio import (
 )
 from pipeoffload.planner.transformer import (
     FlopCount,
+    ParamCount,
     Recompute,
     TransformerSpec,
     head_flops,
@@ -154,7 +156,11 @@ def stage_costs(spec: TransformerSpec, hw: Hardware, layout: Layout) -> tuple[Pi
     by_count = {n: layer.times(n) for n in set(counts)}
     first = embedding_cost(spec, hw, layout.run) + by_count[counts[0]]
     stages = [first if s == 0 else by_count[n] for s, n in enumerate(counts)]
-    stages[last] = stages[last] + head_cost(spec, hw, layout.run)
+    head = head_cost(spec, hw, layout.run)
+    if spec.tied_embeddings and layout.pp == 1:  # one rank: the head uses the embedding itself
+        head = dataclasses.replace(head, params=ParamCount(
+            head.params.sharded - tied_embedding_params(spec, layout.tp), head.params.replicated))
+    stages[last] = stages[last] + head
     exchange = blocking_p2p_s(spec, hw, layout)
     if exchange:
         stages = [dataclasses.replace(piece, f_s=piece.f_s + exchange, i_s=piece.i_s + exchange)
@@ -236,9 +242,10 @@ def dp_seconds(spec: TransformerSpec, hw: Hardware, pieces: tuple[PieceCost, ...
     """The exposed DP gradient exchange of the slowest rank (optimizer.py, Note [step outside
     the pipeline]): all of it after the pipeline drains, or with ``overlap_grad_reduce`` what
     sticks out of one microbatch's backward through the rank's stages. DP groups are ``tp x
-    pp`` GPUs apart (Note [rank order]); those of a group in one node share its NICs."""
+    pp`` GPUs apart (Note [rank order]); those of a group in one node share its NICs. With tied
+    embeddings the all-reduce of their gradient follows (``embedding_sync_s``)."""
     if layout.dp == 1:
-        return 0.0
+        return embedding_sync_s(spec, hw, stage_to_rank, layout, memory.optimizer)
     stride = layout.tp * layout.pp
     cross = _cross_node(hw, layout.gpus)
     per_node = min(layout.dp, max(1, hw.gpus_per_node // stride))
@@ -252,7 +259,28 @@ def dp_seconds(spec: TransformerSpec, hw: Hardware, pieces: tuple[PieceCost, ...
         if memory.optimizer.overlap_grad_reduce:
             seconds = max(0.0, seconds - backward[rank])
         exposed = max(exposed, seconds)
-    return exposed
+    return exposed + embedding_sync_s(spec, hw, stage_to_rank, layout, memory.optimizer)
+
+
+def tied_embedding_params(spec: TransformerSpec, tp: int) -> float:
+    """Weights the output layer shares with the input embedding (0 when they are untied)."""
+    return spec.vocab * spec.hidden / tp if spec.tied_embeddings else 0.0
+
+
+def embedding_sync_s(spec: TransformerSpec, hw: Hardware, stage_to_rank: tuple[int, ...],
+                     layout: Layout, optimizer: OptimizerSpec) -> float:
+    """Tied embeddings on two pipeline ranks: after the DP exchange and before the optimizer
+    step, Megatron-LM all-reduces the embedding's gradient between the first and the last
+    stage (``train_step``, 2021 and 2022: ``all_reduce(grad, group=get_embedding_group())``,
+    not overlapped; every rank then waits for it at the optimizer's gradient-norm all-reduce).
+    A ring all-reduce over 2 GPUs sends each one the whole gradient, V h / t x ``grad_bytes``,
+    over NVLink when both ranks are in one node, else one GPU per node over the NICs."""
+    if not spec.tied_embeddings or stage_to_rank[0] == stage_to_rank[-1]:
+        return 0.0
+    nbytes = 2 * ring_collective_bytes(tied_embedding_params(spec, layout.tp), 2,
+                                       optimizer.grad_bytes)
+    cross = _cross_node(hw, layout.tp * layout.pp)
+    return nbytes / hw.achieved_bytes_per_s(cross_node=cross, one_gpu_per_node=True)
 
 
 def optimizer_seconds(hw: Hardware, pieces: tuple[PieceCost, ...],

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeoffload.checks import parse_json
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.gemm import (
     Gemm,
@@ -57,6 +58,13 @@ class Hardware:
       ops:byte ratio), which draws the default GEMM efficiency curve; 0 means every matmul runs
       at ``bf16_flops_per_s`` whatever its shape.
     - ``sm_count``: streaming multiprocessors, for GEMM wave quantization (gemm.py); 0: none.
+    - ``collective_sms``: SMs an NCCL collective inside a node holds while it runs (one thread
+      block per channel), taken from a matmul it overlaps (layer_time.py, Note [collectives
+      share the SMs]); 0: overlapped collectives cost the matmul nothing.
+    - ``inter_node_one_gpu_busbw_fraction``: the busbw fraction of a NIC when one GPU per node
+      takes part (a pipeline hop, a data-parallel group of a TP8 layout); 0: the same as
+      ``inter_node_busbw_fraction``, which is for collectives where every GPU of a node drives
+      its own NIC.
     - ``gemm_points``: measured (intensity FLOP/byte, fraction of the large-GEMM rate) pairs from
       ``pipeoffload probe``; when present they replace the default curve (gemm.py, Note [GEMM
       efficiency curve]).
@@ -82,6 +90,8 @@ class Hardware:
     kernel_launch_s: float = 0.0
     host_bytes_per_node: float = 0.0
     sm_count: int = 0
+    collective_sms: int = 0
+    inter_node_one_gpu_busbw_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.gemm_points, (list, tuple)) or not all(
@@ -100,6 +110,11 @@ class Hardware:
                     f"hardware {self.name!r}: {field} must be in (0, 1] (achieved over nominal "
                     f"bandwidth), got {value!r}"
                 )
+        if self.inter_node_one_gpu_busbw_fraction > 1:
+            raise ConfigError(
+                f"hardware {self.name!r}: inter_node_one_gpu_busbw_fraction must be in [0, 1] "
+                f"(0: inter_node_busbw_fraction), got {self.inter_node_one_gpu_busbw_fraction!r}"
+            )
         for field, meaning in _OPTIONAL_RATES.items():
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -118,7 +133,7 @@ class Hardware:
                     f"hardware {self.name!r}: {field.name} must be a positive number, "
                     f"got {value!r}"
                 )
-        for field in ("gpus_per_node", "gpus_per_host_link", "sm_count"):
+        for field in ("gpus_per_node", "gpus_per_host_link", "sm_count", "collective_sms"):
             if not float(getattr(self, field)).is_integer():
                 raise ConfigError(
                     f"hardware {self.name!r}: {field} must be a whole number, "
@@ -181,11 +196,23 @@ class Hardware:
         a ring's pace); nominal rate times its busbw fraction."""
         return self.achieved_bytes_per_s(cross_node=group_size > self.gpus_per_node)
 
-    def achieved_bytes_per_s(self, *, cross_node: bool) -> float:
-        """Per-GPU, per-direction bandwidth NCCL achieves inside a node or across nodes."""
+    def achieved_bytes_per_s(self, *, cross_node: bool, one_gpu_per_node: bool = False) -> float:
+        """Per-GPU, per-direction bandwidth NCCL achieves inside a node or across nodes; across
+        nodes with ``one_gpu_per_node`` of the communicator in each node (a pipeline hop, the
+        data-parallel group of a TP8 layout), NCCL reaches a smaller share of the NIC."""
         if cross_node:
-            return self.inter_node_bytes_per_s * self.inter_node_busbw_fraction
+            fraction = self.inter_node_busbw_fraction
+            if one_gpu_per_node and self.inter_node_one_gpu_busbw_fraction:
+                fraction = self.inter_node_one_gpu_busbw_fraction
+            return self.inter_node_bytes_per_s * fraction
         return self.intra_node_bytes_per_s * self.intra_node_busbw_fraction
+
+    @property
+    def collective_sm_share(self) -> float:
+        """The share of the SMs a running collective holds (0 without both counts)."""
+        if not self.collective_sms or not self.sm_count:
+            return 0.0
+        return min(1.0, self.collective_sms / self.sm_count)
 
     def host_link(self) -> HostLink:
         """The simulator's view of how this machine's GPUs reach host memory."""
@@ -201,12 +228,7 @@ class Hardware:
     @classmethod
     def from_json(cls, text: str, *, source: str = "<json>") -> Hardware:
         """A preset from ``to_json``'s output; ``source`` names the file in error messages."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"{source}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})"
-            ) from None
+        data = parse_json(text, source)
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object of hardware fields")
         names = [f.name for f in dataclasses.fields(cls)]
@@ -236,6 +258,8 @@ _OPTIONAL_RATES = {
     "kernel_launch_s": "no per-kernel cost",
     "host_bytes_per_node": "host memory unknown",
     "sm_count": "no wave quantization",
+    "collective_sms": "overlapped collectives take no SMs",
+    "inter_node_one_gpu_busbw_fraction": "inter_node_busbw_fraction",
 }
 
 
@@ -269,17 +293,27 @@ _TB = 1e12
 #   architecture whitepapers).
 # - host_bytes_per_node: system memory of NVIDIA's DGX of that GPU, 2 TB each (DGX A100 640GB,
 #   DGX H100, DGX H200 datasheets).
-# - host link GB/s: the PipeOffload authors' code (paper-notes.md s2); H200 the H100's PCIe 5.
+# - host link GB/s: the PipeOffload authors' code (docs/method.md section 2); H200 the H100's
+#   PCIe 5.
 # - Memory: nvidia-smi's total (A100 80GB 81920 MiB, H100 80GB 81559 MiB, H200 143771 MiB).
 # - NVLink per direction: A100 NVLink3 300 GB/s, H100/H200 NVLink4 450 GB/s (datasheets).
 # - Network: one 200 Gb/s (A100) / 400 Gb/s (H100, H200) NIC per GPU, as in DGX systems.
 # - A100s share a PCIe switch in pairs (PipeOffload paper, section 4.2).
 # - busbw fractions: nccl-tests' large-message bus bandwidth over the nominal link rate,
 #   A100 NVLink 3 ~235 of 300 GB/s; H100 / H200 all-gather and reduce-scatter ~360 of 450
-#   [assumption]; networks 0.9 of line rate [assumption].
+#   [assumption]. Network, A100 (200 Gb/s HDR, one NIC per GPU): NCCL 2.17 all-reduce of 1 GB
+#   on Azure NDmv4 (microsoft/mscclpp, docs/performance-ndmv4.md): 2 nodes x 8 GPUs 183.82 GB/s
+#   busbw over 8 x 25 GB/s = 0.92; 2 nodes x 1 GPU 18.65 of 25 GB/s = 0.746 (one GPU per node).
+#   H100 / H200 (400 Gb/s NDR): "46-48GB/s per NIC" (NCCL's maintainer, NVIDIA/nccl-tests issue
+#   #290), 47 of 50 = 0.94; one GPU per node: the A100's ratio 0.746 / 0.92 applied, 0.76
+#   [assumption].
+# - collective_sms: NCCL's channels, one thread block (one SM) each: 24 on 8 A100s with
+#   NVSwitch ("Channel 23/24" in the NCCL log of NVIDIA/nccl-tests issue #100, an HGX A100),
+#   16 on 8 H100s ("16 coll channels", NVIDIA/nccl issues #892, an 8 x H800 node, and #1453, an
+#   H100 cluster).
 # - GEMM ridge: datasheet dense bf16 over HBM bandwidth (A100 80GB 312 TFLOP/s / 2.039 TB/s,
 #   H100 SXM 989 / 3.35, H200 989 / 4.8), NVIDIA's ops:byte ratio.
-HBM_EFFICIENCY = 0.69
+HBM_EFFICIENCY = 0.72
 A100_HBM_BYTES_PER_S = 2.039 * _TB
 _PRESETS: dict[str, Hardware] = {
     "a100-80gb": _preset(
@@ -299,7 +333,9 @@ _PRESETS: dict[str, Hardware] = {
         gpus_per_host_link=2,
         host_bytes_per_node=2 * _TB,
         intra_node_busbw_fraction=0.78,
-        inter_node_busbw_fraction=0.9,
+        inter_node_busbw_fraction=0.92,
+        inter_node_one_gpu_busbw_fraction=0.746,
+        collective_sms=24,
         gemm_ridge_flops_per_byte=312e12 / 2.039e12,
     ),
     "h100-80gb": _preset(
@@ -319,30 +355,16 @@ _PRESETS: dict[str, Hardware] = {
         gpus_per_host_link=1,
         host_bytes_per_node=2 * _TB,
         intra_node_busbw_fraction=0.8,
-        inter_node_busbw_fraction=0.9,
+        inter_node_busbw_fraction=0.94,
+        inter_node_one_gpu_busbw_fraction=0.76,
+        collective_sms=16,
         gemm_ridge_flops_per_byte=989e12 / 3.35e12,
     ),
-    "h200": _preset(
-        name="h200",
-        sm_count=132,
-        bf16_flops_per_s=794.5e12,
-        peak_flops_per_s=989e12,
-        hbm_bytes=143771 * _MIB,
-        hbm_bytes_per_s=HBM_EFFICIENCY * 4.8 * _TB,
-        attention_flops_per_s=335e12,
-        kernel_launch_s=4e-6,
-        d2h_bytes_per_s=21e9,
-        h2d_bytes_per_s=21e9,
-        intra_node_bytes_per_s=450e9,
-        inter_node_bytes_per_s=50e9,
-        gpus_per_node=8,
-        gpus_per_host_link=1,
-        host_bytes_per_node=2 * _TB,
-        intra_node_busbw_fraction=0.8,
-        inter_node_busbw_fraction=0.9,
-        gemm_ridge_flops_per_byte=989e12 / 4.8e12,
-    ),
 }
+# The H200: the H100's die, clocks, links and host side with more and faster HBM.
+_PRESETS["h200"] = dataclasses.replace(
+    _PRESETS["h100-80gb"], name="h200", hbm_bytes=143771 * _MIB,
+    hbm_bytes_per_s=HBM_EFFICIENCY * 4.8 * _TB, gemm_ridge_flops_per_byte=989e12 / 4.8e12)
 
 _ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200-141gb": "h200"}
 

@@ -26,8 +26,18 @@ elements. What overlaps follows Megatron-LM's ``LinearWithGradAccumulationAndAsy
 - embedding: an RS of its output in F and an AG of its gradient in I (an all-reduce in F
   without sequence parallelism). Head (column-parallel): an AG in F; its backward collectives
   hide behind its b s h V / t matmuls like any column-parallel linear's.
-Collectives run at NCCL's achieved bus bandwidth (``Hardware.link_bytes_per_s``); compute
-slowed by collectives sharing the SMs is not modelled.
+Collectives run at NCCL's achieved bus bandwidth (``Hardware.link_bytes_per_s``).
+
+Note [collectives share the SMs]: an NCCL collective runs as a kernel with one thread block
+per channel, each on its own SM, for as long as it lasts; Megatron launches it before the matmul
+it overlaps ("to have gather scheduled first and have GPU resources allocated", the comment in
+``LinearWithGradAccumulationAndAsyncCommunication.backward``), so the matmul runs on the other
+SMs meanwhile. A collective of c seconds behind a matmul of g seconds therefore costs
+max(c - g, c k / S) on top of the matmul, k = ``Hardware.collective_sms`` (NCCL's channels),
+S = the GPU's SMs: the part of the collective longer than the matmul, or the matmul's slowdown
+while it has S - k SMs (a matmul's rate taken as proportional to its SMs; a large matmul
+register-file-fills its SMs, so it cannot share one with a collective's block). A blocking
+collective takes nothing from a matmul: nothing runs beside it.
 
 Note [attention core]: without flash attention Q K^T and P V are batched GEMMs over the b a / t
 (sequence, head) pairs with k = d (Q K^T) or k = s (P V), two in F and four in I, priced by
@@ -131,9 +141,10 @@ def collective_s(spec: TransformerSpec, hw: Hardware, micro_batch: int, tp: int)
     return nbytes / hw.link_bytes_per_s(tp) if tp > 1 else 0.0
 
 
-def _exposed(comm_s: float, behind_s: float) -> float:
-    """What sticks out of a collective overlapped with a matmul of ``behind_s`` seconds."""
-    return max(0.0, comm_s - behind_s)
+def _exposed(hw: Hardware, comm_s: float, behind_s: float) -> float:
+    """What a collective of ``comm_s`` seconds overlapped with a matmul of ``behind_s`` seconds
+    adds to it (Note [collectives share the SMs])."""
+    return max(0.0, comm_s - behind_s, comm_s * hw.collective_sm_share)
 
 
 def _memory(hw: Hardware, work: PassWork) -> PassSeconds:
@@ -189,13 +200,13 @@ def _tp_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSeco
     dgrad = [hw.gemm_s(g.input_gradient()) for g in column]
     wgrad = [hw.gemm_s(g.weight_gradient()) for g in column]
     if run.sequence_parallel:
-        gathers = sum(_exposed(one, matmul) for matmul in dgrad) if run.tp_overlap \
+        gathers = sum(_exposed(hw, one, matmul) for matmul in dgrad) if run.tp_overlap \
             else 2 * one
-        scatter = sum(_exposed(one, matmul) for matmul in wgrad)
+        scatter = sum(_exposed(hw, one, matmul) for matmul in wgrad)
         if run.w_deferred or not run.tp_overlap:
             return PassSeconds(4 * one, 2 * one + gathers + 2 * one, 0.0)
         return PassSeconds(4 * one, 2 * one + gathers, scatter)
-    reduces = sum(_exposed(2 * one, matmul) for matmul in wgrad)
+    reduces = sum(_exposed(hw, 2 * one, matmul) for matmul in wgrad)
     if not run.tp_overlap:
         return PassSeconds(4 * one, 4 * one, 0.0)
     if run.w_deferred:
@@ -239,15 +250,20 @@ def embedding_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> Pa
 
 def head_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSeconds:
     """The output projection by shape in each pass, the final norm and the loss (memory-bound);
-    its F all-gather exposed, its backward collectives behind its own matmuls."""
+    its F all-gather exposed, its backward collectives behind its own matmuls, or blocking in I
+    without ``tp_overlap`` (Megatron 2021's ``copy_to_tensor_model_parallel_region`` before
+    ``parallel_lm_logits``: a synchronous all-reduce of the input gradient)."""
     one = collective_s(spec, hw, run.micro_batch, run.tp)
     gemm = head_gemm(spec, run.micro_batch, run.tp)
     f, i, w = (hw.gemm_s(g) for g in (gemm, gemm.input_gradient(), gemm.weight_gradient()))
     launch = hw.kernel_launch_s if hw.hbm_bytes_per_s else 0.0
     work = head_memory_work(spec, run.micro_batch, run.tp,
                             sequence_parallel=run.sequence_parallel)
-    if run.sequence_parallel:
-        comm = PassSeconds(one, _exposed(one, i), _exposed(one, w))
+    gather = one if run.sequence_parallel else 0.0
+    if not run.tp_overlap:
+        comm = PassSeconds(gather, 2 * one, 0.0)
+    elif run.sequence_parallel:
+        comm = PassSeconds(one, _exposed(hw, one, i), _exposed(hw, one, w))
     else:
-        comm = PassSeconds(0.0, 0.0, _exposed(2 * one, w))
+        comm = PassSeconds(0.0, 0.0, _exposed(hw, 2 * one, w))
     return PassSeconds(f + launch, i + launch, w + launch) + comm + _memory(hw, work)

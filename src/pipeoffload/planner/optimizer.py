@@ -109,11 +109,14 @@ def dp_bytes_per_s(hw: Hardware, *, cross_node: bool, gpus_per_node: int = 1) ->
     node: NVLink inside one node; across nodes the members of a node leave it through their own
     NICs (one per GPU in DGX designs) and NCCL spreads its rings over them, so the node-to-node
     hop carries ``gpus_per_node`` NICs' worth, at most NVLink's [derived from the ring
-    algorithm: each ring crosses each node boundary once, with 1 / rings of the data]."""
+    algorithm: each ring crosses each node boundary once, with 1 / rings of the data]. With one
+    member per node NCCL reaches a smaller share of the NIC (``Hardware.achieved_bytes_per_s``)."""
     intra = hw.achieved_bytes_per_s(cross_node=False)
     if not cross_node:
         return intra
-    return min(intra, max(1, gpus_per_node) * hw.achieved_bytes_per_s(cross_node=True))
+    per_node = max(1, gpus_per_node)
+    nic = hw.achieved_bytes_per_s(cross_node=True, one_gpu_per_node=per_node == 1)
+    return min(intra, per_node * nic)
 
 
 #: Bytes per parameter of Megatron's mixed-precision optimizer step with apex's multi-tensor

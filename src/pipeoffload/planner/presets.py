@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeoffload.checks import parse_json
 from pipeoffload.errors import ConfigError
 from pipeoffload.hf_families import SUPPORTED_MODEL_TYPES
 from pipeoffload.planner.transformer import MlpKind, TransformerSpec
@@ -201,10 +202,7 @@ def load_model_config(path: str | Path, **overrides: Any) -> TransformerSpec:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"model config {path} is not UTF-8 text (byte {exc.start}: "
                           f"{exc.reason}); pass a config.json or a preset name") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})") from None
+    data = parse_json(text, str(path))
     train_model = overrides.pop("train_model", str(path))
     if isinstance(data, dict) and data.get("model_type") in SUPPORTED_MODEL_TYPES:
         overrides["train_model"] = train_model

@@ -1,9 +1,9 @@
 """Seconds from the analytic model and a hardware preset, per-GPU model state, and the ratio k.
 
 k = (D2H + H2D time of a layer's saved activations) / (F + I + W time of that layer)
-(PipeOffload, Wan et al. 2025, section 2; paper-notes.md s2): at k <= 1 every activation can be
-offloaded with (almost) no slowdown. ``offload_ratio`` computes it from the per-layer FLOPs and
-bytes of ``transformer``; ``paper_k`` is the paper's closed form for a GPT layer. Run
+(PipeOffload, Wan et al. 2025, section 2; docs/method.md section 2): at k <= 1 every activation
+can be offloaded with (almost) no slowdown. ``offload_ratio`` computes it from the per-layer FLOPs
+and bytes of ``transformer``; ``paper_k`` is the paper's closed form for a GPT layer. Run
 ``python -m pipeoffload.planner.ratio`` for the table in docs/planner-model.md.
 """
 
@@ -193,8 +193,9 @@ def stage_cost(
 def p2p_s(
     spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN, *, cross_node: bool
 ) -> float:
-    """Seconds to send one microbatch's boundary activation (or its gradient) to the next stage."""
-    link = hw.achieved_bytes_per_s(cross_node=cross_node)
+    """Seconds to send one microbatch's boundary activation (or its gradient) to the next stage
+    (across nodes, one GPU of each node talks to one of the other)."""
+    link = hw.achieved_bytes_per_s(cross_node=cross_node, one_gpu_per_node=True)
     return p2p_bytes(spec, run.micro_batch, tp=run.tp) / link
 
 
@@ -270,7 +271,7 @@ def paper_layer(hidden: int, seq_len: int) -> tuple[TransformerSpec, RunConfig]:
                            flop_count=FlopCount.MODEL)
 
 
-#: The PipeOffload authors' whole-layer rate for an A100 (paper-notes.md s2).
+#: The PipeOffload authors' whole-layer rate for an A100 (docs/method.md section 2).
 PAPER_A100_FLOPS_PER_S = 220e12
 
 

@@ -94,7 +94,9 @@ class TransformerSpec:
     apply dropout (GPT-3 style) or not (Llama style): it adds masks to the saved activations.
     ``bias``: the linear layers have biases (GPT-3, Megatron's GPT); they are not counted as
     parameters (< 0.1%), but adding them and reducing their gradients are memory-bound kernels
-    (layer_work.py).
+    (layer_work.py). ``tied_embeddings``: the output layer reuses the input embedding's
+    weights (Megatron's GPT, GPT-2); a pipeline keeps a copy on its last stage and all-reduces
+    the two copies' gradients every step (costing.py, ``embedding_sync_s``).
     ``train_model``: what `pipeoffload train --model` takes to train this very model (a Hugging
     Face config.json or its folder, read from there with ``model_type``), None when train can
     only run the reference model at this shape.
@@ -113,6 +115,7 @@ class TransformerSpec:
     param_bytes: int = 2
     dropout: bool = False
     bias: bool = False
+    tied_embeddings: bool = False
     name: str = "custom"
     train_model: str | None = None
     model_type: str | None = None
@@ -126,7 +129,7 @@ class TransformerSpec:
                 raise ConfigError(
                     f"model {self.name!r}: {field} must be a positive integer, got {value!r}"
                 )
-        for field in ("flash_attention", "dropout", "bias"):
+        for field in ("flash_attention", "dropout", "bias", "tied_embeddings"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(
                     f"model {self.name!r}: {field} must be true or false, "
@@ -361,15 +364,19 @@ def embedding_params(spec: TransformerSpec, *, tp: int = 1) -> ParamCount:
 
 
 def head_params(spec: TransformerSpec, *, tp: int = 1) -> ParamCount:
-    """Final norm and the V x h output projection (untied: a pipeline keeps its own copy)."""
+    """Final norm and the V x h output projection (its own weights, or with tied embeddings a
+    copy the last pipeline stage keeps)."""
     check_run(1, tp)
     return ParamCount(spec.vocab * spec.hidden / tp, spec.hidden)
 
 
 def model_params(spec: TransformerSpec) -> float:
-    """All parameters of the model, embedding and output projection counted separately."""
+    """All parameters of the model, embedding and output projection counted separately unless
+    they are tied."""
+    tied = spec.vocab * spec.hidden if spec.tied_embeddings else 0
     return (
         spec.num_layers * layer_params(spec).total
         + embedding_params(spec).total
         + head_params(spec).total
+        - tied
     )

@@ -299,7 +299,8 @@ class Pipeline:
         targets = as_tuple(target, "target")
         if has_first and not batch:
             raise ConfigError("this process holds a first stage, so step() needs inputs")
-        if batch and targets and batch[0].shape[0] != targets[0].shape[0]:
+        if batch and targets and batch[0].dim() and targets[0].dim() and \
+                batch[0].shape[0] != targets[0].shape[0]:  # 0-d: split() says which
             raise ConfigError(f"inputs have batch size {batch[0].shape[0]} but target has "
                               f"{targets[0].shape[0]} (dim 0); they must match")
         micro_inputs = (split(batch, m, "inputs", self.device) if has_first
@@ -333,6 +334,7 @@ class Pipeline:
              target: Tensors | None = None) -> torch.Tensor | None:
         """Run one training step's forward and backward; see the class docstring. A dict of
         ``inputs`` goes to the first stage(s) as keyword arguments (Note: [stage contract])."""
+        learnt = self._input_sig is None  # shapes learnt by a step are forgotten if it fails
         data = self._prepare(inputs, target)
         self.connect_peers()
         self._transport.begin_step()
@@ -348,6 +350,8 @@ class Pipeline:
             self._tied.finish_step()
         except BaseException:
             self._abandon_step()
+            if learnt:
+                self._input_sig = self._input_names = None
             raise
         return self._mean_loss(data)
 
@@ -359,6 +363,7 @@ class Pipeline:
         in the schedule's order, so every rank of the pipeline calls it together. Modules keep
         their mode: call ``.eval()`` on them first to switch dropout off."""
         order, executors = self._forward_only_program()
+        learnt = self._input_sig is None  # shapes learnt by a step are forgotten if it fails
         data = self._prepare(inputs, target)
         self.connect_peers()  # the step's connections, a superset of the forward's
         self._transport.begin_step()
@@ -371,6 +376,8 @@ class Pipeline:
                 executor.finish()
         except BaseException:
             self._abandon_step()
+            if learnt:
+                self._input_sig = self._input_names = None
             raise
         return self._mean_loss(data)
 

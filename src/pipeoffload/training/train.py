@@ -31,6 +31,7 @@ from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
 from pipeoffload.offload.recompute import add_recompute
+from pipeoffload.offload.targets import TargetKind, parse_target
 from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
@@ -125,6 +126,7 @@ class TrainConfig:
         torch_dtype(self.dtype)
         if self.hf_model is None:
             check_tensor_parallel(self.model, self.tp, self.data.seq_len)
+        train_offload(self.offload)
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError(f"--eval-every must be >= 0 and --eval-batches >= 1, got "
                               f"{self.eval_every} and {self.eval_batches}")
@@ -205,6 +207,32 @@ class TrainConfig:
         return cls(model=model, data=DataConfig(**data), **values)
 
 
+def train_offload(spec: str | None) -> str | None:
+    """``--offload`` as build_plan reads it (case and spaces aside); a spec train cannot run
+    raises ConfigError listing what it takes."""
+    if spec is None:
+        return None
+    forms = ("none, all, chunks:K, fraction:X, limit:X, limit:XGiB or "
+             f"{RECOMPUTE_AND_OFFLOAD} (each rank's longest-lived chunk recomputed, the rest "
+             "offloaded)")
+    text = spec.strip().lower() if isinstance(spec, str) else ""
+    if text == RECOMPUTE_AND_OFFLOAD:
+        return text
+    kind = text.partition(":")[0].strip()
+    if kind == TargetKind.GIVEN.value:
+        raise ConfigError("--offload given keeps the transfers of a schedule loaded from CSV "
+                          "(simulate --from-csv); train builds its schedule by name: use "
+                          + forms)
+    if kind not in {k.value for k in TargetKind}:
+        raise ConfigError(f"--offload {spec!r}: {'empty' if not text else 'unknown'}; use "
+                          + forms)
+    try:
+        parse_target(spec)
+    except ConfigError as error:
+        raise ConfigError(f"--offload: {error}") from None
+    return text
+
+
 def build_plan(config: TrainConfig) -> OffloadPlan:
     """The schedule (offload planned in) and the planner's report. Recompute (``lgd`` /
     ``full``) happens inside each layer (training/model.py), so it mixes with any offload.
@@ -216,9 +244,10 @@ def build_plan(config: TrainConfig) -> OffloadPlan:
     options = {k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
                if v is not None}
     policy = OffloadPolicy(fetch_on_use=config.fetch_on_use)
-    if config.offload != RECOMPUTE_AND_OFFLOAD:
+    offload = train_offload(config.offload)
+    if offload != RECOMPUTE_AND_OFFLOAD:
         return plan_schedule(config.schedule, config.pp, config.num_microbatches,
-                             config.offload, policy=policy, **options)
+                             offload, policy=policy, **options)
     bare = plan_schedule(config.schedule, config.pp, config.num_microbatches, "none", **options)
     recomputed = add_recompute(bare.schedule, target="chunks:1").schedule
     return add_offload(recomputed, target="all", policy=policy)
