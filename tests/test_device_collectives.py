@@ -172,10 +172,10 @@ def test_the_fake_backend_refuses_host_tensors(monkeypatch) -> None:
 
 
 def test_the_training_loops_gather_posts_device_tensors(monkeypatch) -> None:
-    from pipeoffload.training.gather import _gather
+    from pipeoffload.training.gather import gather_floats
 
     backend = DeviceOnlyBackend(monkeypatch)
     with FakeCudaMode():
-        rows = _gather(_topology(), [1.5, 2.0])
+        rows = gather_floats(_topology(), [1.5, 2.0])
     assert backend.posted == [("all_gather", CUDA, torch.float64)]
     assert rows == [[1.5, 2.0], [1.5, 2.0]]
