@@ -112,6 +112,14 @@ class MemoryConfig:
     context (~0.5 GiB), NCCL communicators and buffers (~1 GiB), cuBLAS / flash-attention
     workspaces and the backward's temporary buffers, and caching-allocator fragmentation
     (together ~2.5 GiB on large models). 4 GiB; raise it for safety, lower it to squeeze.
+    Of the NCCL part, the pipeline's channel communicators (runtime/groups.py) hold, per
+    connection a rank receives on and per P2P channel, NCCL's LL, LL128 and SIMPLE buffers:
+    512 KiB + 4.69 MiB + 4 MiB = 9.19 MiB by default (NVIDIA/nccl src/init.cc
+    ``computeBuffSizes``, src/transport/p2p.cc), times ``p2pnChannelsPerPeer`` (set from the
+    topology, e.g. 2), for at most four receiving connections: ~74 MiB per rank at 2 channels
+    per peer. The headroom that keeps the allocator off its out-of-memory path (whose cudaFree
+    synchronises the device and can deadlock NCCL) is in the reserve too (docs/runtime.md,
+    GPU rules).
     ``optimizer``: bytes per parameter of mixed-precision Adam; ``sharded=True`` is ZeRO-1.
     """
 
