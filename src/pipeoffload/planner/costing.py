@@ -28,6 +28,7 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.planner.comm_bytes import ring_collective_bytes
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.layer_time import collective_s
+from pipeoffload.planner.layer_work import NormKernel
 from pipeoffload.planner.optimizer import (
     OptimizerSpec,
     StateBytes,
@@ -84,12 +85,14 @@ class Framework:
     2022). ``tp_overlap``: backward TP collectives overlap their matmuls (Megatron's
     asynchronous communication, 2022 on). ``grad_accumulation_bytes``: bytes per parameter per
     microbatch of accumulating weight gradients beyond the GEMM's output (layer_time.py).
-    ``p2p_blocking``: stages wait for their pipeline transfers (Note [blocking P2P])."""
+    ``p2p_blocking``: stages wait for their pipeline transfers (Note [blocking P2P]).
+    ``norm_kernel``: the LayerNorm kernels (layer_work.py, Note [norm kernels])."""
 
     sequence_parallel: bool = True
     tp_overlap: bool = True
     grad_accumulation_bytes: float = 6.0
     p2p_blocking: bool = False
+    norm_kernel: NormKernel = NormKernel.PERSISTENT
 
     def run(self, micro_batch: int, tp: int, recompute: Recompute, *,
             w_deferred: bool = False) -> RunConfig:
@@ -97,7 +100,8 @@ class Framework:
         return RunConfig(micro_batch=micro_batch, tp=tp, recompute=recompute,
                          sequence_parallel=self.sequence_parallel, tp_overlap=self.tp_overlap,
                          w_deferred=w_deferred, p2p_blocking=self.p2p_blocking,
-                         grad_accumulation_bytes=self.grad_accumulation_bytes)
+                         grad_accumulation_bytes=self.grad_accumulation_bytes,
+                         norm_kernel=self.norm_kernel)
 
 
 #: What ``pipeoffload train`` and current Megatron do (Framework's defaults).
