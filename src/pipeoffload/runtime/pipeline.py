@@ -3,6 +3,7 @@ or in one process (local mode)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -334,26 +335,7 @@ class Pipeline:
              target: Tensors | None = None) -> torch.Tensor | None:
         """Run one training step's forward and backward; see the class docstring. A dict of
         ``inputs`` goes to the first stage(s) as keyword arguments (Note: [stage contract])."""
-        learnt = self._input_sig is None  # shapes learnt by a step are forgotten if it fails
-        data = self._prepare(inputs, target)
-        self.connect_peers()
-        self._transport.begin_step()
-        self._tied.begin_step()
-        try:
-            for rank, action in self._order:
-                self._executors[rank].run(action, data)
-            self._transport.finish()
-            for executor in self._executors.values():
-                executor.finish()
-            if self._offloader is not None:
-                self._offloader.finish()
-            self._tied.finish_step()
-        except BaseException:
-            self._abandon_step()
-            if learnt:
-                self._input_sig = self._input_names = None
-            raise
-        return self._mean_loss(data)
+        return self._run(self._order, self._executors, inputs, target, training=True)
 
     def evaluate(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
                  target: Tensors | None = None) -> torch.Tensor | None:
@@ -363,17 +345,30 @@ class Pipeline:
         in the schedule's order, so every rank of the pipeline calls it together. Modules keep
         their mode: call ``.eval()`` on them first to switch dropout off."""
         order, executors = self._forward_only_program()
+        return self._run(order, executors, inputs, target, training=False)
+
+    def _run(self, order: list[tuple[int, Action]], executors: Mapping[int, RankExecutor],
+             inputs: Tensors | Mapping[str, torch.Tensor] | None, target: Tensors | None, *,
+             training: bool) -> torch.Tensor | None:
+        """One pass of ``order``: a training step, or (not ``training``) forward only with no
+        autograd graph, offload or tied-gradient exchange."""
         learnt = self._input_sig is None  # shapes learnt by a step are forgotten if it fails
         data = self._prepare(inputs, target)
-        self.connect_peers()  # the step's connections, a superset of the forward's
+        self.connect_peers()  # for evaluate: the step's connections, a superset of its own
         self._transport.begin_step()
+        if training:
+            self._tied.begin_step()
         try:
-            with torch.no_grad():
+            with contextlib.nullcontext() if training else torch.no_grad():
                 for rank, action in order:
                     executors[rank].run(action, data)
             self._transport.finish()
             for executor in executors.values():
                 executor.finish()
+            if training:
+                if self._offloader is not None:
+                    self._offloader.finish()
+                self._tied.finish_step()
         except BaseException:
             self._abandon_step()
             if learnt:
