@@ -9,6 +9,7 @@ that no rank waits forever (found by running the schedule without a clock). torc
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
@@ -20,11 +21,49 @@ from pipeoffload.core.schedule import Schedule
 def validate(schedule: Schedule) -> Schedule:
     """Raise ScheduleError with rank, position and action if ``schedule`` cannot run; else
     return it unchanged (so it chains: ``validate(build(...))``)."""
-    _check_indices_and_placement(schedule)
+    if not _indices_and_placement_hold(schedule):
+        _check_indices_and_placement(schedule)
     work = schedule.without(*MARKER_KINDS) if schedule.has_kind(*MARKER_KINDS) else schedule
-    _check_counts(work)
+    if not _counts_hold(work):
+        _check_counts(work)
     _check_progress(work)
     return schedule
+
+
+# Note: [fast checks] Validating a schedule at p = 32, m = 256 (10^5 actions) took about as long
+# as planning offload into it. Each check below first asks its question of whole sets (what
+# C code does quickly); only when the answer is no does the per-action check run, to name the
+# first offending rank, position and action exactly as before.
+
+
+def _indices_and_placement_hold(schedule: Schedule) -> bool:
+    """Whether ``_check_indices_and_placement`` would pass (see [fast checks])."""
+    if schedule.routes:
+        return False  # DualPipe's routes: the per-action check is the only one
+    microbatches = set(range(schedule.microbatches))
+    microbatches.add(None)  # torch's markers may have none
+    for rank, actions in enumerate(schedule.ranks):
+        if not ({a[0] for a in actions} <= set(schedule.stages_on_rank(rank))
+                and {a[2] for a in actions} <= microbatches):
+            return False
+    return True
+
+
+def _counts_hold(schedule: Schedule) -> bool:
+    """Whether ``_check_counts`` would pass, given indices in range (see [fast checks])."""
+    present = set(itertools.chain.from_iterable(schedule.ranks))
+    if len(present) != sum(len(actions) for actions in schedule.ranks):
+        return False  # an action twice
+    pairs: dict[Kind, set[tuple[int, int]]] = {kind: set() for kind in Kind}
+    for stage, kind, mb in present:
+        pairs[kind].add((stage, mb))
+    expected = {(stage, mb) for mb in range(schedule.microbatches)
+                for stage in schedule.route_of(mb)}
+    f, i, w, b = pairs[Kind.F], pairs[Kind.I], pairs[Kind.W], pairs[Kind.B]
+    offload, back = pairs[Kind.OFFLOAD], pairs[Kind.RELOAD] | pairs[Kind.FETCH]
+    return (f == expected and not b & (i | w) and b | (i & w) == expected
+            and not pairs[Kind.RELOAD] & pairs[Kind.FETCH] and offload == back
+            and pairs[Kind.OFFLOAD_WAIT] <= offload and not pairs[Kind.RECOMPUTE] & offload)
 
 
 def _fail(schedule: Schedule, message: str, rank: int, position: int, action: Action) -> None:
@@ -110,22 +149,30 @@ def _check_counts(schedule: Schedule) -> None:
 def _check_progress(schedule: Schedule) -> None:
     """Run every rank's list without a clock; report the first rank that can never continue."""
     deps = Dependencies(schedule)
-    done: set[Action] = set()
+    keys_of = deps.keys_of  # plain tuples, equal to the Actions (core/deps.py)
+    done: set[tuple] = set()
     pointer = [0] * schedule.num_ranks
-    waiting: dict[Action, list[int]] = defaultdict(list)
+    waiting: dict[tuple, list[int]] = defaultdict(list)
     ready = list(range(schedule.num_ranks))
     while ready:
         rank = ready.pop()
         actions = schedule.ranks[rank]
-        while pointer[rank] < len(actions):
-            action = actions[pointer[rank]]
-            blocker = next((d for d in deps.of(action) if d not in done), None)
-            if blocker is not None:
-                waiting[blocker].append(rank)
-                break
-            done.add(action)
-            pointer[rank] += 1
-            ready.extend(waiting.pop(action, ()))
+        i, end = pointer[rank], len(actions)
+        while i < end:
+            action = actions[i]
+            for dep in keys_of(action):
+                if dep not in done:
+                    waiting[dep].append(rank)
+                    break
+            else:
+                done.add(action)
+                i += 1
+                woken = waiting.pop(action, None)
+                if woken:
+                    ready.extend(woken)
+                continue
+            break
+        pointer[rank] = i
     stuck = [r for r in range(schedule.num_ranks) if pointer[r] < len(schedule.ranks[r])]
     if not stuck:
         return

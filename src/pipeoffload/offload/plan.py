@@ -100,19 +100,25 @@ def add_offload(
     costs: CostModel | None = None,
     target: str | OffloadTarget | None = "all",
     policy: OffloadPolicy | None = None,
+    *,
+    base: SimResult | None = None,
 ) -> OffloadPlan:
-    """Plan activation offload into ``schedule`` (see the module docstring for the contract)."""
+    """Plan activation offload into ``schedule`` (see the module docstring for the contract).
+    ``base``: the simulation of ``schedule`` without its transfers under ``costs``, when the
+    caller has it (a planner pricing several targets of one schedule); else it is simulated."""
     with cyclic_gc_paused():
-        return _add_offload(schedule, costs, target, policy)
+        return _add_offload(schedule, costs, target, policy, base)
 
 
 def _add_offload(schedule: Schedule, costs: CostModel | None,
-                 target: str | OffloadTarget | None, policy: OffloadPolicy | None) -> OffloadPlan:
+                 target: str | OffloadTarget | None, policy: OffloadPolicy | None,
+                 base: SimResult | None) -> OffloadPlan:
     costs = costs or CostModel()
     policy = policy or OffloadPolicy()
     target = parse_target(target)
     bare = schedule.without(*OFFLOAD_KINDS)
-    base = simulate(bare, costs)
+    if base is None or base.costs != costs or base.schedule.ranks != bare.ranks:
+        base = simulate(bare, costs)
     planner = _Planner(bare, costs, policy, base, keep_stalling=target.demands)
     if target.kind is TargetKind.NONE:
         return planner.finish(target, bare, base, {}, ())

@@ -110,10 +110,11 @@ def stage_costs(spec: TransformerSpec, hw: Hardware, layout: Layout) -> tuple[Pi
     """One microbatch through each stage, in stage order (see the module docstring)."""
     counts = split_layers(spec.num_layers, layout.stages)
     last = len(counts) - 1
-    return tuple(
-        stage_cost(spec, hw, layout.run, layers=n, embedding=s == 0, head=s == last)
-        for s, n in enumerate(counts)
-    )
+    shapes = [(n, s == 0, s == last) for s, n in enumerate(counts)]
+    # Most stages have the same shape: price each shape once (a search prices ~10^3 layouts).
+    priced = {shape: stage_cost(spec, hw, layout.run, layers=shape[0], embedding=shape[1],
+                                head=shape[2]) for shape in set(shapes)}
+    return tuple(priced[shape] for shape in shapes)
 
 
 def _cross_node(hw: Hardware, span: int) -> bool:

@@ -4,17 +4,9 @@ A ``Candidate`` names everything the planner chooses (layout, schedule, offload,
 microbatching); ``evaluate`` prices it with ``costing``, builds the schedule, plans offload into
 it with ``offload.plan.add_offload`` and simulates it.
 
-Note [reduced simulation]: simulating m microbatches costs O(m) and offload planning re-simulates
-several times, so for large m we simulate two smaller counts m_a < m_b that keep m's residue
-modulo the schedule's period L (p for interleaved 1F1B's groups, lcm(p, g) for grouped
-interleaving, p otherwise), with m_a >= ``Extrapolation.min_factor`` * p, and extrapolate:
-time(m) = time(m_b) + (m - m_b) * (time(m_b) - time(m_a)) / (m_b - m_a): past the warm-up every
-further period adds the same work to the critical path. Peak memory is the larger of the two
-peaks: the zoo's schedules (GPipe aside, which the planner does not search) reach their peak
-within the first periods. Compute alone repeats exactly; the offload planner's choices need not
-(which transfers it keeps, and where they stall, can cycle over several periods), so a plan
-whose reduced runs stall for more than ``Extrapolation.stall_tolerance`` of their makespan is
-simulated in full instead. tests/test_planner_search.py bounds the error against full runs.
+Large microbatch counts are simulated in fewer microbatches and extrapolated
+(planner/reduced.py, Note [reduced simulation]); ``time_bound`` and ``state_and_floor`` are the
+lower bounds the search prunes with (planner/bounds.py, Note [makespan lower bound]).
 """
 
 from __future__ import annotations
@@ -27,6 +19,7 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.plan import OffloadPlan, add_offload
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.targets import parse_target
+from pipeoffload.planner.bounds import makespan_lower_bound
 from pipeoffload.planner.costing import (
     GIB,
     Layout,
@@ -40,14 +33,20 @@ from pipeoffload.planner.costing import (
 )
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.ratio import PieceCost, RunConfig
+from pipeoffload.planner.reduced import Extrapolation, extrapolate
 from pipeoffload.planner.train_command import train_command
 from pipeoffload.planner.transformer import Recompute, TransformerSpec
 from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.simulator import SimResult, simulate
 
 #: Schedules whose stages sit in V placement (two per rank).
 V_SHAPED = frozenset({"zbv", "v-half", "v-min", "dualpipev"})
 #: Schedules with a ``chunks`` option (the others run a fixed number of stages per rank).
 CHUNKED = frozenset({"interleaved-1f1b", "grouped-interleaved"})
+#: Schedules that run the whole backward (B) of every stage; the others split it into I and W.
+WHOLE_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
+#: How many bare simulations an Evaluator keeps for the offload targets that follow.
+_BARE_KEPT = 8
 
 
 RECOMPUTE_AND_OFFLOAD = "recompute-chunks:1+all"
@@ -55,12 +54,15 @@ RECOMPUTE_AND_OFFLOAD = "recompute-chunks:1+all"
 (RECOMPUTE actions, offload/recompute.py), every other activation that hides is offloaded."""
 
 
-def plan_memory(schedule: Schedule, costs: CostModel, option: str) -> OffloadPlan:
-    """Plan an offload target, or RECOMPUTE_AND_OFFLOAD, into ``schedule``."""
+def plan_memory(schedule: Schedule, costs: CostModel, option: str,
+                bare: SimResult | None = None) -> OffloadPlan:
+    """Plan an offload target, or RECOMPUTE_AND_OFFLOAD, into ``schedule``; ``bare``: its
+    simulation without transfers, when the caller has one."""
     if option == RECOMPUTE_AND_OFFLOAD:
-        schedule = add_recompute(schedule, costs, "chunks:1").schedule
-        option = "all"
-    return add_offload(schedule, costs, parse_target(option))
+        recomputed = add_recompute(schedule, costs, "chunks:1", base=bare)
+        return add_offload(recomputed.schedule, costs, parse_target("all"),
+                           base=recomputed.result)
+    return add_offload(schedule, costs, parse_target(option), base=bare)
 
 
 @dataclass(frozen=True)
@@ -170,37 +172,21 @@ class Plan:
         return self.simulated_microbatches != (self.candidate.microbatches,)
 
 
-@dataclass(frozen=True)
-class Extrapolation:
-    """Note [reduced simulation]: simulate fewer microbatches when m is large.
-    ``min_factor``: the smaller simulated count is at least this many times p (and one period);
-    ``enabled=False`` always simulates all m. ``stall_tolerance``: the share of the makespan
-    that reduced runs may stall before the full count is simulated instead."""
-
-    min_factor: float = 2.0
-    enabled: bool = True
-    stall_tolerance: float = 0.001
-
-    def counts(self, candidate: Candidate) -> tuple[int, ...]:
-        m, period = candidate.microbatches, candidate.period()
-        low = max(math.ceil(self.min_factor * candidate.pp), period)
-        m_a = m - ((m - low) // period) * period if m > low else m
-        if not self.enabled or m_a + period >= m:
-            return (m,)
-        return (m_a, m_a + period)
-
-
 class Evaluator:
-    """Prices and simulates candidates of one model on one GPU; caches stage costs and built
-    schedules (they do not depend on each other's costs), so a search reuses them."""
+    """Prices and simulates candidates of one model on one GPU; caches stage costs, cost
+    models, bounds and built schedules (none depends on another candidate's costs), so a search
+    reuses them."""
 
     def __init__(self, spec: TransformerSpec, hw: Hardware, memory: MemoryConfig,
-                 budget_bytes: float, extrapolation: Extrapolation = Extrapolation()) -> None:
+                 budget_bytes: float, extrapolation: Extrapolation | None = None) -> None:
         self.spec, self.hw, self.memory = spec, hw, memory
         self.budget_bytes = budget_bytes
-        self.extrapolation = extrapolation
+        self.extrapolation = extrapolation or Extrapolation()
         self._pieces: dict[Layout, tuple[PieceCost, ...]] = {}
+        self._costs: dict[Layout, CostModel] = {}
         self._schedules: dict[tuple, Schedule] = {}
+        self._bounds: dict[tuple, float] = {}
+        self._bare: dict[tuple, SimResult] = {}  # the last few, see ``bare``
         self.simulations = 0
 
     def pieces(self, candidate: Candidate) -> tuple[PieceCost, ...]:
@@ -208,6 +194,13 @@ class Evaluator:
         if layout not in self._pieces:
             self._pieces[layout] = stage_costs(self.spec, self.hw, layout)
         return self._pieces[layout]
+
+    def costs(self, candidate: Candidate) -> CostModel:
+        """The simulator's cost model of the candidate's layout."""
+        layout = candidate.layout
+        if layout not in self._costs:
+            self._costs[layout] = cost_model(self.pieces(candidate), self.spec, self.hw, layout)
+        return self._costs[layout]
 
     def schedule(self, candidate: Candidate, microbatches: int) -> Schedule:
         """The compute schedule (raises ConfigError when the family rejects the shape)."""
@@ -218,6 +211,19 @@ class Evaluator:
                 candidate.schedule, candidate.pp, microbatches, **candidate.options())
         return self._schedules[key]
 
+    def bare(self, candidate: Candidate, microbatches: int) -> SimResult:
+        """The compute schedule simulated without transfers: shared by the offload targets of
+        one configuration. Only the latest few are kept (each holds a timeline)."""
+        key = (candidate.schedule, candidate.pp, microbatches, candidate.chunks,
+               candidate.group_size, candidate.layout)
+        if key not in self._bare:
+            if len(self._bare) >= _BARE_KEPT:
+                del self._bare[next(iter(self._bare))]
+            self._bare[key] = simulate(self.schedule(candidate, microbatches),
+                                       self.costs(candidate))
+            self.simulations += 1
+        return self._bare[key]
+
     def stage_to_rank(self, candidate: Candidate) -> tuple[int, ...]:
         p, v = candidate.pp, candidate.chunks
         if candidate.schedule in V_SHAPED:
@@ -227,55 +233,73 @@ class Evaluator:
     def state_and_floor(self, candidate: Candidate) -> float:
         """A lower bound of the device memory: model state, the reserve, and the largest stage
         activation of one microbatch (a forward holds it whatever is offloaded)."""
-        pieces = self.pieces(candidate)
-        placement = self.stage_to_rank(candidate)
-        states = rank_state(self.spec, pieces, placement, candidate.layout, self.memory)
-        floor = [0.0] * candidate.pp
-        for stage, piece in enumerate(pieces):
-            rank = placement[stage]
-            floor[rank] = max(floor[rank], piece.activation_bytes)
-        return max(s.total + f for s, f in zip(states, floor)) + self.memory.reserve_bytes
+        key = ("memory", candidate.layout, candidate.schedule in V_SHAPED)
+        if key not in self._bounds:
+            pieces = self.pieces(candidate)
+            placement = self.stage_to_rank(candidate)
+            states = rank_state(self.spec, pieces, placement, candidate.layout, self.memory)
+            floor = [0.0] * candidate.pp
+            for stage, piece in enumerate(pieces):
+                rank = placement[stage]
+                floor[rank] = max(floor[rank], piece.activation_bytes)
+            self._bounds[key] = (max(s.total + f for s, f in zip(states, floor))
+                                 + self.memory.reserve_bytes)
+        return self._bounds[key]
 
     def time_bound(self, candidate: Candidate) -> float:
-        """A lower bound of the step time: rank r cannot start before the forwards of the stages
-        in front of its first stage, then runs m times its stages' F + I + W; plus DP time."""
-        pieces = self.pieces(candidate)
-        placement = self.stage_to_rank(candidate)
-        costs = cost_model(pieces, self.spec, self.hw, candidate.layout)
-        work = [0.0] * candidate.pp
-        for stage, piece in enumerate(pieces):
-            work[placement[stage]] += piece.chunk_s
-        bound, lead = 0.0, 0.0
-        for rank in range(candidate.pp):
-            bound = max(bound, lead + candidate.microbatches * work[rank])
-            lead += pieces[rank].f_s + costs.p2p_time
-        return bound + dp_seconds(self.spec, self.hw, pieces, placement, candidate.layout,
-                                  self.memory)
+        """A lower bound of the step time whatever is offloaded or recomputed: the makespan's
+        (planner/bounds.py, Note [makespan lower bound]) plus DP time, as ``evaluate`` adds
+        them."""
+        key = ("time", candidate.layout, candidate.schedule, candidate.microbatches)
+        if key not in self._bounds:
+            pieces = self.pieces(candidate)
+            placement = self.stage_to_rank(candidate)
+            makespan = makespan_lower_bound(self.costs(candidate), placement,
+                                            candidate.microbatches,
+                                            candidate.schedule not in WHOLE_BACKWARD)
+            self._bounds[key] = makespan + dp_seconds(self.spec, self.hw, pieces, placement,
+                                                      candidate.layout, self.memory)
+        return self._bounds[key]
 
-    def evaluate(self, candidate: Candidate) -> Plan:
-        """Simulate ``candidate`` (Note [reduced simulation]) and price its memory."""
+    def busiest_work(self, candidate: Candidate) -> float:
+        """F + I + W of one microbatch on the rank with the most work (seconds)."""
+        costs = self.costs(candidate)
+        work: dict[int, float] = {}
+        for stage, rank in enumerate(self.stage_to_rank(candidate)):
+            work[rank] = work.get(rank, 0.0) + costs.chunk_time(stage)
+        return max(work.values())
+
+    def _simulate(self, candidate: Candidate, costs: CostModel, full: bool
+                  ) -> tuple[tuple[int, ...], list[OffloadPlan], float, float]:
+        """(counts simulated, their offload plans, makespan at m, bubble at m): all m
+        microbatches, or Note [reduced simulation] where it holds."""
+        m = candidate.microbatches
+        counts = (m,) if full else self.extrapolation.counts(m, candidate.pp, candidate.period())
+        runs = []
+        for count in counts:
+            bare = self.bare(candidate, count)
+            runs.append(plan_memory(bare.schedule, costs, candidate.offload, bare))
+            self.simulations += candidate.offload != "none"
+        if len(runs) == 1:
+            return counts, runs, runs[0].result.makespan, runs[0].result.bubble_rate
+        makespan = None
+        if not any(run.result.total_stall_time > self.extrapolation.stall_tolerance
+                   * run.result.makespan for run in runs):
+            makespan = extrapolate(tuple(run.result.makespan for run in runs), counts, m,
+                                   self.busiest_work(candidate))
+        if makespan is None:
+            return self._simulate(candidate, costs, full=True)
+        compute = sum(runs[-1].result.compute_time) * m / counts[-1]
+        return counts, runs, makespan, 1 - compute / (candidate.pp * makespan)
+
+    def evaluate(self, candidate: Candidate, full: bool = False) -> Plan:
+        """Simulate ``candidate`` (all m microbatches with ``full``, else Note [reduced
+        simulation]) and price its memory."""
         pieces = self.pieces(candidate)
         layout = candidate.layout
-        costs = cost_model(pieces, self.spec, self.hw, layout)
-        counts = self.extrapolation.counts(candidate)
-        runs = []
-        for m in counts:
-            runs.append(plan_memory(self.schedule(candidate, m), costs, candidate.offload))
-            self.simulations += 1
-        if len(runs) == 2 and any(
-                run.result.total_stall_time > self.extrapolation.stall_tolerance
-                * run.result.makespan for run in runs):
-            counts = (candidate.microbatches,)
-            runs = [plan_memory(self.schedule(candidate, counts[0]), costs, candidate.offload)]
-            self.simulations += 1
+        costs = self.costs(candidate)
+        counts, runs, makespan, bubble = self._simulate(candidate, costs, full)
         last = runs[-1]
-        makespan = last.result.makespan
-        bubble = last.result.bubble_rate
-        if len(runs) == 2:
-            slope = (makespan - runs[0].result.makespan) / (counts[1] - counts[0])
-            makespan += slope * (candidate.microbatches - counts[1])
-            compute = sum(last.result.compute_time) * candidate.microbatches / counts[1]
-            bubble = 1 - compute / (candidate.pp * makespan)
         peaks = [max(values) for values in zip(*(run.result.peak_bytes or () for run in runs))]
         placement = last.schedule.stage_to_rank
         states = rank_state(self.spec, pieces, placement, layout, self.memory)

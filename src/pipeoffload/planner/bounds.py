@@ -1,0 +1,76 @@
+"""Lower bounds of a pipeline's makespan from its per-stage costs alone, before any schedule is
+built or simulated: what the search prunes with (planner/search.py).
+
+Note: [makespan lower bound]
+The simulator runs each rank's actions one at a time, and an action starts no earlier than the
+end of each action it depends on (plus ``p2p_time`` when that one ran on another rank); offload,
+recomputation and host-link queues only add waits and work. So for ANY order of a rank's
+actions the makespan is at least the longest of these chains, with F_s, X_s, W_s the simulator's
+durations of stage s (X is the backward pass that produces the input gradient: I where the
+schedule splits the backward, else B = I + W) and h(a, b) the p2p hops between stages a..b:
+- a_s = sum_{s' < s} F_s' + h(0, s): no forward of stage s starts earlier (its microbatch has
+  to pass every stage in front of it);
+- x_s = sum_s' F_s' + h(0, S-1) + sum_{s' > s} X_s' + h(s, S-1): no backward of s starts
+  earlier (it needs the loss, then the gradient back through every later stage);
+- t_s = sum_{s' < s} X_s' + h(0, s) (+ W_0 where the backward is split): after a backward of
+  stage s ends, its microbatch's gradient still has to reach stage 0.
+Rank r holds stages R; it works m times its stages' F + I + W in all, m (F + X) of it before
+its last backward ends, and m (I + W) of it after its first backward starts. Hence
+  makespan >= min_R a + m sum_R (F + I + W)
+  makespan >= min_R a + m sum_R (F + X) + min_R t
+  makespan >= min_R x + m sum_R (I + W)
+  makespan >= min_R x + m sum_R X + min_R t
+and the bound is the largest of these over all ranks. It holds for every schedule family with
+one route through stages 0..S-1 (not DualPipe's two) and a cost model without overlapped F&B
+pairs, which shorten durations (Note: [overlapped pair], sim/simulator.py).
+tests/test_planner_bounds.py checks it against full simulations of random shapes and costs.
+"""
+
+from __future__ import annotations
+
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.sim.costs import CostModel
+
+
+def makespan_lower_bound(costs: CostModel, stage_to_rank: tuple[int, ...], microbatches: int,
+                         split_backward: bool) -> float:
+    """A lower bound of the simulated makespan of any schedule of ``microbatches`` microbatches
+    over these stages and costs (Note: [makespan lower bound]). ``split_backward``: the schedule
+    runs I and W (a lower bound also when it runs B, just a looser one)."""
+    if costs.overlap_f_b is not None:
+        raise ValueError("makespan_lower_bound: overlapped F&B pairs shorten durations; "
+                         "the bound assumes costs.overlap_f_b is None")
+    stages = len(stage_to_rank)
+    f = [costs.compute_time(Action(s, Kind.F, 0)) for s in range(stages)]
+    i = [costs.compute_time(Action(s, Kind.I, 0)) for s in range(stages)]
+    w = [costs.compute_time(Action(s, Kind.W, 0)) for s in range(stages)]
+    x = i if split_backward else [costs.compute_time(Action(s, Kind.B, 0))
+                                  for s in range(stages)]
+    hop = [costs.p2p_time if s and stage_to_rank[s] != stage_to_rank[s - 1] else 0.0
+           for s in range(stages)]  # hop[s]: between stages s-1 and s
+    forward_start = [0.0] * stages
+    for s in range(1, stages):
+        forward_start[s] = forward_start[s - 1] + f[s - 1] + hop[s]
+    backward_start = [0.0] * stages
+    backward_start[-1] = forward_start[-1] + f[-1]
+    for s in range(stages - 2, -1, -1):
+        backward_start[s] = backward_start[s + 1] + x[s + 1] + hop[s + 1]
+    tail = [0.0] * stages
+    tail[0] = w[0] if split_backward else 0.0
+    for s in range(1, stages):
+        tail[s] = tail[s - 1] + x[s - 1] + hop[s]
+    held: dict[int, list[int]] = {}
+    for s, rank in enumerate(stage_to_rank):
+        held.setdefault(rank, []).append(s)
+    m = microbatches
+    bound = 0.0
+    for mine in held.values():
+        first = min(forward_start[s] for s in mine)
+        first_back = min(backward_start[s] for s in mine)
+        last = min(tail[s] for s in mine)
+        bound = max(bound,
+                    first + m * sum(f[s] + i[s] + w[s] for s in mine),
+                    first + m * sum(f[s] + x[s] for s in mine) + last,
+                    first_back + m * sum(i[s] + w[s] for s in mine),
+                    first_back + m * sum(x[s] for s in mine) + last)
+    return bound
