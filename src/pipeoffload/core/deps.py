@@ -18,6 +18,7 @@ route needs no input and its last no output gradient (Note: [routes], core/sched
 from __future__ import annotations
 
 import itertools
+from collections.abc import Container
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
@@ -26,9 +27,12 @@ from pipeoffload.core.schedule import Schedule
 class Dependencies:
     """Answers ``of(action)`` for one schedule (which kinds are present changes the answer)."""
 
-    def __init__(self, schedule: Schedule) -> None:
-        self._present = set(itertools.chain.from_iterable(schedule.ranks))
-        kinds = {kind for _, kind, _ in self._present}
+    def __init__(self, schedule: Schedule, present: Container[Action] | None = None) -> None:
+        """``present``: every action of ``schedule`` (e.g. a dict keyed by them), when the
+        caller has that already."""
+        self._present = (present if present is not None
+                         else set(itertools.chain.from_iterable(schedule.ranks)))
+        kinds = {action[1] for actions in schedule.ranks for action in actions}
         # Questions about kinds the schedule never has are answered without a lookup.
         self._recv_f, self._recv_b = Kind.RECV_F in kinds, Kind.RECV_B in kinds
         self._local_inputs = tuple(kind for kind in _LOCAL_INPUTS if kind in kinds)

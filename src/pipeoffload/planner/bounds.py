@@ -28,7 +28,11 @@ tests/test_planner_bounds.py checks it against full simulations of random shapes
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
 
 
@@ -74,3 +78,40 @@ def makespan_lower_bound(costs: CostModel, stage_to_rank: tuple[int, ...], micro
                     first_back + m * sum(i[s] + w[s] for s in mine),
                     first_back + m * sum(x[s] for s in mine) + last)
     return bound
+
+
+def kept_activation_floor(schedule: Schedule, stage_bytes: Sequence[float],
+                          offloaded_stages: int) -> list[float]:
+    """Per rank, a lower bound of the peak activation bytes when at most ``offloaded_stages``
+    of its stages (chunks) are offloaded (offload target ``chunks:K``) and the rest stay.
+
+    Note: [kept activation] A rank runs its compute one action at a time in program order, and
+    an activation that is not offloaded is resident from its F's start to its W's (or B's) end
+    (design.md's accounting), so the resident bytes of the kept stages at each F are fixed by
+    the order alone, whatever the costs. The bound takes, per rank, the choice of stages to
+    offload that leaves the lowest such peak; offloaded activations, copies back and what a
+    forward holds while it streams out only add to it.
+    """
+    floors = []
+    for actions in schedule.ranks:
+        stages = sorted({a[0] for a in actions})
+        if offloaded_stages >= len(stages):
+            floors.append(0.0)
+            continue
+        level = dict.fromkeys(stages, 0.0)
+        total = 0.0
+        peak_without = {combo: 0.0 for combo in itertools.combinations(stages,
+                                                                       offloaded_stages)}
+        for stage, kind, _ in actions:
+            if kind is Kind.F:
+                level[stage] += stage_bytes[stage]
+                total += stage_bytes[stage]
+                for combo, top in peak_without.items():
+                    kept = total - sum(level[s] for s in combo)
+                    if kept > top:
+                        peak_without[combo] = kept
+            elif kind is Kind.W or kind is Kind.B:
+                level[stage] -= stage_bytes[stage]
+                total -= stage_bytes[stage]
+        floors.append(min(peak_without.values()))
+    return floors

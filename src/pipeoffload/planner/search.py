@@ -341,6 +341,9 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                 stats["not_buildable"] += 1
                 continue
             try:
+                if candidate.offload != "none" and evaluator.memory_bound(candidate) > budget:
+                    stats["pruned_by_memory"] += 1
+                    continue
                 plan = evaluator.evaluate(candidate)
             except ConfigError:
                 unbuildable.add(_shape(candidate))

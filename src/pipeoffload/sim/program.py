@@ -56,9 +56,10 @@ class Program:
             first.append(first[-1] + len(acts))
         self.schedule, self.actions, self.index, self.first = schedule, actions, index, first
         self.owner = [r for r, acts in enumerate(schedule.ranks) for _ in acts]
-        deps = Dependencies(schedule)
+        keys_of = Dependencies(schedule, present=index).keys_of
         missing = len(actions)
-        self.needs = [[index.get(key, missing) for key in deps.keys_of(a)] for a in actions]
+        get, otherwise = index.get, itertools.repeat(missing)
+        self.needs = [list(map(get, keys_of(a), otherwise)) for a in actions]
         # What depends on the kind (and stage) only is looked up in tables, not asked of each
         # action (Note: [hot loops], core/actions.py).
         fetch, forward, read_pass = Kind.FETCH, Kind.F, Step.READ_PASS
