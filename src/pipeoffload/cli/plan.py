@@ -64,6 +64,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="fixed per-GPU reserve for context, NCCL, workspaces (default 4)")
     p.add_argument("--no-extrapolate", action="store_true",
                    help="simulate every microbatch instead of extrapolating from fewer")
+    p.add_argument("--tolerance", type=number(minimum=0, maximum=1), default=None,
+                   metavar="SHARE",
+                   help="the plan found may be this share slower than the best (default "
+                        "0.005); 0 finds the best, simulating every near tie")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(handler=cmd_plan)
 
@@ -128,6 +132,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         memory=memory,
         extrapolation=Extrapolation(enabled=not args.no_extrapolate),
     )
+    if args.tolerance is not None:
+        config = dataclasses.replace(config, tolerance=args.tolerance)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

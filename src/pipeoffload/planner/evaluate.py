@@ -14,10 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pipeoffload.core import registry
 from pipeoffload.core.schedule import Schedule
-from pipeoffload.offload.plan import OffloadPlan, add_offload
-from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.targets import TargetKind, parse_target
 from pipeoffload.planner.bounds import kept_activation_floor, makespan_lower_bound
 from pipeoffload.planner.costing import (
@@ -33,11 +30,12 @@ from pipeoffload.planner.costing import (
 )
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.ratio import PieceCost, RunConfig
-from pipeoffload.planner.reduced import Extrapolation, extrapolate
+from pipeoffload.planner.reduced import Extrapolation
+from pipeoffload.planner.runs import RECOMPUTE_AND_OFFLOAD as RECOMPUTE_AND_OFFLOAD  # re-export
+from pipeoffload.planner.runs import Runner
 from pipeoffload.planner.train_command import train_command
 from pipeoffload.planner.transformer import Recompute, TransformerSpec
 from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.simulator import SimResult, simulate
 
 #: Schedules whose stages sit in V placement (two per rank).
 V_SHAPED = frozenset({"zbv", "v-half", "v-min", "dualpipev"})
@@ -47,22 +45,6 @@ CHUNKED = frozenset({"interleaved-1f1b", "grouped-interleaved"})
 WHOLE_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
 #: How many bare simulations an Evaluator keeps for the offload targets that follow.
 _BARE_KEPT = 8
-
-
-RECOMPUTE_AND_OFFLOAD = "recompute-chunks:1+all"
-"""A memory option mixing both per chunk: each rank's longest-lived chunk is recomputed
-(RECOMPUTE actions, offload/recompute.py), every other activation that hides is offloaded."""
-
-
-def plan_memory(schedule: Schedule, costs: CostModel, option: str,
-                bare: SimResult | None = None) -> OffloadPlan:
-    """Plan an offload target, or RECOMPUTE_AND_OFFLOAD, into ``schedule``; ``bare``: its
-    simulation without transfers, when the caller has one."""
-    if option == RECOMPUTE_AND_OFFLOAD:
-        recomputed = add_recompute(schedule, costs, "chunks:1", base=bare)
-        return add_offload(recomputed.schedule, costs, parse_target("all"),
-                           base=recomputed.result)
-    return add_offload(schedule, costs, parse_target(option), base=bare)
 
 
 @dataclass(frozen=True)
@@ -184,10 +166,13 @@ class Evaluator:
         self.extrapolation = extrapolation or Extrapolation()
         self._pieces: dict[Layout, tuple[PieceCost, ...]] = {}
         self._costs: dict[Layout, CostModel] = {}
-        self._schedules: dict[tuple, Schedule] = {}
         self._bounds: dict[tuple, float] = {}
-        self._bare: dict[tuple, SimResult] = {}  # the last few, see ``bare``
-        self.simulations = 0
+        self.runner = Runner(self.extrapolation)
+
+    @property
+    def simulations(self) -> int:
+        """Simulator runs so far (bare, offload plans, compute-only passes)."""
+        return self.runner.simulations
 
     def pieces(self, candidate: Candidate) -> tuple[PieceCost, ...]:
         layout = candidate.layout
@@ -204,25 +189,8 @@ class Evaluator:
 
     def schedule(self, candidate: Candidate, microbatches: int) -> Schedule:
         """The compute schedule (raises ConfigError when the family rejects the shape)."""
-        key = (candidate.schedule, candidate.pp, microbatches,
-               tuple(sorted(candidate.options().items())))
-        if key not in self._schedules:
-            self._schedules[key] = registry.build_schedule(
-                candidate.schedule, candidate.pp, microbatches, **candidate.options())
-        return self._schedules[key]
-
-    def bare(self, candidate: Candidate, microbatches: int) -> SimResult:
-        """The compute schedule simulated without transfers: shared by the offload targets of
-        one configuration. Only the latest few are kept (each holds a timeline)."""
-        key = (candidate.schedule, candidate.pp, microbatches, candidate.chunks,
-               candidate.group_size, candidate.layout)
-        if key not in self._bare:
-            if len(self._bare) >= _BARE_KEPT:
-                del self._bare[next(iter(self._bare))]
-            self._bare[key] = simulate(self.schedule(candidate, microbatches),
-                                       self.costs(candidate))
-            self.simulations += 1
-        return self._bare[key]
+        return self.runner.schedule(candidate.schedule, candidate.pp, microbatches,
+                                    candidate.options())
 
     def stage_to_rank(self, candidate: Candidate) -> tuple[int, ...]:
         p, v = candidate.pp, candidate.chunks
@@ -288,39 +256,19 @@ class Evaluator:
             work[rank] = work.get(rank, 0.0) + costs.chunk_time(stage)
         return max(work.values())
 
-    def _simulate(self, candidate: Candidate, costs: CostModel, full: bool
-                  ) -> tuple[tuple[int, ...], list[OffloadPlan], float, float]:
-        """(counts simulated, their offload plans, makespan at m, bubble at m): all m
-        microbatches, or Note [reduced simulation] where it holds."""
-        m = candidate.microbatches
-        counts = (m,) if full else self.extrapolation.counts(m, candidate.pp, candidate.period())
-        runs = []
-        for count in counts:
-            bare = self.bare(candidate, count)
-            runs.append(plan_memory(bare.schedule, costs, candidate.offload, bare))
-            self.simulations += candidate.offload != "none"
-        if len(runs) == 1:
-            return counts, runs, runs[0].result.makespan, runs[0].result.bubble_rate
-        makespan = None
-        if not any(run.result.total_stall_time > self.extrapolation.stall_tolerance
-                   * run.result.makespan for run in runs):
-            makespan = extrapolate(tuple(run.result.makespan for run in runs), counts, m,
-                                   self.busiest_work(candidate))
-        if makespan is None:
-            return self._simulate(candidate, costs, full=True)
-        compute = sum(runs[-1].result.compute_time) * m / counts[-1]
-        return counts, runs, makespan, 1 - compute / (candidate.pp * makespan)
-
     def evaluate(self, candidate: Candidate, full: bool = False) -> Plan:
         """Simulate ``candidate`` (all m microbatches with ``full``, else Note [reduced
         simulation]) and price its memory."""
         pieces = self.pieces(candidate)
         layout = candidate.layout
-        costs = self.costs(candidate)
-        counts, runs, makespan, bubble = self._simulate(candidate, costs, full)
-        last = runs[-1]
-        peaks = [max(values) for values in zip(*(run.result.peak_bytes or () for run in runs))]
-        placement = last.schedule.stage_to_rank
+        m = candidate.microbatches
+        counts = (m,) if full else self.extrapolation.counts(m, candidate.pp, candidate.period())
+        run = self.runner.simulate(
+            lambda count: self.schedule(candidate, count), self.costs(candidate),
+            candidate.offload, [piece.activation_bytes for piece in pieces], m, counts,
+            self.busiest_work(candidate), candidate.pp)
+        makespan, peaks = run.makespan, run.peak_bytes
+        placement = self.stage_to_rank(candidate)
         states = rank_state(self.spec, pieces, placement, layout, self.memory)
         worst = max(range(candidate.pp), key=lambda r: states[r].total + peaks[r])
         memory = MemorySplit(states[worst].params, states[worst].grads, states[worst].optimizer,
@@ -337,9 +285,9 @@ class Evaluator:
             mfu=mfu,
             memory=memory,
             budget_bytes=self.budget_bytes,
-            bubble_rate=bubble,
-            stall_time=last.result.total_stall_time,
-            offloaded_fraction=last.report.offloaded_fraction,
-            simulated_microbatches=counts,
-            notes=last.report.notes,
+            bubble_rate=run.bubble_rate,
+            stall_time=run.stall_time,
+            offloaded_fraction=run.offloaded_fraction,
+            simulated_microbatches=run.counts,
+            notes=run.notes,
         )

@@ -1,0 +1,40 @@
+"""`pipeoffload plan` chooses the plans recorded in tests/data/planner_golden.json: the same
+best plan (every dimension), step time and memory, and the same ranked list, for each of its
+searches. It guards work on the search's speed, which must not change an answer; a change to
+the cost model rewrites the file (python tests/data/planner_golden.py, see its docstring)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parent / "data" / "planner_golden.py"
+
+
+def _golden_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("planner_golden", _SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GOLDEN = _golden_module()
+RECORDED = GOLDEN.load()
+
+
+def test_the_golden_file_has_every_search() -> None:
+    assert set(RECORDED) == set(GOLDEN.CASES)
+    bests = [entry["best"] for entry in RECORDED.values()]
+    assert any(not best["feasible"] for best in bests)  # the nearest-plan path
+    assert {best["offload"] for best in bests} >= {"none", "chunks:1", "all"}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN.CASES))
+def test_search_chooses_the_recorded_plan(name: str) -> None:
+    got, want = GOLDEN.outcome(name), RECORDED[name]
+    assert got["best"] == want["best"], name
+    assert got["candidates"] == want["candidates"], name
