@@ -37,10 +37,13 @@ from pipeoffload.sim.costs import CostModel
 
 
 def makespan_lower_bound(costs: CostModel, stage_to_rank: tuple[int, ...], microbatches: int,
-                         split_backward: bool) -> float:
+                         split_backward: bool, recomputed_chunk: bool = False) -> float:
     """A lower bound of the simulated makespan of any schedule of ``microbatches`` microbatches
     over these stages and costs (Note: [makespan lower bound]). ``split_backward``: the schedule
-    runs I and W (a lower bound also when it runs B, just a looser one)."""
+    runs I and W (a lower bound also when it runs B, just a looser one).
+    ``recomputed_chunk``: each rank also re-runs the forward of one of its stages for every
+    microbatch (recompute ``chunks:1``), before that stage's backward: m times the cheapest of
+    its forwards is added to the work before its last backward."""
     if costs.overlap_f_b is not None:
         raise ValueError("makespan_lower_bound: overlapped F&B pairs shorten durations; "
                          "the bound assumes costs.overlap_f_b is None")
@@ -72,9 +75,10 @@ def makespan_lower_bound(costs: CostModel, stage_to_rank: tuple[int, ...], micro
         first = min(forward_start[s] for s in mine)
         first_back = min(backward_start[s] for s in mine)
         last = min(tail[s] for s in mine)
+        again = m * min(f[s] for s in mine) if recomputed_chunk else 0.0
         bound = max(bound,
-                    first + m * sum(f[s] + i[s] + w[s] for s in mine),
-                    first + m * sum(f[s] + x[s] for s in mine) + last,
+                    first + m * sum(f[s] + i[s] + w[s] for s in mine) + again,
+                    first + m * sum(f[s] + x[s] for s in mine) + again + last,
                     first_back + m * sum(i[s] + w[s] for s in mine),
                     first_back + m * sum(x[s] for s in mine) + last)
     return bound

@@ -237,13 +237,14 @@ class Evaluator:
         """A lower bound of the step time whatever is offloaded or recomputed: the makespan's
         (planner/bounds.py, Note [makespan lower bound]) plus DP time, as ``evaluate`` adds
         them."""
-        key = ("time", candidate.layout, candidate.schedule, candidate.microbatches)
+        recomputed = candidate.offload == RECOMPUTE_AND_OFFLOAD
+        key = ("time", candidate.layout, candidate.schedule, candidate.microbatches, recomputed)
         if key not in self._bounds:
             pieces = self.pieces(candidate)
             placement = self.stage_to_rank(candidate)
             makespan = makespan_lower_bound(self.costs(candidate), placement,
                                             candidate.microbatches,
-                                            candidate.schedule not in WHOLE_BACKWARD)
+                                            candidate.schedule not in WHOLE_BACKWARD, recomputed)
             self._bounds[key] = makespan + dp_seconds(self.spec, self.hw, pieces, placement,
                                                       candidate.layout, self.memory)
         return self._bounds[key]
