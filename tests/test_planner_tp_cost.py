@@ -173,14 +173,24 @@ def test_mt_nlg_530b_stays_within_two_points_of_megatron(recompute: Recompute) -
     assert plan.mfu == pytest.approx(MEGATRON_MFU[recompute], abs=0.02)
 
 
-def test_search_tries_a_larger_microbatch_only_when_its_wider_matmuls_may_pay() -> None:
-    """Wider matmuls make b = 4 faster per sequence for a narrow TP8 layer; that wins with many
-    microbatches (bubble negligible), not with few; at one matmul rate it never does."""
-    from pipeoffload.planner.search import _larger_b_may_win
+def test_search_picks_a_larger_microbatch_only_when_its_wider_matmuls_pay() -> None:
+    """Wider matmuls make b = 4 faster per sequence for a narrow TP8 layer; the search takes it
+    with many microbatches (bubble negligible), not with few, and never at one matmul rate; in
+    each case the same b as the exhaustive search (its time bound prices b, no rule of thumb)."""
+    from pipeoffload.planner.reduced import Extrapolation
+    from pipeoffload.planner.search import SearchConfig, SearchSpace, search
 
     per_sequence = [layer_cost(GPT_2K, A100, RunConfig(b, 8)).chunk_s / b for b in (1, 4)]
     assert per_sequence[1] < per_sequence[0]
-    assert _larger_b_may_win(GPT_2K, A100, Candidate("1f1b", 1, 8, 2, 1, 4, 256))
-    assert not _larger_b_may_win(GPT_2K, A100, Candidate("1f1b", 1, 8, 8, 1, 4, 4))
+    space = SearchSpace(schedules=("1f1b",), tp=(8,), micro_batch_sizes=(1, 4),
+                        recompute=("lgd",))
     flat = dataclasses.replace(A100, gemm_ridge_flops_per_byte=0.0)
-    assert not _larger_b_may_win(GPT_2K, flat, Candidate("1f1b", 1, 8, 2, 1, 4, 256))
+    for hw, gpus, global_batch, wanted in ((A100, 16, 512, 4), (A100, 64, 32, 1),
+                                           (flat, 16, 512, 1)):
+        config = SearchConfig(gpus=gpus, global_batch=global_batch)
+        best = search(GPT_2K, hw, config, space).best
+        exhaustive = search(GPT_2K, hw, dataclasses.replace(
+            config, tolerance=0.0, extrapolation=Extrapolation(enabled=False)), space).best
+        assert best is not None and exhaustive is not None
+        assert best.candidate.micro_batch == exhaustive.candidate.micro_batch == wanted
+        assert best.step_time == pytest.approx(exhaustive.step_time, rel=1e-12)
