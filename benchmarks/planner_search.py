@@ -128,6 +128,7 @@ def reduced_error(name: str) -> None:
     started = time.process_time()
     rows = []
     best = None  # every candidate simulated in full: the exhaustive answer, for comparison
+    screens = []
     candidates = [c for group in configurations(spec, hw, config, space) for c in group]
     for index, candidate in enumerate(candidates):
         try:
@@ -138,6 +139,10 @@ def reduced_error(name: str) -> None:
         rows.append((reduced.extrapolated, reduced.step_time / full.step_time - 1,
                      reduced.memory.total / full.memory.total - 1,
                      reduced.feasible != full.feasible, candidate))
+        first = evaluator.first_count_memory(candidate) if candidate.offload != "none" else None
+        if first is not None:  # the search's look at an offloaded plan (planner/search.py)
+            screens.append((first / full.memory.total - 1,
+                            first > evaluator.budget_bytes and full.feasible, candidate))
         if full.feasible and (best is None or (full.step_time, full.memory.total)
                               < (best.step_time, best.memory.total)):
             best = full
@@ -156,6 +161,10 @@ def reduced_error(name: str) -> None:
         "worst_memory_error": worst_memory and worst_memory[2],
         "worst_memory_candidate": worst_memory and repr(worst_memory[4]),
         "feasibility_flips": sum(row[3] for row in kept),
+        "first_count_screens": len(screens),
+        "first_count_worst_memory_error": max((row[0] for row in screens), key=abs,
+                                              default=None),
+        "first_count_wrongly_over_budget": sum(row[1] for row in screens),
         "every_candidate_best": best and describe_plan(best),
         "every_candidate_step_time": best and best.step_time,
         "cpu_s": time.process_time() - started}
@@ -195,7 +204,10 @@ def compare(names: list[str]) -> None:
               f"{summary['reduced']} of {summary['candidates']} candidates reduced, worst "
               f"step-time error {summary['worst_step_time_error']:+.2e}, worst memory error "
               f"{summary['worst_memory_error']:+.2e}, {summary['feasibility_flips']} "
-              f"feasibility flips")
+              f"feasibility flips; {summary['first_count_screens']} offloaded plans looked at "
+              f"at their first count: worst memory error "
+              f"{summary['first_count_worst_memory_error']:+.2e}, "
+              f"{summary['first_count_wrongly_over_budget']} wrongly over the budget")
 
 
 def main(argv: list[str] | None = None) -> int:

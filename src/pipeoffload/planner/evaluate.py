@@ -257,13 +257,26 @@ class Evaluator:
             work[rank] = work.get(rank, 0.0) + costs.chunk_time(stage)
         return max(work.values())
 
-    def evaluate(self, candidate: Candidate, full: bool = False) -> Plan:
+    def first_count_memory(self, candidate: Candidate) -> float | None:
+        """The memory of ``candidate`` simulated at the smallest count of its reduced
+        simulation alone, or None when it has none: no more than the reduced simulation's (the
+        largest peak over its counts), so a quick look at whether a plan can fit."""
+        counts = self.extrapolation.counts(candidate.microbatches, candidate.pp,
+                                           candidate.period())
+        if len(counts) == 1:
+            return None
+        return self.evaluate(candidate, counts=counts[:1]).memory.total
+
+    def evaluate(self, candidate: Candidate, full: bool = False,
+                 counts: tuple[int, ...] | None = None) -> Plan:
         """Simulate ``candidate`` (all m microbatches with ``full``, else Note [reduced
-        simulation]) and price its memory."""
+        simulation], or just ``counts``) and price its memory."""
         pieces = self.pieces(candidate)
         layout = candidate.layout
         m = candidate.microbatches
-        counts = (m,) if full else self.extrapolation.counts(m, candidate.pp, candidate.period())
+        if counts is None:
+            counts = (m,) if full else self.extrapolation.counts(m, candidate.pp,
+                                                                 candidate.period())
         run = self.runner.simulate(
             lambda count: self.schedule(candidate, count), self.costs(candidate),
             candidate.offload, [piece.activation_bytes for piece in pieces], m, counts,

@@ -114,10 +114,11 @@ class Runner:
                  stage_bytes: list[float], microbatches: int, counts: tuple[int, ...],
                  busiest_work: float, ranks: int) -> Simulated:
         """Run each count; extrapolate to ``microbatches`` when there are three that pass
-        Note [reduced simulation]'s checks, else simulate all of them."""
+        Note [reduced simulation]'s checks, else simulate all of them (one count is taken as
+        it is: the caller asked for that count only)."""
         runs = [self.run(build(count), costs, option, stage_bytes) for count in counts]
-        makespan = runs[0].makespan if len(runs) == 1 else None
-        if len(runs) > 1 and not any(
+        makespan = runs[0].makespan if len(runs) != 3 else None
+        if len(runs) == 3 and not any(
                 run.stall_time > self.extrapolation.stall_tolerance * run.makespan
                 for run in runs):
             makespan = extrapolate(tuple(run.makespan for run in runs), counts, microbatches,
