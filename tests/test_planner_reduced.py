@@ -77,7 +77,7 @@ PLANNED = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "v-min",
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(SPECS, st.sampled_from(PLANNED), st.integers(2, 5), st.sampled_from([1, 2, 4]),
        st.integers(10, 16), st.sampled_from(list(Recompute)),
-       st.sampled_from(["none", "none", "all", "chunks:1"]),
+       st.sampled_from(["none", "all", "chunks:1", "recompute-chunks:1+all"]),
        st.sampled_from(["a100-80gb", "h100-80gb"]), st.booleans())
 def test_reduced_step_time_is_within_tolerance_of_the_full_one(
         spec: TransformerSpec, name: str, pp: int, tp: int, periods: int, recompute: Recompute,
@@ -91,7 +91,7 @@ def test_reduced_step_time_is_within_tolerance_of_the_full_one(
     group = (pp if larger_group else math.ceil(pp / 2)) if name == "grouped-interleaved" else None
     period = math.lcm(pp, group) if group else pp
     microbatches = period * periods + (0 if name == "interleaved-1f1b" else pp // 2)
-    if chunks < 2 and offload == "chunks:1":
+    if chunks < 2 and offload in ("chunks:1", "recompute-chunks:1+all"):
         offload = "all"
     candidate = Candidate(name, 1, tp, pp, chunks, 1, microbatches, recompute, offload, group)
     hw = hardware_preset(hardware)
@@ -107,3 +107,6 @@ def test_reduced_step_time_is_within_tolerance_of_the_full_one(
         assert reduced.step_time == pytest.approx(full.step_time, rel=tolerance)
     else:
         assert reduced.step_time == full.step_time
+    first = Evaluator(spec, hw, MemoryConfig(), math.inf).first_count_memory(candidate)
+    if first is not None and offload != "none":  # the search's first look at an offloaded plan
+        assert first <= full.memory.total * (1 + Extrapolation().memory_tolerance)

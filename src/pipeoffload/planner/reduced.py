@@ -45,17 +45,23 @@ class Extrapolation:
     makespan that reduced runs may stall before the full count is simulated instead.
     ``tolerance``: the largest relative step-time error of a reduced simulation that passed its
     checks (measured, see the Note); the search treats a reduced time t as "between
-    t / (1 + tolerance) and t (1 + tolerance)"."""
+    t / (1 + tolerance) and t (1 + tolerance)". ``memory_tolerance``: how far a plan with
+    offload simulated at the smallest count alone may exceed its full peak memory (the offload
+    planner's choices differ a little with m; measured up to 2.6%): the search takes such a
+    plan as not fitting only when that peak is over the budget by more."""
 
     min_factor: float = 2.0
     enabled: bool = True
     stall_tolerance: float = 0.001
     tolerance: float = 0.005
+    memory_tolerance: float = 0.05
 
     def __post_init__(self) -> None:
         check_number("Extrapolation.min_factor", self.min_factor, minimum=1)
         check_number("Extrapolation.stall_tolerance", self.stall_tolerance, minimum=0)
         check_number("Extrapolation.tolerance", self.tolerance, minimum=0, maximum=1)
+        check_number("Extrapolation.memory_tolerance", self.memory_tolerance, minimum=0,
+                     maximum=1)
 
     def counts(self, microbatches: int, pp: int, period: int) -> tuple[int, ...]:
         """The microbatch counts to simulate: (m,), or three counts one period apart with m's

@@ -20,10 +20,10 @@ time key, and the search takes the smallest key first:
    simulation's tolerance), which it cannot beat by more (measured, planner/reduced.py); when
    it comes out again it is simulated in full (a finalist) and takes part with its full time.
    A plan with offload is first planned at the reduced simulation's smallest count only: over
-   the budget there, it is taken as not fitting (that peak is no higher than the reduced
-   simulation's, which the test of planner/reduced.py compares with full runs); else it is
-   simulated in full at once (its time is its sibling's in most cases: a reduced run would
-   only delay the full one).
+   the budget there by more than ``Extrapolation.memory_tolerance`` (how far that peak may
+   exceed the full one, tested), it is taken as not fitting; else it is simulated in full at
+   once (its time is its sibling's in most cases: a reduced run would only delay the full
+   one).
 3. the search stops when the smallest key times (1 + ``SearchConfig.tolerance``) reaches the
    best full-simulated step time found: nothing left can beat it by more than the tolerance.
 So the plan returned is one simulated in full, and no other candidate is faster than it by more
@@ -351,7 +351,8 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                     stats["pruned_by_memory"] += 1
                     continue
                 memory = evaluator.first_count_memory(candidate) if offloaded else None
-                if memory is not None and memory > budget:
+                if memory is not None and memory > budget * (
+                        1 + config.extrapolation.memory_tolerance):
                     stats["pruned_by_memory"] += 1
                     too_big.append((memory, candidate))
                     continue
