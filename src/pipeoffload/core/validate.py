@@ -10,7 +10,7 @@ that no rank waits forever (found by running the schedule without a clock). torc
 from __future__ import annotations
 
 import itertools
-from collections import Counter, defaultdict
+from collections import Counter
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.deps import Dependencies
@@ -148,34 +148,13 @@ def _check_counts(schedule: Schedule) -> None:
 
 def _check_progress(schedule: Schedule) -> None:
     """Run every rank's list without a clock; report the first rank that can never continue."""
-    deps = Dependencies(schedule)
-    keys_of = deps.keys_of  # plain tuples, equal to the Actions (core/deps.py)
-    done: set[tuple] = set()
-    pointer = [0] * schedule.num_ranks
-    waiting: dict[tuple, list[int]] = defaultdict(list)
-    ready = list(range(schedule.num_ranks))
-    while ready:
-        rank = ready.pop()
-        actions = schedule.ranks[rank]
-        i, end = pointer[rank], len(actions)
-        while i < end:
-            action = actions[i]
-            for dep in keys_of(action):
-                if dep not in done:
-                    waiting[dep].append(rank)
-                    break
-            else:
-                done.add(action)
-                i += 1
-                woken = waiting.pop(action, None)
-                if woken:
-                    ready.extend(woken)
-                continue
-            break
-        pointer[rank] = i
-    stuck = [r for r in range(schedule.num_ranks) if pointer[r] < len(schedule.ranks[r])]
-    if not stuck:
+    numbered = schedule.numbered
+    order, pointer = numbered.walk
+    if len(order) == len(numbered.actions):
         return
+    deps = Dependencies(schedule)
+    done = {numbered.actions[i] for i in order}
+    stuck = [r for r in range(schedule.num_ranks) if pointer[r] < len(schedule.ranks[r])]
     present = {a for acts in schedule.ranks for a in acts}
     lines = []
     for rank in stuck:

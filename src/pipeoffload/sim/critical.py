@@ -15,10 +15,7 @@ transfers, communication actions or overlapped F&B pairs need the simulator.
 
 from __future__ import annotations
 
-import itertools
-
 from pipeoffload.core.actions import Action, Kind
-from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
@@ -38,41 +35,14 @@ class ComputeGraph:
             raise ScheduleError(f"ComputeGraph: {schedule.name} has {others} actions; "
                                 "simulate it instead")
         self.schedule = schedule
-        actions = list(itertools.chain.from_iterable(schedule.ranks))
-        index = {a: i for i, a in enumerate(actions)}
-        owner = [r for r, acts in enumerate(schedule.ranks) for _ in acts]
-        keys_of = Dependencies(schedule, present=index).keys_of
-        missing = len(actions)
-        get, otherwise = index.get, itertools.repeat(missing)
-        needs = [list(map(get, keys_of(a), otherwise)) for a in actions]
+        numbered = schedule.numbered  # kept with the schedule: numbered once (core/deps.py)
+        if numbered.repeated:
+            raise ScheduleError(f"ComputeGraph: {schedule.name} has an action twice; "
+                                "pipeoffload.core.validate.validate(schedule) says where")
+        actions, owner, needs = numbered.actions, numbered.owner, numbered.needs
         self.actions = actions
-        # A topological order that keeps each rank's program order: Kahn's algorithm with one
-        # pointer per rank, as the simulator and the validator walk a schedule.
-        first = [0]
-        for acts in schedule.ranks:
-            first.append(first[-1] + len(acts))
-        order: list[int] = []
-        done = [False] * (missing + 1)
-        waiting: dict[int, list[int]] = {}
-        pointer = first[:-1]
-        runnable = list(range(schedule.num_ranks))
-        while runnable:
-            rank = runnable.pop()
-            i, stop = pointer[rank], first[rank + 1]
-            while i < stop:
-                for dep in needs[i]:
-                    if not done[dep]:
-                        waiting.setdefault(dep, []).append(rank)
-                        break
-                else:
-                    done[i] = True
-                    order.append(i)
-                    if i in waiting:
-                        runnable.extend(waiting.pop(i))
-                    i += 1
-                    continue
-                break
-            pointer[rank] = i
+        # A topological order that keeps each rank's program order: the validator's walk.
+        order, _ = numbered.walk
         if len(order) != len(actions):
             raise ScheduleError(f"ComputeGraph: {schedule.name} deadlocks; "
                                 "pipeoffload.core.validate.validate(schedule) says where")
