@@ -3,7 +3,7 @@
 Run: python benchmarks/offload_grid.py            (a few minutes on one core)
      python benchmarks/offload_grid.py --quick    (a small grid, seconds; tests use it)
 
-Grid (paper-notes.md section 6; the authors' planner's dimensions): grouped-interleaved with
+Grid (docs/method.md section 6; the authors' planner's dimensions): grouped-interleaved with
 p ranks, v chunks per rank, groups of g microbatches, m = 2p microbatches, the K longest-lived
 chunks of every rank offloaded (``chunks:K``), one-way copy time = ratio x (F+I+W), unit
 costs (F = I = W = 1) or I = 2F (F = 1, I = 2, W = 1), P2P latency 0 or 0.1 F. Peaks are the

@@ -2,7 +2,7 @@
 
 Run: python benchmarks/offload_tables.py            (about a minute on one core)
 Unit costs (T_F = T_I = T_W = 1, free P2P); "ratio" is the one-way copy time of one chunk's
-activation over its F+I+W time (paper-notes.md: ratio 0.5 is k = 1).
+activation over its F+I+W time (docs/method.md: ratio 0.5 is k = 1).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _back_by(schedule: Schedule) -> str:
 
 
 def authors_table() -> None:
-    print("\n### Against the authors' planner (paper-notes.md section 6), m = 4p\n")
+    print("\n### Against the authors' planner (docs/method.md section 6), m = 4p\n")
     print("| p | v | g | ratio | offload | authors (chunk units) | ours, RELOAD | ours, "
           "--fetch-on-use |")
     print("|---|---|---|---|---|---|---|---|")

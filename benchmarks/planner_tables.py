@@ -3,8 +3,10 @@
 (a) per-device activation memory vs pipeline size (po-f falls, 1F1B and interleaved stay flat);
 (b) the paper's case: PP with offload against interleaved 1F1B + TP8 + SP on 32 A100s;
 (c) an impossible budget and the nearest plan;
-(d) MT-NLG 530B against Megatron's measured MFU (Korthikanti et al. 2022);
-(e) the default GEMM curve: linear-layer efficiency by model, TP degree and GPU.
+(d) MT-NLG 530B against Megatron's measured MFU (Korthikanti et al. 2022), with its published
+    interleaved schedule (benchmarks/planner_published.py has every published run);
+(e) the default GEMM curve: linear-layer efficiency by model, TP degree and GPU (roofline and
+    tile / wave quantization).
 
     python benchmarks/planner_tables.py            # all four (a few minutes on 2 cores)
     python benchmarks/planner_tables.py --only a   # one of them
@@ -21,20 +23,25 @@ from pipeoffload.planner.costing import GIB, MemoryConfig
 from pipeoffload.planner.evaluate import Candidate, Evaluator
 from pipeoffload.planner.gemm import layer_gemms
 from pipeoffload.planner.hardware import Hardware, hardware_preset
-from pipeoffload.planner.layer_time import layer_compute_s
 from pipeoffload.planner.presets import model_preset
+from pipeoffload.planner.published import KORTHIKANTI_2022, predict
 from pipeoffload.planner.ratio import RunConfig, layer_cost, offload_ratio
 from pipeoffload.planner.report import render_table
 from pipeoffload.planner.search import SearchConfig, SearchSpace, search
-from pipeoffload.planner.transformer import MlpKind, Recompute, TransformerSpec
+from pipeoffload.planner.transformer import TransformerSpec
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PPS = (4, 8, 16, 32)
 MICROBATCHES = 64
 
 
+#: Table (a)'s sequence: at 32768 a layer's k is 0.71, low enough for two A100s on one PCIe
+#: switch to hide full offload; at 16384 (k 0.86) they no longer can and po-f stops falling.
+ACTIVATION_SEQ = 32768
+
+
 def _activation_rows() -> tuple[list[str], dict[str, list[float]]]:
-    spec = model_preset("pipeoffload-42.9b", seq_len=16384, num_layers=64)
+    spec = model_preset("pipeoffload-42.9b", seq_len=ACTIVATION_SEQ, num_layers=64)
     hw = hardware_preset("a100-80gb")
     evaluator = Evaluator(spec, hw, MemoryConfig(), math.inf)
     columns = {"1f1b": [], "interleaved-1f1b (v=2)": [], "po-h": [], "po-f": []}
@@ -50,7 +57,8 @@ def _activation_rows() -> tuple[list[str], dict[str, list[float]]]:
         ):
             columns[name].append(evaluator.evaluate(candidate).memory.activations / GIB)
     k = offload_ratio(spec, hw, RunConfig()).k
-    header = [f"(a) {spec.name} with 64 layers, seq 16384, b=1, m={MICROBATCHES}, tp=1, dp=1, "
+    header = [f"(a) {spec.name} with 64 layers, seq {spec.seq_len}, b=1, m={MICROBATCHES}, "
+              f"tp=1, dp=1, "
               f"{hw.name} (k = {k:.2f}; two GPUs share a host link): activation GiB on the "
               f"fullest device"]
     return header, columns
@@ -78,7 +86,8 @@ def table_a(png: bool = True) -> str:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
         ax.set_xlabel("pipeline ranks p (1 GPU each)")
         ax.set_ylabel("peak activation per device (GiB)")
-        ax.set_title("GPT 64 layers, h=8192, seq 16k, A100: activation vs pipeline size")
+        ax.set_title(f"GPT 64 layers, h=8192, seq {ACTIVATION_SEQ // 1024}k, A100: "
+                     "activation vs pipeline size")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -113,19 +122,20 @@ def table_b(global_batch: int) -> str:
 
 
 def tp_breakdown(spec: TransformerSpec, hw: Hardware, tp: int) -> str:
-    """What TP adds to one layer's F + I + W over its FLOPs at the preset's flat rate: the
-    GEMM-shape penalty and the exposed collectives (layer_time.py)."""
+    """What TP costs one layer (F + I + W, b = 1): its linear matmuls' shape losses against the
+    same matmuls unsharded, and the collectives it leaves exposed against the layer without
+    them (layer_time.py)."""
     run = RunConfig(tp=tp)
-    flat = layer_cost(spec, hw, run).flops.total / hw.bf16_flops_per_s
-    compute = layer_compute_s(spec, hw, 1, tp, run.flop_count)
-    compute_s = compute.f_s + compute.i_s + compute.w_s
+    gemms, whole = layer_gemms(spec, 1, tp).all(), layer_gemms(spec, 1, 1).all()
+    sharded = sum(hw.gemm_s(g) for g in gemms) * tp
+    unsharded = sum(hw.gemm_s(g) for g in whole)
     cost = layer_cost(spec, hw, run)
-    exposed = cost.chunk_s - compute_s
-    return (f"TP{tp} per layer over its FLOPs at {hw.bf16_flops_per_s / 1e12:.0f} TFLOP/s: "
-            f"GEMM shapes {compute_s / flat - 1:+.1%}, exposed collectives "
-            f"{exposed / flat:+.1%} (F {cost.f_s - compute.f_s:.2e} s, I "
-            f"{cost.i_s - compute.i_s:.2e} s, W {cost.w_s - compute.w_s:.2e} s), total "
-            f"{cost.chunk_s / flat - 1:+.1%}")
+    quiet = layer_cost(spec, dataclasses.replace(hw, intra_node_bytes_per_s=1e18), run)
+    return (f"TP{tp} per layer: linear matmuls {sharded / unsharded - 1:+.1%} against TP1 "
+            f"(GEMM shapes, tile and wave quantization), exposed collectives "
+            f"{cost.chunk_s / quiet.chunk_s - 1:+.1%} of the layer (F "
+            f"{cost.f_s - quiet.f_s:.2e} s, I {cost.i_s - quiet.i_s:.2e} s, W "
+            f"{cost.w_s - quiet.w_s:.2e} s)")
 
 
 def sensitivity(spec: TransformerSpec, hw: Hardware, tp8: Candidate, pp: Candidate) -> str:
@@ -144,24 +154,20 @@ def sensitivity(spec: TransformerSpec, hw: Hardware, tp8: Candidate, pp: Candida
     return "\n".join(rows)
 
 
-MT_NLG = TransformerSpec(num_layers=105, hidden=20480, heads=128, kv_heads=128,
-                         ffn_hidden=4 * 20480, vocab=50257, seq_len=2048, mlp=MlpKind.GELU,
-                         dropout=True, name="mt-nlg-530b")
-
-
 def table_d() -> str:
-    """Korthikanti et al. 2022 trained MT-NLG 530B on 2240 A100s, TP8 x PP35 x DP8, global
-    batch 2240, microbatch 1, and measured 54.2% MFU (selective recompute) / 42.1% (full)."""
-    hw = hardware_preset("a100-80gb")
-    evaluator = Evaluator(MT_NLG, hw, MemoryConfig(), math.inf)
-    lines = [f"(d) {MT_NLG.name} on 2240 x {hw.name}, 1f1b, TP8 x PP35 x DP8, global batch "
-             f"2240", "", "| recompute | predicted MFU | Megatron measured | step s | bubble |",
-             "|---|---|---|---|---|"]
-    for recompute, measured in ((Recompute.LGD, 0.542), (Recompute.FULL, 0.421)):
-        plan = evaluator.evaluate(Candidate("1f1b", 8, 8, 35, 1, 1, 280, recompute=recompute))
-        lines.append(f"| {recompute.value} | {plan.mfu:.1%} | {measured:.1%} | "
-                     f"{plan.step_time:.2f} | {plan.bubble_rate:.1%} |")
-    lines += ["", tp_breakdown(MT_NLG, hw, 8)]
+    """Korthikanti et al. 2022 trained MT-NLG 530B on 2240 A100s, TP8 x PP35 x DP8, interleaved
+    with three stages per rank, global batch 2240, microbatch 1, and measured 54.2% MFU
+    (selective recompute) / 42.1% (full); on 280 GPUs 56.0% / 43.2%."""
+    runs = [run for run in KORTHIKANTI_2022 if run.row.startswith("530B")]
+    lines = ["(d) MT-NLG 530B (Korthikanti et al. 2022), TP8 x PP35, interleaved v = 3", "",
+             "| GPUs | recompute | predicted MFU | Megatron measured | step s | DP s | bubble |",
+             "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        plan = predict(run)
+        lines.append(f"| {run.gpus} | {run.recompute.value} | {plan.mfu:.1%} | "
+                     f"{run.measured_mfu:.1%} | {plan.step_time:.2f} | {plan.dp_time:.2f} | "
+                     f"{plan.bubble_rate:.1%} |")
+    lines += ["", tp_breakdown(runs[0].spec, hardware_preset("a100-80gb"), 8)]
     return "\n".join(lines)
 
 
@@ -182,7 +188,7 @@ def table_e() -> str:
               (model_preset("pipeoffload-42.9b", seq_len=16384), "s 16384"),
               (model_preset("pipeoffload-42.9b", seq_len=4096), "s 4096"),
               (model_preset("llama3-70b"), "s 8192"),
-              (MT_NLG, "s 2048")]
+              (KORTHIKANTI_2022[4].spec, "s 2048")]
     tps = (1, 2, 4, 8)
     lines = ["(e) linear-layer GEMM efficiency (fraction of the large-GEMM rate), b = 1", "",
              "| model | hardware | " + " | ".join(f"tp {t}" for t in tps) + " |",

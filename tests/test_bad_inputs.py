@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from patience import PATIENCE, PATIENCE_S
 
 from pipeoffload.cli.main import main
 from pipeoffload.errors import PipeoffloadError
@@ -384,10 +385,10 @@ def test_real_processes_answer_without_a_traceback(tmp) -> None:
         ([sys.executable, "-m", "pipeoffload.cli", "train", "--lr", "nan"], "--lr"),
     ]
     for argv, names in cases:
-        proc = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=PATIENCE_S)
         assert_refused(proc.returncode, proc.stderr, names)
     version = subprocess.run(["pipeoffload", "--version"], capture_output=True, text=True,
-                             timeout=60)
+                             timeout=PATIENCE_S)
     assert version.returncode == 0 and version.stdout.startswith("pipeoffload ")
 
 
@@ -402,7 +403,7 @@ def test_ctrl_c_stops_every_rank_and_names_the_latest_checkpoint(tmp) -> None:
     proc = subprocess.Popen(
         [*("pipeoffload", "train", "--model", "tiny", "--pp", "2", "--batch-size", "8",
            "--microbatches", "4", "--steps", "400", "--log-every", "1", "--no-png",
-           "--p2p-timeout", "20", "--checkpoint-every", "1"),
+           "--p2p-timeout", PATIENCE, "--checkpoint-every", "1"),
          "--checkpoint-dir", str(tmp / "ck")],
         cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)  # its own process group, as a terminal's foreground job
@@ -411,7 +412,7 @@ def test_ctrl_c_stops_every_rank_and_names_the_latest_checkpoint(tmp) -> None:
             if re.match(r"step +2/", line):  # step 1's checkpoint is complete by now
                 break
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends
-        _, err = proc.communicate(timeout=90)
+        _, err = proc.communicate(timeout=PATIENCE_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

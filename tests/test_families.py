@@ -1,7 +1,7 @@
 """Schedule families: every generator validates and shows its paper's bubble and memory.
 
 Expected values come from the papers' formulas and the authors' measured numbers
-(paper-notes.md sections 3 and 6), simulated with T_F = T_I = T_W = 1 and free P2P.
+(docs/method.md sections 3 and 6), simulated with T_F = T_I = T_W = 1 and free P2P.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pipeoffload.sim.simulator import SimResult, simulate
 
 PPS = (2, 3, 4, 5, 8, 16)
 GRID = [(p, m) for p in PPS for m in sorted({p, 2 * p + 1, 4 * p})]
-AUTHORS = ((4, 8), (8, 16))  # where paper-notes.md quotes the authors' measured bubbles
+AUTHORS = ((4, 8), (8, 16))  # where docs/method.md quotes the authors' measured bubbles
 
 
 @cache

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from patience import PATIENCE_S
 
 pytest.importorskip("torch")
 
@@ -19,9 +20,10 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.sh"
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                     reason="needs bash and coreutils' timeout")
 def test_gpu_check_runs_on_cpu_and_prints_its_table(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "GPU_CHECK_LIMIT_S": str(int(PATIENCE_S))}  # its per-step limit: a hang guard here
     done = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--log-dir", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=900)
+                          env=env, capture_output=True, text=True, timeout=4 * PATIENCE_S)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert "| step | status | seconds | result |" in lines

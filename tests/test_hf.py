@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from patience import PATIENCE_S
 from test_runtime_support import launch, one_thread  # noqa: F401 - fixture
 
 from pipeoffload import OffloadConfig, Pipeline, RuntimeConfig, build_schedule
@@ -72,7 +73,7 @@ def run(model: torch.nn.Module, schedule, rank: int | None) -> tuple[float | Non
     stage is) and the largest relative gradient error over the parameters held here."""
     loss_ref, grads_ref = reference_grads(model)
     stages = split_causal_lm(model, schedule, rank=rank)
-    config = RuntimeConfig(p2p_timeout_s=60, offload=OffloadConfig(min_offload_elements=0))
+    config = RuntimeConfig(p2p_timeout_s=PATIENCE_S, offload=OffloadConfig(min_offload_elements=0))
     pipe = Pipeline(stages, schedule, causal_lm_loss, config=config)
     model.zero_grad(set_to_none=True)
     loss = pipe.step(batch(), target=batch()["input_ids"])
@@ -123,13 +124,13 @@ def _check(results: dict, world: int) -> None:
 @pytest.mark.slow
 def test_llama_two_gloo_ranks_tied_and_untied(tmp_path):
     cases = tuple((name, options, tied) for name, options in CASES for tied in (True, False))
-    _check(launch(_ranks, 2, tmp_path, cases, join_timeout_s=240), 2)
+    _check(launch(_ranks, 2, tmp_path, cases, join_timeout_s=PATIENCE_S), 2)
 
 
 @pytest.mark.slow
 def test_llama_four_gloo_ranks(tmp_path):
     cases = (("1f1b", {}, True), ("zbv", {}, False), ("po-f", {"offload_ratio": 0.5}, True))
-    _check(launch(_ranks, 4, tmp_path, cases, join_timeout_s=240), 4)
+    _check(launch(_ranks, 4, tmp_path, cases, join_timeout_s=PATIENCE_S), 4)
 
 
 def test_balanced_layers_and_too_few_layers():

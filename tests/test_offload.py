@@ -128,7 +128,7 @@ def test_full_offload_at_k_equal_one_keeps_rank0_flat_and_time_unchanged(pp, chu
 ])
 def test_better_than_linear(fetch, ratio, min_cut):
     """p=8, v=2, g=4: offloading the longest-lived half of the bytes (chunk 0) cuts rank 0's peak
-    by more than half (paper-notes.md section 4). Read back on use (FETCH), chunk 0 costs
+    by more than half (docs/method.md section 4). Read back on use (FETCH), chunk 0 costs
     nothing while it is backpropagated and the peak is the g = 4 chunk-1 activations: 12 -> 4
     chunk units (-67%), the paper's count. A RELOAD holds the chunk-0 activation being
     backpropagated whole, so its floor is g + 1 = 5 (-58%). docs/offload.md has the numbers."""

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+from patience import PATIENCE_S
+
 BLOCK_TORCH = """
 import sys
 class _NoTorch:
@@ -31,6 +33,7 @@ def test_core_layers_import_and_run_without_torch():
         assert "torch" not in sys.modules
         print("OK")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=PATIENCE_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("OK")

@@ -12,6 +12,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+from patience import PATIENCE_S
 from test_runtime_support import (
     launch,
     max_relative_error,
@@ -54,7 +55,8 @@ def _train_cases(rank: int, world: int, dtype_name: str) -> list[tuple]:
         channels = (new_channel_groups(list(range(world)))
                     if name in ("interleaved-1f1b", "po-f") else None)
         meter = ActivationMeter()
-        config = RuntimeConfig(p2p_timeout_s=30, offload=OffloadConfig(min_offload_elements=0))
+        config = RuntimeConfig(p2p_timeout_s=PATIENCE_S,
+                               offload=OffloadConfig(min_offload_elements=0))
         pipe = Pipeline(mine, sched, token_loss, config=config, meter=meter,
                         backward_group=backward_group, channel_groups=channels)
         loss = pipe.step(ids, target=target)  # every rank passes both; each uses what it needs
@@ -119,19 +121,24 @@ def _killed_peer(rank: int, world: int) -> str:
 
 
 def test_a_peer_killed_mid_step_makes_every_other_rank_raise(tmp_path) -> None:
-    results = launch(_killed_peer, 3, tmp_path, join_timeout_s=60)
+    results = launch(_killed_peer, 3, tmp_path)
     assert 2 not in results  # it died before reporting
     for rank in (0, 1):
-        assert rank in results, f"rank {rank} did not finish within 60 s"
+        assert rank in results, f"rank {rank} did not finish"
         assert results[rank].get("type") == "PipelineRuntimeError", results[rank]
         assert f"rank {rank}: " in results[rank]["error"]
         assert "waited for" in results[rank]["error"]
 
 
-def _silent_peer(rank: int, world: int) -> str:
-    if rank == 1:
-        time.sleep(3)  # alive, but never runs its schedule
-        return "slept"
+def _silent_peer(rank: int, world: int, result_dir: str) -> str:
+    if rank == 1:  # alive, but never runs its schedule: it stays until rank 0 has reported,
+        # so that however slowly rank 0 starts, it times out on a live peer (a peer that had
+        # exited would end its wait with a closed connection instead)
+        done = os.path.join(result_dir, "rank0.pt")
+        give_up = time.monotonic() + PATIENCE_S
+        while not os.path.exists(done) and time.monotonic() < give_up:
+            time.sleep(0.05)
+        return "waited"
     sched = build_schedule("1f1b", pp=world, microbatches=2)
     stages = transformer_stages(world)
     ids, target = token_batch()
@@ -141,6 +148,6 @@ def _silent_peer(rank: int, world: int) -> str:
 
 
 def test_a_silent_peer_times_out_naming_the_action(tmp_path) -> None:
-    results = launch(_silent_peer, 2, tmp_path, join_timeout_s=60)
+    results = launch(_silent_peer, 2, tmp_path, str(tmp_path))
     assert results[0].get("type") == "PipelineRuntimeError", results[0]
     assert "rank 0: 0RECV_B0 waited for" in results[0]["error"]

@@ -14,6 +14,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+from patience import PATIENCE_S
 from test_runtime_support import (
     launch,
     part_index,
@@ -49,7 +50,8 @@ def _run_cases(rank: int, world: int) -> list[tuple]:
         parts = transformer_stages(len(sched.route_of(0)))
         mine = {s: parts[part_index(sched, s)] for s in sched.stages_on_rank(rank)}
         meter = ActivationMeter()
-        config = RuntimeConfig(p2p_timeout_s=30, offload=OffloadConfig(min_offload_elements=0))
+        config = RuntimeConfig(p2p_timeout_s=PATIENCE_S,
+                               offload=OffloadConfig(min_offload_elements=0))
         pipe = Pipeline(mine, sched, token_loss, config=config, meter=meter,
                         backward_group=dist.new_group(list(range(world))))
         ids, target = token_batch()

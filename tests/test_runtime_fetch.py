@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from patience import PATIENCE_S
 from test_runtime_support import (
     launch,
     one_thread,  # noqa: F401 - autouse fixture
@@ -239,7 +240,8 @@ def _fetch_po_f(rank: int, world: int) -> tuple[bool, bool]:
         stages = transformer_stages(sched.num_stages, torch.float64)
         mine = {s: stages[s] for s in sched.stages_on_rank(rank)}
         ids, target = token_batch(batch=2 * sched.microbatches)
-        config = RuntimeConfig(p2p_timeout_s=30, offload=OffloadConfig(min_offload_elements=0))
+        config = RuntimeConfig(p2p_timeout_s=PATIENCE_S,
+                               offload=OffloadConfig(min_offload_elements=0))
         loss = Pipeline(mine, sched, token_loss, config=config).step(ids, target=target)
         results.append((loss, [p.grad for s in mine.values() for p in s.parameters()]))
     (kept_loss, kept), (loss, grads) = results

@@ -201,10 +201,16 @@ def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> N
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "new_group", new_group)
+    from pipeoffload.training import job
+
+    store = object()  # the ranks' meeting (training/job.py) is tested in test_job.py
+    monkeypatch.setattr(job, "join_store", lambda env, timeout_s, agree: store)
     topology = launch.connect(pp=2, dp=1, device="cuda",
-                              env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+                              env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
     init = calls["init"]
     assert init["backend"] == "nccl" and init["device_id"] == torch.device("cuda", 1)
+    assert init["store"] is store and (init["rank"], init["world_size"]) == (0, 2)
     assert calls["mesh"]["device_type"] == "cuda" and calls["mesh"]["shape"] == (2, 1, 1)
     assert topology.pp_group == "the pp group"
     assert set(topology.channel_groups) == set(Channel)

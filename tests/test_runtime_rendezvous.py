@@ -11,6 +11,7 @@ from pipeoffload.core.actions import Kind
 from pipeoffload.core.registry import FAMILIES
 from pipeoffload.runtime.lowering import (
     channel_of,
+    forward_only,
     one_group,
     order_conflicts,
     two_groups,
@@ -61,3 +62,15 @@ def test_first_step_posts_metadata_before_forward_data_only() -> None:
     assert posts_of(Action(1, Kind.RECV_F, 0), first_step=True) == ("meta",)
     assert posts_of(Action(1, Kind.SEND_B, 0), first_step=True) == ("data",)
     assert posts_of(Action(0, Kind.RECV_F, 0), first_step=False) == ("data",)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("name", ZOO)
+def test_forward_only_evaluation_does_not_deadlock_either(name: str, pp: int) -> None:
+    """Pipeline.evaluate runs the step's F actions and their messages in the step's order."""
+    lowered = forward_only(with_comms(_build(name, pp, "all")))
+    assert {a.kind for row in lowered.ranks for a in row} <= {Kind.F, Kind.SEND_F, Kind.RECV_F}
+    for first_step in (True, False):
+        outcome = simulate(lowered, channel_of, first_step=first_step)
+        assert outcome.ok, "\n".join(outcome.deadlock)
+    assert order_conflicts(lowered, lane=channel_of) == []

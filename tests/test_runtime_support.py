@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.multiprocessing as mp
+from patience import PATIENCE_S
 from torch import nn
 
 from pipeoffload.core.actions import Action, Kind
@@ -169,7 +170,7 @@ def _entry(rank: int, world: int, port: int, result_dir: str, fn: Callable, args
 
 
 def launch(fn: Callable, world: int, tmp_path: object, *args: object,
-           join_timeout_s: float = 120.0) -> dict[int, dict]:
+           join_timeout_s: float = PATIENCE_S) -> dict[int, dict]:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; return their outcomes
     (a rank that died without reporting is missing)."""
     port = free_port()

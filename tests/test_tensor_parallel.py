@@ -11,6 +11,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+from patience import PATIENCE, PATIENCE_S
 from test_runtime_support import launch, one_thread  # noqa: E402, F401 - autouse fixture
 
 from pipeoffload.api import build_schedule  # noqa: E402
@@ -68,7 +69,7 @@ def _reference() -> tuple[float, dict[str, torch.Tensor]]:
 def _tp_cases(rank: int, world: int) -> list[dict]:
     from pipeoffload.training.launch import mesh_topology
 
-    topology = mesh_topology(2, 1, 2, torch.device("cpu"), timeout_s=60)
+    topology = mesh_topology(2, 1, 2, torch.device("cpu"), timeout_s=PATIENCE_S)
     ref_loss, ref_grads = _reference()
     ids, target = _batch()
     report = []
@@ -77,7 +78,8 @@ def _tp_cases(rank: int, world: int) -> list[dict]:
         mine = schedule.stages_on_rank(topology.pp_rank)
         stages = _stages(schedule, mine, recompute, topology.tp_mesh)
         meter = ActivationMeter()
-        config = RuntimeConfig(p2p_timeout_s=60, offload=OffloadConfig(min_offload_elements=0))
+        config = RuntimeConfig(p2p_timeout_s=PATIENCE_S,
+                               offload=OffloadConfig(min_offload_elements=0))
         pipe = Pipeline(stages, schedule, lm_loss, group=topology.pp_group, config=config,
                         meter=meter)
         loss = pipe.step(ids, target=target)
@@ -117,7 +119,7 @@ def _single_process_sizes(name: str, options: dict, recompute: str) -> dict:
 
 
 def test_pp2_tp2_equals_the_unsplit_model_and_the_meter_equals_the_simulator(tmp_path) -> None:
-    results = launch(_tp_cases, 4, tmp_path, join_timeout_s=300)
+    results = launch(_tp_cases, 4, tmp_path, join_timeout_s=PATIENCE_S)
     assert sorted(results) == [0, 1, 2, 3], results
     for outcome in results.values():
         assert "ok" in outcome, outcome.get("trace")
@@ -162,7 +164,7 @@ def _cli(argv: list[str], cwd) -> tuple[int, str, str]:
     import sys
 
     done = subprocess.run([sys.executable, "-m", "pipeoffload.cli", "train", *argv],
-                          cwd=cwd, capture_output=True, text=True, timeout=240)
+                          cwd=cwd, capture_output=True, text=True, timeout=PATIENCE_S)
     return done.returncode, done.stdout, done.stderr
 
 
@@ -181,13 +183,13 @@ def test_tp_bf16_checkpoint_resumes_bitwise_and_refuses_another_tp(tmp_path) -> 
 
     common = ["--model", "tiny", "--pp", "1", "--tp", "2", "--schedule", "1f1b", "--steps", "3",
               "--batch-size", "4", "--dtype", "bf16", "--no-png", "--json", "--p2p-timeout",
-              "30", "--checkpoint-dir", "ck"]
+              PATIENCE, "--checkpoint-dir", "ck"]
     code, out, err = _cli([*common, "--checkpoint-every", "2"], tmp_path)
     assert code == 0, err
     straight = json.loads(out.splitlines()[-1])
     assert (straight["tp"], straight["dtype"]) == (2, "bf16")
     assert sorted(p.name for p in (tmp_path / "ck" / "step_00000002").iterdir()) == [
-        "manifest.json", "rank_00000.pt", "rank_00001.pt", "stage_000_tp0.pt",
+        "config.toml", "manifest.json", "rank_00000.pt", "rank_00001.pt", "stage_000_tp0.pt",
         "stage_000_tp1.pt"]
     manifest = json.loads((tmp_path / "ck" / "step_00000002" / "manifest.json").read_text())
     assert (manifest["info"]["tp"], manifest["info"]["dtype"]) == (2, "bf16")

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from patience import PATIENCE, PATIENCE_S
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -38,7 +39,7 @@ needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 from test_runtime_support import one_thread  # noqa: E402, F401 - autouse fixture
 
-TINY_ARGS = ["--model", "tiny", "--batch-size", "16", "--log-every", "1", "--p2p-timeout", "20"]
+TINY_ARGS = ["--model", "tiny", "--batch-size", "16", "--log-every", "1", "--p2p-timeout", PATIENCE]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -57,7 +58,7 @@ def run_inline(config: TrainConfig):
     return train(config, Topology.local(config.pp))
 
 
-def run_cli(argv: list[str], cwd: Path, timeout_s: float = 120) -> tuple[dict, str]:
+def run_cli(argv: list[str], cwd: Path, timeout_s: float = PATIENCE_S) -> tuple[dict, str]:
     """Run the command in fresh processes; its last stdout line is the --json object."""
     png = [] if "--png" in argv else ["--no-png"]
     proc = subprocess.run([sys.executable, "-m", "pipeoffload.cli", "train",
@@ -253,10 +254,15 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(
         ckpt.read_manifest(torn)
 
 
-def test_launcher_gives_torchrun_env_and_blames_the_failing_rank(capfd) -> None:
-    code = ("import os, sys, time; e = os.environ; r = int(e['RANK']); "
+def test_launcher_gives_torchrun_env_and_blames_the_failing_rank(capfd, tmp_path) -> None:
+    # Each rank prints, then marks it in a file; rank 1 fails only once all three printed, so a
+    # slow start (a loaded machine) cannot have the launcher stop a rank before it printed.
+    code = ("import os, sys, time, pathlib; e = os.environ; r = int(e['RANK']); "
             "print(e['WORLD_SIZE'], e['LOCAL_RANK'], e['MASTER_ADDR'], e['OMP_NUM_THREADS'], "
-            "flush=True); sys.exit(3) if r == 1 else time.sleep(120 if r == 2 else 0)")
+            f"flush=True); d = pathlib.Path({str(tmp_path)!r}); (d / str(r)).touch(); "
+            "[time.sleep(0.05) for _ in iter(lambda: len(list(d.iterdir())) < 3, False)] "
+            "if r == 1 else None; "
+            "sys.exit(3) if r == 1 else time.sleep(120 if r == 2 else 0)")
     rc = launch([sys.executable, "-c", code], LaunchConfig(nprocs=3, reporting_rank=0,
                                                             grace_s=0.5, term_timeout_s=2))
     out, err = capfd.readouterr()
@@ -286,7 +292,7 @@ def _children(pid: int) -> dict[int, int]:
 def test_killing_one_rank_ends_the_run_with_an_error_on_every_rank(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeoffload.cli", "train", *TINY_ARGS, "--pp", "3",
-         "--schedule", "1f1b", "--microbatches", "4", "--steps", "100000", "--p2p-timeout", "5",
+         "--schedule", "1f1b", "--microbatches", "4", "--steps", "100000",
          "--no-png"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -296,11 +302,13 @@ def test_killing_one_rank_ends_the_run_with_an_error_on_every_rank(tmp_path: Pat
         children = _children(proc.pid)
         assert sorted(children) == [0, 1, 2]
         os.kill(children[1], signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=90)
+        stdout, stderr = proc.communicate(timeout=PATIENCE_S)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0
+    assert proc.returncode == 128 + signal.SIGKILL  # the launcher reports the killed rank
+    # A survivor that ended by itself failed its work: 1 (2 is an input error).
+    assert all(code == "1" for code in re.findall(r"rank [02] exited with code (\d+)", stderr))
     assert f"launch: rank 1 (pid {children[1]}) was killed by SIGKILL" in stderr
     # Each survivor says itself what failed: rank 0 prefixed by the launcher, rank 2 (the
     # reporting rank) as is.

@@ -35,6 +35,7 @@ def test_tp_recompute_and_bf16_are_flags_of_the_command() -> None:
 @pytest.mark.parametrize(("change", "spec_change", "reason"), [
     ({"tp": 16}, {}, "tp=16 does not divide kv_heads=8"),
     ({}, {"activation_bytes": 1}, "1 bytes per element"),
+    ({"recompute": Recompute.SELECTIVE}, {}, "recompute option is selective"),
 ])
 def test_what_train_cannot_run_is_refused(change, spec_change, reason) -> None:
     spec = dataclasses.replace(model_spec("pipeoffload-42.9b"), **spec_change)
@@ -56,8 +57,8 @@ def test_every_printed_command_is_one_train_accepts(capsys) -> None:
     parser = argparse.ArgumentParser(prog="pipeoffload")
     add_plan_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["plan", "--model", "gpt3-2.7b", "--gpus", "8", "--hardware",
-                              "a100", "--seq", "4096", "--memory", "40", "--global-batch", "32",
-                              "--json", "--top", "10", "--quiet"])
+                              "a100", "--seq", "4096", "--memory", "24", "--global-batch", "32",
+                              "--json", "--top", "10", "--quiet", "--no-verdict"])
     assert args.handler(args) == 0
     plans = json.loads(capsys.readouterr().out)["candidates"]
     train = argparse.ArgumentParser(prog="pipeoffload")

@@ -1,7 +1,9 @@
 """pipeoffload: pipeline-parallel schedules with activation offload (PipeOffload, ICML 2025).
 
 Build a schedule, check it, simulate and draw it, plan activation offload into it, and run it
-on PyTorch. Everything but ``Pipeline`` is pure Python and imports without torch.
+on PyTorch. Everything but ``Pipeline`` and the training-loop helpers around it
+(``init_distributed``, ``split_blocks``, ``clip_grad_norm_``, ``average_gradients``,
+``save_checkpoint`` / ``load_checkpoint``) is pure Python and imports without torch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ from pipeoffload.sim.costs import CostModel, HostLink
 from pipeoffload.sim.simulator import simulate
 
 if TYPE_CHECKING:
+    from pipeoffload.distributed import (
+        average_gradients,
+        clip_grad_norm_,
+        init_distributed,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from pipeoffload.runtime.blocks import split_blocks
     from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
     from pipeoffload.runtime.meter import ActivationMeter
     from pipeoffload.runtime.pipeline import Pipeline
@@ -36,11 +46,17 @@ __all__ = [
     "RuntimeConfig",
     "Schedule",
     "add_offload",
+    "average_gradients",
     "build_schedule",
+    "clip_grad_norm_",
+    "init_distributed",
+    "load_checkpoint",
     "plan_schedule",
     "read_csv",
+    "save_checkpoint",
     "schedule_names",
     "simulate",
+    "split_blocks",
     "validate",
     "write_csv",
 ]
@@ -51,6 +67,10 @@ _LAZY = {
     "RuntimeConfig": "pipeoffload.runtime.config",
     "OffloadConfig": "pipeoffload.runtime.config",
     "ActivationMeter": "pipeoffload.runtime.meter",
+    "split_blocks": "pipeoffload.runtime.blocks",
+    **{name: "pipeoffload.distributed" for name in (
+        "init_distributed", "average_gradients", "clip_grad_norm_", "save_checkpoint",
+        "load_checkpoint")},
 }
 
 

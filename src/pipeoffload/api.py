@@ -1,6 +1,6 @@
 """The public entry points that combine layers: build a named schedule and plan offload into it.
 
-PipeOffload's presets (paper-notes.md section 4):
+PipeOffload's presets (docs/method.md section 4):
 - ``po-h``: grouped-interleaved with g = ceil(p/2), the longest-lived chunk of each rank offloaded;
 - ``po-f``: the same schedule, everything offloaded (transfers that cannot hide are skipped).
 """

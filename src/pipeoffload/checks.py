@@ -8,7 +8,9 @@ bound, so a plain ``value < 0`` test lets it through: these checks reject it fir
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
 
 from pipeoffload.errors import ConfigError
 
@@ -36,3 +38,16 @@ def check_optional(where: str, value: object, **bounds: float | bool | None) -> 
     """``check_number`` unless ``value`` is None."""
     if value is not None:
         check_number(where, value, **bounds)  # type: ignore[arg-type]
+
+
+def parse_json(text: str, source: str) -> Any:
+    """``json.loads`` whose failures are ConfigErrors naming ``source`` (file:line:column),
+    including nesting too deep for the parser (a RecursionError)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})"
+                          ) from None
+    except RecursionError:
+        raise ConfigError(f"{source}: JSON nested too deeply to read; a config file is a flat "
+                          "object of fields") from None

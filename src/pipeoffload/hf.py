@@ -1,5 +1,7 @@
-"""``pipeoffload.hf``: Hugging Face causal LMs (Llama, Mistral, Qwen2/3, GPT-2) as stages.
-Needs the ``hf`` extra (transformers >= 5); see integrations/hf.py for the contract."""
+"""``pipeoffload.hf``: Hugging Face causal LMs (Llama, Mistral, Qwen2/3, GPT-2) as stages, and
+back: ``export_pretrained`` writes the trained stages as a folder ``from_pretrained`` loads.
+Needs the ``hf`` extra (transformers >= 5); see integrations/hf.py for the contract and
+training/export.py for the export."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ from pipeoffload.integrations.hf import (
     CausalLMStage,
     balanced_layers,
     causal_lm_loss,
+    check_causal_lm,
     split_causal_lm,
 )
+from pipeoffload.training.export import export_pretrained
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMStage", "balanced_layers", "causal_lm_loss",
-           "split_causal_lm"]
+           "check_causal_lm", "export_pretrained", "split_causal_lm"]

@@ -11,11 +11,7 @@ every module of pipeoffload uses absolute imports, so ``import torch`` anywhere 
 
 from __future__ import annotations
 
-from pipeoffload.integrations.torch_schedule import (
-    SUPPORTED_TORCH,
-    PipeOffloadSchedule,
-    TransferKind,
-    check_torch_version,
-)
+from pipeoffload.integrations.torch_schedule import PipeOffloadSchedule, TransferKind
+from pipeoffload.integrations.torch_versions import SUPPORTED_TORCH, check_torch_version
 
 __all__ = ["SUPPORTED_TORCH", "PipeOffloadSchedule", "TransferKind", "check_torch_version"]

@@ -11,15 +11,12 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from pipeoffload.cli import preflight
+from pipeoffload.cli import config_file, preflight
 from pipeoffload.cli.preflight import count, number
 from pipeoffload.errors import ConfigError, PipeoffloadError
 from pipeoffload.sim.render_text import MIN_WIDTH
 
 Handler = Callable[[argparse.Namespace], int]
-
-# Beyond this a run takes minutes and gigabytes: refused, as a typo far more often than a wish.
-MAX_STAGE_MICROBATCHES = 1 << 18
 
 
 def _add_schedule_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +29,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=count(1, preflight.MAX_RANKS), default=4,
                    help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", type=count(1, preflight.MAX_MICROBATCHES), default=None,
-                   help="microbatches per step (default 4 * pp)")
+                   help="microbatches per step (default 4 * pp: enough for every schedule "
+                   "to reach its steady state, as the authors measure)")
     p.add_argument("--chunks", type=count(1, preflight.MAX_CHUNKS), default=None,
                    help="stages per rank (schedules with several chunks)")
     p.add_argument("--group-size", type=count(1, preflight.MAX_RANKS), default=None,
@@ -49,10 +47,14 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
                    help="bring activations back by FETCH (each backward pass reads them from "
                    "host memory as it uses them) where the reads hide, instead of RELOAD")
     time = number(minimum=0, maximum=1e12)
-    p.add_argument("--cost-f", type=time, default=1.0, help="forward time of one chunk")
-    p.add_argument("--cost-i", type=time, default=1.0, help="input-gradient backward time")
-    p.add_argument("--cost-w", type=time, default=1.0, help="weight-gradient backward time")
-    p.add_argument("--p2p", type=time, default=0.0, help="latency of a cross-rank hand-off")
+    p.add_argument("--cost-f", type=time, default=1.0,
+                   help="forward time of one chunk (default 1)")
+    p.add_argument("--cost-i", type=time, default=1.0,
+                   help="input-gradient backward time (default 1)")
+    p.add_argument("--cost-w", type=time, default=1.0,
+                   help="weight-gradient backward time (default 1)")
+    p.add_argument("--p2p", type=time, default=0.0,
+                   help="latency of a cross-rank hand-off (default 0)")
     p.add_argument("--overlap-f-b", type=number(minimum=0, maximum=1), default=None,
                    metavar="X",
                    help="time an F followed by another microbatch's B as DeepSeek's overlapped "
@@ -61,7 +63,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
                    help="bytes one microbatch keeps on one stage (adds byte peaks)")
     p.add_argument("--half-duplex", action="store_true", help="host link copies one way at a time")
     p.add_argument("--ranks-per-link", type=count(1, preflight.MAX_RANKS), default=1,
-                   help="ranks sharing one host link (2: two GPUs behind one PCIe switch)")
+                   help="ranks sharing one host link (default 1; 2: two GPUs behind one PCIe "
+                   "switch)")
 
 
 def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult without offload)
@@ -79,7 +82,8 @@ def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult 
         host_link=HostLink(Duplex.HALF if args.half_duplex else Duplex.FULL,
                            args.ranks_per_link),
     ), args.offload_ratio)
-    target = parse_target(args.offload, allow_stall=args.allow_stall) if args.offload else None
+    target = (parse_target(args.offload, allow_stall=args.allow_stall)
+              if args.offload is not None else None)
     policy = OffloadPolicy(fetch_on_use=args.fetch_on_use)
     if args.from_csv:
         for flag in ("chunks", "group_size"):
@@ -93,12 +97,7 @@ def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult 
     options = {k: v for k, v in (("chunks", args.chunks), ("group_size", args.group_size))
                if v is not None}
     microbatches = args.microbatches if args.microbatches is not None else 4 * args.pp
-    work = args.pp * (args.chunks or 2) * microbatches
-    if work > MAX_STAGE_MICROBATCHES:
-        raise ConfigError(
-            f"--pp {args.pp} x --chunks {args.chunks or 2} x --microbatches {microbatches} = "
-            f"{work} stage-microbatches, more than this command simulates "
-            f"({MAX_STAGE_MICROBATCHES}); lower --microbatches or --pp")
+    preflight.check_work(args.pp, args.chunks or 2, microbatches)
     if args.allow_stall and target is None:
         raise PipeoffloadError("--allow-stall needs --offload SPEC")
     return plan_schedule(args.schedule, args.pp, microbatches, target, costs=costs,
@@ -112,7 +111,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     plan = _schedule_and_plan(args)
     result, report, schedule = plan.result, plan.report, plan.schedule
     if args.csv:
-        write_csv(schedule, args.csv)
+        with preflight.writing(args.csv):
+            write_csv(schedule, args.csv)
     if args.png and not preflight.have_matplotlib():
         preflight.note("simulate", preflight.MATPLOTLIB_MISSING.format(what=args.png))
     elif args.png:
@@ -123,11 +123,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         bare = schedule.without(*OFFLOAD_KINDS)
         baseline = simulate(dataclasses.replace(bare, name=f"{bare.name} without offload"),
                             result.costs) if report.offloaded else None
-        render_png(result, args.png, compare=baseline)
+        with preflight.writing(args.png):
+            render_png(result, args.png, compare=baseline)
     if args.trace:
         from pipeoffload.sim.render_trace import write_trace
 
-        write_trace(result, args.trace)
+        with preflight.writing(args.trace):
+            write_trace(result, args.trace)
     preflight.offload_notes("simulate", report, args.fetch_on_use, result.peak_activation)
     if args.json:
         print(json.dumps(_simulate_json(plan), sort_keys=True))
@@ -150,8 +152,8 @@ def _grid_width(flag: int | None) -> int | None:
     """--width, else $COLUMNS (as shells export it) when it is a usable width, else None."""
     if flag is not None:
         return flag
-    columns = os.environ.get("COLUMNS", "")
-    if columns.strip().isdigit():
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isascii() and columns.isdigit():  # isdigit() alone takes '²', which int() refuses
         return max(MIN_WIDTH, int(columns))
     return None
 
@@ -198,6 +200,7 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    preflight.need_torch("probe")
     from pipeoffload.training.probe import run_probe_cli
 
     return run_probe_cli(args.output)
@@ -208,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pipeoffload",
         description="Pipeline-parallel schedules with activation offload (PipeOffload).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    from pipeoffload.cli.export import add_export_parser
     from pipeoffload.cli.plan import add_plan_parser
     from pipeoffload.cli.train import add_train_parser
 
@@ -234,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save the preset as JSON")
     p.set_defaults(handler=cmd_probe)
     add_train_parser(sub)
+    add_export_parser(sub)
     add_plan_parser(sub)
     return parser
 
@@ -248,7 +253,15 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, check (cli/preflight.py), run; every expected failure is an `error:` line and a
     non-zero exit status (2: bad input, 1: the work failed, 130: interrupted)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # --config FILE.toml: its settings go before the command line's own flags
+        argv = config_file.expand(parser, argv)
+    except ConfigError as error:
+        command = next((t for t in argv if not t.startswith("-")), "")
+        print(f"pipeoffload {command}: error: {error}", file=sys.stderr)
+        return preflight.INPUT_ERROR
+    args = parser.parse_args(argv)
     handler: Handler = args.handler
     return preflight.run_command(args.command, handler, args,
                                  getattr(args, "on_interrupt", None))

@@ -9,23 +9,45 @@ from typing import Any
 
 def startup_line(config: Any, report: Any, processes: int, schedule: str) -> str:
     """What is about to run and where its outputs go (said before the first slow step)."""
-    from pipeoffload.training.checkpoint import describe_resume
+    from pipeoffload.training.checkpoint import complete_checkpoints, describe_resume
 
-    model = config.model
+    if config.hf_model is None:
+        model = f"model {config.model.n_layers} layers x dim {config.model.dim}"
+    else:
+        from pipeoffload.training.hf_model import resolve_model
+
+        model = f"model {resolve_model(config.hf_model).describe()}"
     data = config.data.source or "the Python standard library's sources"
+    tokens = (f"tokens from {config.data.tokenizer}" if config.data.tokenizer
+              else "byte tokens")
     where = (f"{processes} local processes (pp {config.pp} x dp {config.dp} x tp {config.tp})"
              if processes > 1 else f"one process (all {config.pp} pipeline ranks)")
     parts = [f"pipeoffload train: {where}, device {config.device}; schedule {schedule}, "
-             f"{config.num_microbatches} microbatches; model {model.n_layers} layers x dim "
-             f"{model.dim}, {config.dtype}, recompute {config.recompute}; data {data}; "
-             f"steps up to {config.steps}"]
-    if config.resume is not None:
-        parts.append(describe_resume(config.resume, config.checkpoint_dir))
+             f"{config.num_microbatches} microbatches; {model}, {config.dtype}, recompute "
+             f"{config.recompute}; data {data}, {tokens}; steps up to {config.steps}"]
+    if config.resume == "auto" and not complete_checkpoints(config.checkpoint_dir):
+        parts.append(f"no checkpoint in {config.checkpoint_dir} yet: starting from scratch "
+                     "(--resume auto)")
+    elif config.resume is not None:
+        parts.append(describe_resume("latest" if config.resume == "auto" else config.resume,
+                                     config.checkpoint_dir))
     outputs = [f"checkpoints in {config.checkpoint_dir}" if config.checkpoint_dir
                else "no checkpoints (no --checkpoint-dir)"]
     outputs.append(f"picture {report.png}" if report.png else "no picture")
+    if config.export_hf:
+        outputs.append(f"a Hugging Face export in {config.export_hf}")
     parts.append("writes " + ", ".join(outputs))
     return "; ".join(parts)
+
+
+def data_line(data: Any) -> str:
+    """Which files the run reads and how many bytes of each."""
+    from pipeoffload.training.data import load_corpus
+    from pipeoffload.training.documents import files_report
+
+    corpus = load_corpus(data)
+    cut = " (cut at --max-bytes)" if corpus.truncated else ""
+    return files_report(corpus.origin, corpus.files, corpus.file_bytes) + cut
 
 
 def interrupt_note(args: argparse.Namespace) -> str:
@@ -37,5 +59,22 @@ def interrupt_note(args: argparse.Namespace) -> str:
     found = complete_checkpoints(args.checkpoint_dir)
     if not found:
         return f"no complete checkpoint in {args.checkpoint_dir} yet"
-    return (f"the latest complete checkpoint is {found[-1]}; continue with --resume "
+    return (f"the latest complete checkpoint is {found[-1]}; continue with --resume auto "
             f"--checkpoint-dir {args.checkpoint_dir}")
+
+
+def nothing_to_resume(config: Any) -> str | None:
+    """With --resume auto: a note when the newest checkpoint is already at --steps (a requeued
+    job that had finished), else None."""
+    if config.resume != "auto":
+        return None
+    from pipeoffload.training.checkpoint import complete_checkpoints, read_manifest
+
+    found = complete_checkpoints(config.checkpoint_dir)
+    if not found:
+        return None
+    step = read_manifest(found[-1], verify_files=False).step
+    if step < config.steps:
+        return None
+    return (f"--resume auto: the newest checkpoint {found[-1]} is at step {step}, and --steps "
+            f"is {config.steps}: nothing to train (raise --steps to train on)")

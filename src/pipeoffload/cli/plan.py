@@ -51,6 +51,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="only these TP degrees")
     p.add_argument("--pp", type=counts(1, MAX_RANKS), default=None, metavar="P[,P]",
                    help="only these PP degrees")
+    p.add_argument("--chunks", type=counts(1, 1 << 10), default=None, metavar="V[,V]",
+                   help="only these chunks (stages) per rank for interleaved schedules "
+                        "(default 2,4; V-shaped schedules always run 2, the others 1)")
     p.add_argument("--schedules", type=_names, default=None, metavar="NAME[,NAME]",
                    help="only these schedules (po-h / po-f mean grouped-interleaved)")
     p.add_argument("--offload", type=_names, default=None, metavar="T[,T]",
@@ -62,6 +65,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reserve", type=number(minimum=0, maximum=1 << 30), default=None,
                    metavar="GiB",
                    help="fixed per-GPU reserve for context, NCCL, workspaces (default 4)")
+    p.add_argument("--host-memory", type=number(minimum=0, maximum=1 << 40), default=None,
+                   metavar="GiB",
+                   help="pinned host memory per node that offload may use (default: the "
+                        "hardware preset's host memory per node; 0: not checked)")
+    p.add_argument("--no-verdict", action="store_true",
+                   help="skip the verdict on offload (it costs one more, narrower search)")
     p.add_argument("--no-extrapolate", action="store_true",
                    help="simulate every microbatch instead of extrapolating from fewer")
     p.add_argument("--tolerance", type=number(minimum=0, maximum=1), default=None,
@@ -86,38 +95,81 @@ def _spec(args: argparse.Namespace):  # -> TransformerSpec
         overrides.update(hidden=args.hidden, heads=heads,
                          kv_heads=spec.kv_heads if heads % spec.kv_heads == 0 else heads,
                          ffn_hidden=round(spec.ffn_hidden * args.hidden / spec.hidden))
+    if spec.train_model is not None and ("num_layers" in overrides or "hidden" in overrides):
+        # another shape than the file's: train can run it only as the reference model
+        overrides["train_model"] = None
     return dataclasses.replace(spec, **overrides) if overrides else spec
 
 
-def _space(args: argparse.Namespace):  # -> SearchSpace
+def _space(args: argparse.Namespace, spec) -> object:  # -> SearchSpace
+    from pipeoffload import hf_families
     from pipeoffload.core.registry import canonical_name
     from pipeoffload.planner.search import SearchSpace
 
     options: dict[str, object] = {}
+    implied: list[str] = []  # offload targets po-h / po-f stand for
     if args.schedules:
         names = []
         for name in args.schedules:
-            key = name.strip().lower().replace("_", "-")
-            names.append("grouped-interleaved" if key in ("po-h", "po-f", "poh", "pof")
-                         else canonical_name(name, also=("po-h", "po-f")))
+            key = name.strip().lower().replace("_", "-").replace("-", "")
+            if key in ("poh", "pof"):
+                names.append("grouped-interleaved")
+                implied.append("chunks:1" if key == "poh" else "all")
+            else:
+                names.append(canonical_name(name, also=("po-h", "po-f")))
         options["schedules"] = tuple(dict.fromkeys(names))
+        if implied and len(names) == len(implied):
+            # only PipeOffload's presets: their group size (ceil(p/2)) and chunks (2)
+            options["group_sizes"] = ("min",)
+            options["chunks"] = (2,)
+            if not args.offload:
+                options["offload"] = tuple(dict.fromkeys(implied))
     if args.recompute:
         options["recompute"] = (args.recompute,)
     for field in ("tp", "pp", "offload"):
         if getattr(args, field):
             options[field] = getattr(args, field)
+    if spec.train_model is not None:  # only what `train --model PATH` runs (hf_families)
+        limits = []
+        if not args.recompute:
+            options["recompute"] = hf_families.RECOMPUTE_MODES
+            limits.append("--recompute none or full")
+        if not args.tp and spec.model_type not in hf_families.TENSOR_PARALLEL_MODEL_TYPES:
+            options["tp"] = (1,)
+            limits.append("--tp 1")
+        if limits and not args.quiet:
+            print(f"pipeoffload plan: note: {spec.model_type} models train with "
+                  f"{' and '.join(limits)}, so the search keeps to that", file=sys.stderr)
     if args.micro_batch_sizes:
         options["micro_batch_sizes"] = args.micro_batch_sizes
+    if args.chunks:
+        options["chunks"] = args.chunks
     return SearchSpace(**options)
+
+
+def _every_dimension_fixed(args: argparse.Namespace, space) -> bool:  # space: SearchSpace
+    """Whether the user gave one value for each of tp, pp, chunks (where the schedule takes
+    them), microbatch size, schedule, recompute and offload: then the report shows that
+    configuration whether or not it fits."""
+    from pipeoffload.planner.evaluate import CHUNKED
+
+    single = [space.tp, space.pp, args.micro_batch_sizes, space.schedules, space.recompute,
+              space.offload if (args.offload or args.schedules) else None]
+    if any(value is None or len(value) != 1 for value in single):
+        return False
+    if space.schedules[0] == "grouped-interleaved" and len(space.group_sizes) != 1:
+        return False
+    return space.schedules[0] not in CHUNKED or len(space.chunks) == 1
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pipeoffload.planner.costing import GIB, MemoryConfig
     from pipeoffload.planner.evaluate import Extrapolation
     from pipeoffload.planner.hardware import load_hardware
-    from pipeoffload.planner.ratio import OptimizerSpec
+    from pipeoffload.planner.optimizer import OptimizerSpec
     from pipeoffload.planner.report import render_result, result_json
     from pipeoffload.planner.search import SearchConfig, search
+    from pipeoffload.planner.verdict import offload_verdict
 
     spec = _spec(args)
     hw = load_hardware(args.hardware)
@@ -131,6 +183,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         top_k=args.top,
         memory=memory,
         extrapolation=Extrapolation(enabled=not args.no_extrapolate),
+        host_budget_bytes=args.host_memory * GIB if args.host_memory is not None else None,
     )
     if args.tolerance is not None:
         config = dataclasses.replace(config, tolerance=args.tolerance)
@@ -138,21 +191,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    result = search(spec, hw, config, _space(args), None if args.quiet else progress)
+    space = _space(args, spec)
+    fixed = _every_dimension_fixed(args, space)
+    if fixed:
+        config = dataclasses.replace(config, nearest_tries=max(config.nearest_tries, 8))
+    result = search(spec, hw, config, space, None if args.quiet else progress)
+    verdict = None if fixed or args.no_verdict else offload_verdict(spec, hw, config, space,
+                                                                   result)
+    host_budget = (config.host_budget_bytes if config.host_budget_bytes is not None
+                   else hw.host_bytes_per_node)
     inputs = {"model": spec.name, "layers": spec.num_layers, "hidden": spec.hidden,
               "seq": spec.seq_len, "gpus": config.gpus, "hardware": hw.name,
               "global_batch": config.global_batch, "memory_gib": result.budget_bytes / GIB,
+              "host_memory_gib_per_node": host_budget / GIB,
               "sharded_optimizer": args.sharded_optimizer,
               "reserve_gib": memory.reserve_bytes / GIB}
     fits = result.best is not None and result.best.feasible
+    if fixed and result.best is None:
+        reasons = " ".join(result.notes) or (
+            "the schedule rejects this shape (e.g. interleaved 1F1B needs microbatches that are "
+            "a multiple of pp, offload needs pp > 1, chunked schedules pp x chunks <= layers)")
+        print(f"pipeoffload plan: error: the configuration you fixed cannot be built: {reasons}",
+              file=sys.stderr)
+        return 2
     if not fits:
-        print(f"pipeoffload plan: error: no configuration fits (exit status {NOTHING_FITS}); "
-              "the report says what came nearest", file=sys.stderr)
+        what = ("your configuration does not fit" if fixed else "no configuration fits")
+        print(f"pipeoffload plan: error: {what} (exit status {NOTHING_FITS}); the report says "
+              f"{'what it needs' if fixed else 'what came nearest'}", file=sys.stderr)
     if args.json:
-        print(json.dumps(result_json(result, inputs), sort_keys=True))
+        print(json.dumps(result_json(result, inputs, fixed=fixed, verdict=verdict),
+                         sort_keys=True))
         return 0 if fits else NOTHING_FITS
+    host = (f", {host_budget / GIB:.0f} GiB pinned host memory per node" if host_budget
+            else ", host memory not checked")
     line = (f"{spec.name}: {spec.num_layers} layers, hidden {spec.hidden}, seq {spec.seq_len}; "
             f"{config.gpus} x {hw.name}, global batch {config.global_batch} sequences, budget "
-            f"{result.budget_bytes / GIB:.1f} GiB per GPU (reserve {memory.reserve_bytes / GIB:g})")
-    print(render_result(result, line))
+            f"{result.budget_bytes / GIB:.1f} GiB per GPU (reserve {memory.reserve_bytes / GIB:g})"
+            f"{host}")
+    print(render_result(result, line, fixed=fixed, verdict=verdict))
     return 0 if fits else NOTHING_FITS

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import importlib.util
+import io
 import math
 import os
+import stat
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,13 @@ INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 MAX_RANKS = 4096
 MAX_MICROBATCHES = 1 << 16
 MAX_CHUNKS = 64
+# Stages x microbatches a schedule may have: p = 64, v = 4, m = 1024, whose `limit:` offload
+# plan takes half a minute and about 1.6 GB (benchmarks/limit_plan.py); beyond it a plan takes
+# minutes and gigabytes.
+MAX_STAGE_MICROBATCHES = 1 << 18
+# Local processes `train` starts per CPU core (each imports torch, ~0.3 GB); more is a job for
+# torchrun across machines.
+LOCAL_PROCESSES_PER_CPU = 8
 
 
 def count(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
@@ -143,8 +154,39 @@ input_path = _path_type(InputPath)
 
 
 def resume_path(text: str) -> str:
-    """argparse type of --resume: the word ``latest`` (also its bare form's value) or a path."""
-    return text if text == "latest" else input_path(text)
+    """argparse type of --resume: the words ``latest`` (also its bare form's value) and
+    ``auto``, or a path."""
+    return text if text in ("latest", "auto") else input_path(text)
+
+
+def check_work(pp: int, chunks: int, microbatches: int) -> None:
+    """Refuse a schedule with more stage-microbatches than MAX_STAGE_MICROBATCHES, before it is
+    built (``chunks``: stages per rank, at most what the schedule will have)."""
+    work = pp * chunks * microbatches
+    if work > MAX_STAGE_MICROBATCHES:
+        raise ConfigError(
+            f"--pp {pp} x --chunks {chunks} x --microbatches {microbatches} = {work} "
+            f"stage-microbatches, more than a schedule may have ({MAX_STAGE_MICROBATCHES}: "
+            "planning it would take minutes and gigabytes); lower --microbatches or --pp")
+
+
+def local_process_limit() -> int:
+    """How many local processes `train` may start: LOCAL_PROCESSES_PER_CPU per usable core."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return LOCAL_PROCESSES_PER_CPU * max(cores, 1)
+
+
+def check_local_processes(pp: int, dp: int, tp: int) -> None:
+    """Refuse to start more local processes than ``local_process_limit``."""
+    limit = local_process_limit()
+    if pp * dp * tp > limit:
+        raise ConfigError(
+            f"--pp {pp} x --dp {dp} x --tp {tp} = {pp * dp * tp} processes, more than train "
+            f"starts on one machine ({limit}: {LOCAL_PROCESSES_PER_CPU} per CPU core); run it "
+            "across machines with torchrun (docs/training.md), or lower --pp / --dp / --tp")
 
 
 def flag_name(dest: str) -> str:
@@ -181,13 +223,26 @@ def _not_text(path: Path, head_bytes: int = 1 << 16) -> str | None:
     return None
 
 
+def _special(path: Path) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a folder (a FIFO, a device,
+    /dev/stdin): opening it may block, and reading it consumes what the command needs."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def check_path(flag: str, path: CheckedPath) -> None:
-    """Raise ConfigError naming ``flag`` if ``path`` cannot serve as its role."""
+    """Raise ConfigError naming ``flag`` if ``path`` cannot serve as its role. Never blocks
+    and never reads from a FIFO or device (the command reads it once, later)."""
     where = Path(path)
     problem = None
     if isinstance(path, OutputFile):
         if where.is_dir():
             problem = "is a folder; name a file"
+        elif _special(where):  # opening a FIFO here would block, or end its reader's input
+            problem = None if os.access(where, os.W_OK) else "cannot be written"
         elif where.exists():
             try:
                 with open(where, "ab"):
@@ -197,7 +252,10 @@ def check_path(flag: str, path: CheckedPath) -> None:
         else:
             problem = _writable_folder(where.parent)
     elif isinstance(path, OutputDir):
-        if where.exists():
+        if where.is_symlink() and not where.exists():
+            problem = (f"is a symlink to {os.readlink(where)}, which does not exist; create "
+                       "the target folder or pass another path")
+        elif where.exists():
             problem = ("is a file; name a folder" if not where.is_dir()
                        else _writable_folder(where))
         else:
@@ -210,19 +268,55 @@ def check_path(flag: str, path: CheckedPath) -> None:
             problem = "does not exist"
         elif isinstance(path, InputFile) and where.is_dir():
             problem = "is a folder; name a file"
+        elif isinstance(path, InputFile) and _special(where):  # a pipe: read once, later
+            problem = None if os.access(where, os.R_OK) else "cannot be read"
         elif isinstance(path, InputFile):
             problem = _not_text(where)
+        elif _special(where):
+            problem = ("is not a regular file or folder (a pipe or device); every process "
+                       "reads it, so save it to a file first")
     if problem:
         raise ConfigError(f"{flag} {path}: {problem}")
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse non-finite floats in any flag and check every marked path (see the module doc)."""
+    """Refuse non-finite floats in any flag and check every marked path (see the module doc),
+    and output files that would overwrite an input or another output, or land in an input
+    folder (a data folder reads every file in it on the next run)."""
     for dest, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{flag_name(dest)} must be a finite number, got {value}")
         if isinstance(value, CheckedPath):
             check_path(flag_name(dest), value)
+    paths = [(flag_name(dest), value) for dest, value in vars(args).items()
+             if isinstance(value, CheckedPath)]
+    outputs = [(flag, path) for flag, path in paths if isinstance(path, OutputFile)]
+    for index, (flag, path) in enumerate(outputs):
+        for other_flag, other in paths:
+            if other is path or isinstance(other, OutputDir) or (
+                    isinstance(other, OutputFile) and outputs.index((other_flag, other)) < index):
+                continue
+            clash = _clash(Path(path), Path(other))
+            if clash:
+                raise ConfigError(f"{flag} {path} {clash} {other_flag} {other}; "
+                                  "choose another file")
+
+
+def _clash(output: Path, other: Path) -> str | None:
+    """How writing ``output`` would touch ``other`` (a file or folder given too), or None."""
+    if _special(output):  # /dev/stdout, a FIFO: nothing stored
+        return None
+    try:
+        if output.exists() and other.exists() and os.path.samefile(output, other):
+            return "is the same file as"
+    except OSError:
+        pass
+    mine, theirs = output.resolve(), other.resolve()
+    if mine == theirs:
+        return "is the same file as"
+    if theirs in mine.parents and other.is_dir():
+        return "would be written into the folder of"
+    return None
 
 
 def note(command: str, text: str) -> None:
@@ -245,6 +339,15 @@ def offload_notes(command: str, report: Any, fetch_on_use: bool,
              "chunks:K) or another schedule")
 
 
+def need_torch(command: str) -> None:
+    """Refuse a command that needs PyTorch where it is not installed (the pure-Python ones,
+    simulate, plan and schedules, run without it)."""
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError(f"{command} runs on PyTorch, which is not installed: pip install "
+                          "'pipeoffload[torch]' (or torch for your CUDA version, "
+                          "https://pytorch.org); simulate, plan and schedules run without it")
+
+
 def have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -257,18 +360,80 @@ MATPLOTLIB_MISSING = ("matplotlib is not installed, so {what} was not written; "
                       "pip install 'pipeoffload[plot]' to get it")
 
 
+@contextmanager
+def writing(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Name ``path`` in an OSError raised inside (a full disk fails a write, whose error names
+    no file)."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            error.filename = str(path)
+        raise
+
+
+class _StandardOutput:
+    """``sys.stdout`` whose write errors name it, as a full disk fails a write with an error
+    that names no file."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with writing("standard output"):
+            return self._stream.write(text)
+
+    def flush(self) -> None:
+        with writing("standard output"):
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _silence(stream: Any) -> None:
+    """Point ``stream``'s file at the null device, so that the exit's own flush of what could
+    not be written does not fail again."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def run_command(command: str, handler: Callable[[argparse.Namespace], int],
                 args: argparse.Namespace,
                 on_interrupt: Callable[[argparse.Namespace], str] | None = None) -> int:
     """Check ``args``, run ``handler`` and map every expected failure to an `error:` line and
     an exit status (2 input, 1 failed work, 130 interrupted); ``on_interrupt`` adds a word on
-    what survives a Ctrl-C."""
+    what survives a Ctrl-C. A closed standard output is refused up front; text the terminal's
+    encoding cannot show (an ASCII locale, a file name that is not UTF-8) is escaped."""
     prefix = f"pipeoffload {command}: error:"
+    if sys.stdout is None:  # started with stdout closed (`>&-`)
+        if sys.stderr is not None:
+            print(f"{prefix} standard output is closed; redirect it (> FILE, > /dev/null)",
+                  file=sys.stderr)
+        return INPUT_ERROR
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
+    stdout = sys.stdout
+    sys.stdout = _StandardOutput(stdout)
     try:
         check_args(args)
-        return handler(args)
+        status = handler(args)
+        sys.stdout.flush()
+        return status
     except BrokenPipeError:  # the reader (head, less) went away: not an error
+        _silence(stdout)
         return 0
+    except OSError as error:
+        if error.filename == "standard output":
+            _silence(stdout)
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"{prefix} {where}{error.strerror or error}", file=sys.stderr)
+        return FAILED
     except PipeoffloadError as error:
         print(f"{prefix} {error}", file=sys.stderr)
         return INPUT_ERROR
@@ -276,11 +441,9 @@ def run_command(command: str, handler: Callable[[argparse.Namespace], int],
         print(f"{prefix} an input file is not UTF-8 text ({error.reason} at byte "
               f"{error.start}); pass a text file", file=sys.stderr)
         return INPUT_ERROR
-    except OSError as error:
-        where = f"{error.filename}: " if error.filename else ""
-        print(f"{prefix} {where}{error.strerror or error}", file=sys.stderr)
-        return FAILED
     except KeyboardInterrupt:
         extra = on_interrupt(args) if on_interrupt is not None else ""
         print(f"{prefix} interrupted (Ctrl-C){'; ' + extra if extra else ''}", file=sys.stderr)
         return INTERRUPTED
+    finally:
+        sys.stdout = stdout

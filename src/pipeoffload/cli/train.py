@@ -19,11 +19,13 @@ import os
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
 from pipeoffload.cli import preflight
-from pipeoffload.cli.notes import interrupt_note, startup_line
+from pipeoffload.cli.config_file import changed_flags, settings_toml
+from pipeoffload.cli.notes import data_line, interrupt_note, nothing_to_resume, startup_line
 from pipeoffload.cli.preflight import (
     MAX_CHUNKS,
     MAX_MICROBATCHES,
@@ -36,9 +38,17 @@ from pipeoffload.cli.preflight import (
     resume_path,
 )
 from pipeoffload.core.actions import Kind
-from pipeoffload.errors import ConfigError, PipeoffloadError
+from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
+from pipeoffload.training.signals import (
+    signal_name,
+    stop_on_signals,
+    stop_status,
+    watch_worker_parent,
+)
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_SHAPE_FLAGS = {"n_layers": "--layers", "dim": "--dim", "n_heads": "--heads",
+                "n_kv_heads": "--kv-heads", "ffn_hidden": "--ffn-hidden"}
 
 
 @dataclass(frozen=True)
@@ -49,10 +59,14 @@ class ReportOptions:
     png: str | None = "pipeoffload-train.png"
     log_every: int = 10
     threads: int = 1
+    metrics: str | None = None  # a JSON-lines file, one record per step
+    tensorboard: str | None = None  # a TensorBoard log folder (needs the tensorboard extra)
+    peak_flops_per_s: float | None = None  # one device's, for MFU (None: known GPUs only)
 
 
-def add_train_parser(subparsers: Any) -> None:
-    """Register the ``train`` subcommand (options and handler) on an argparse subparsers."""
+def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``train`` subcommand (options and handler) on an argparse subparsers;
+    returns its parser."""
     p = subparsers.add_parser(
         "train", help="train the reference transformer with a pipeline schedule (offload "
         "included); self-launches local processes, or runs under torchrun",
@@ -60,6 +74,9 @@ def add_train_parser(subparsers: Any) -> None:
         "offload included, and report the peak activation per rank: measured, and predicted by "
         "the simulator. Without torchrun it starts pp * dp * tp local processes; under torchrun it "
         "is one rank of the job. See docs/training.md.")
+    p.add_argument("--config", type=preflight.input_file, default=None, metavar="FILE.toml",
+                   help="read settings from a TOML file: any option below without its --, "
+                   "e.g. pp = 4, checkpoint-dir = \"ck\"; options on the command line win")
     g = p.add_argument_group("parallelism and schedule")
     g.add_argument("--pp", type=count(1, MAX_RANKS), default=4,
                    help="pipeline ranks (default 4)")
@@ -71,7 +88,8 @@ def add_train_parser(subparsers: Any) -> None:
     g.add_argument("--group-size", type=count(1, MAX_RANKS), default=None,
                    help="grouped-interleaved g")
     g.add_argument("--microbatches", type=count(1, MAX_MICROBATCHES), default=None,
-                   help="microbatches per replica and step (default 2 * pp)")
+                   help="microbatches per replica and step (default 2 * pp: the default "
+                   "batch of 16 then splits evenly up to pp 8; simulate's 4 * pp would not)")
     g.add_argument("--offload", default=None, metavar="SPEC",
                    help="none | all | chunks:K | fraction:X | limit:X | recompute-chunks:1+all "
                    "(po-h/po-f: own default)")
@@ -90,13 +108,15 @@ def add_train_parser(subparsers: Any) -> None:
                    help="none (default); lgd: recompute norm and activation-function outputs "
                    "in each layer's backward; full: recompute every stage's forward")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="small", help="preset: tiny | small | medium")
-    for flag, field, what in (("--layers", "n_layers", "transformer layers"),
-                              ("--dim", "dim", "model width"), ("--heads", "n_heads", "heads"),
-                              ("--kv-heads", "n_kv_heads", "key/value heads"),
-                              ("--ffn-hidden", "ffn_hidden", "SwiGLU inner width")):
-        g.add_argument(flag, dest=field, type=count(1, 1 << 20), default=None,
-                       help=f"override {what}")
+    g.add_argument("--model", default="small", metavar="PRESET|PATH",
+                   help="reference model preset tiny | small | medium (default small), or a "
+                   "Hugging Face config.json (random init) or a folder with one and its "
+                   "safetensors weights (loaded: fine-tuning)")
+    for field, what in (("n_layers", "transformer layers"), ("dim", "model width"),
+                        ("n_heads", "heads"), ("n_kv_heads", "key/value heads"),
+                        ("ffn_hidden", "SwiGLU inner width")):
+        g.add_argument(_SHAPE_FLAGS[field], dest=field, type=count(1, 1 << 20), default=None,
+                       help=f"override the preset's {what}")
     g.add_argument("--seq-len", type=count(1, 1 << 20), default=None,
                    help="tokens per sequence (default min(128, the model's max_seq_len); "
                    "a longer one raises max_seq_len)")
@@ -108,6 +128,16 @@ def add_train_parser(subparsers: Any) -> None:
                    "(default: Python standard-library sources)")
     g.add_argument("--max-bytes", type=count(1), default=1 << 20,
                    help="read at most this much text (default 1 MiB)")
+    g.add_argument("--tokenizer", type=input_path, default=None, metavar="PATH",
+                   help="a local tokenizer.json (or its folder), read with the tokenizers "
+                   "package; default: bytes are tokens (the vocabulary must hold 256)")
+    g.add_argument("--eval-fraction", type=number(minimum=0, maximum=0.99), default=0.05,
+                   metavar="X", help="hold out the last X of the tokens (default 0.05; 0: none)")
+    g.add_argument("--eval-every", type=count(0), default=0, metavar="N",
+                   help="also measure the held-out loss at the start and every N steps "
+                   "(default 0: at the end only)")
+    g.add_argument("--eval-batches", type=count(1, 1 << 20), default=4, metavar="N",
+                   help="held-out batches per measurement (default 4)")
     g = p.add_argument_group("optimisation")
     # The same defaults as TrainConfig's (a test checks); torch is not imported to build this.
     g.add_argument("--steps", type=count(1, 1 << 40), default=60,
@@ -122,7 +152,7 @@ def add_train_parser(subparsers: Any) -> None:
     g.add_argument("--weight-decay", type=number(minimum=0, maximum=1e6), default=0.1,
                    help="AdamW weight decay (default 0.1)")
     g.add_argument("--grad-clip", type=number(minimum=0, maximum=1e30), default=1.0,
-                   help="clip the global gradient norm (0: off)")
+                   help="clip the global gradient norm to this (default 1.0; 0: off)")
     g.add_argument("--seed", type=count(0, 2**63 - 1), default=0,
                    help="seed of the weights and of the data order (default 0)")
     g = p.add_argument_group("runtime, checkpoints and output")
@@ -139,11 +169,28 @@ def add_train_parser(subparsers: Any) -> None:
     g.add_argument("--checkpoint-dir", type=output_dir, default=None, metavar="DIR",
                    help="save checkpoints here (step_<N> folders; one at the end of the run)")
     g.add_argument("--checkpoint-every", type=count(0), default=0, metavar="N",
-                   help="also save every N steps (a checkpoint is always saved at the end)")
+                   help="also save every N steps (default 0: only the one at the end, which is "
+                   "always saved)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    type=resume_path,
                    help="continue from the newest complete checkpoint in --checkpoint-dir, or "
-                   "PATH (a step_<N> folder or a checkpoint folder); --steps must be beyond it")
+                   "PATH (a step_<N> folder or a checkpoint folder); --steps must be beyond it; "
+                   "--resume auto: the newest one if there is one, else start from scratch")
+    g.add_argument("--keep-last", type=count(1), default=None, metavar="N",
+                   help="keep only the newest N complete checkpoints (default: keep all)")
+    g.add_argument("--metrics", type=output_file(), default=None, metavar="FILE.jsonl",
+                   help="write one JSON line per step: step, loss, lr, grad norm, tokens/s, "
+                   "step time, MFU, peak activation and host pool bytes per rank")
+    g.add_argument("--tensorboard", type=output_dir, default=None, metavar="DIR",
+                   help="write the same as TensorBoard scalars (extra: pipeoffload[tensorboard])")
+    g.add_argument("--peak-tflops", type=number(above=0, maximum=1e6), default=None,
+                   metavar="T", help="one device's peak TFLOP/s, for MFU (default: the "
+                   "datasheet bf16 peak of A100 / H100 / H200 in bf16 runs; else no MFU)")
+    g.add_argument("--export-hf", type=output_dir, default=None, metavar="DIR",
+                   help="write the trained Hugging Face model to DIR (new or empty) for "
+                   "transformers' from_pretrained")
+    g.add_argument("--export-dtype", default=None, choices=("fp32", "bf16"),
+                   help="dtype of --export-hf (default: bf16 for a bf16 run, else fp32)")
     g.add_argument("--no-baseline", action="store_true",
                    help="skip the extra step that measures peaks without offload")
     g.add_argument("--json", action="store_true", help="print one JSON line at the end")
@@ -157,22 +204,56 @@ def add_train_parser(subparsers: Any) -> None:
                    help="print a progress line every N steps (default 10)")
     p.add_argument("--worker-config", default=None, help=argparse.SUPPRESS)
     p.set_defaults(handler=cmd_train, on_interrupt=interrupt_note)
+    return p
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """A stand-alone parser of `pipeoffload train`'s options (for its settings files)."""
+    root = argparse.ArgumentParser(prog="pipeoffload")
+    return add_train_parser(root.add_subparsers(dest="command"))
+
+
+def run_settings(args: argparse.Namespace) -> tuple[str, str]:
+    """The effective settings (command line and --config merged): as a TOML file that
+    --config reads back, and as the flags that differ from the defaults."""
+    parser = train_parser()
+    header = ("pipeoffload train: the effective settings of this run (command line and --config "
+              "merged);\n`pipeoffload train --config THIS_FILE` runs it again")
+    return settings_toml(parser, args, header), changed_flags(parser, args)
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
     """The TrainConfig and ReportOptions the command line asks for."""
     from pipeoffload.training.data import DataConfig
-    from pipeoffload.training.model import model_preset
+    from pipeoffload.training.model import MODEL_PRESETS, model_preset
     from pipeoffload.training.train import TrainConfig
 
-    model = model_preset(args.model)
     overrides = {f: getattr(args, f) for f in ("n_layers", "dim", "n_heads", "n_kv_heads",
                                                "ffn_hidden") if getattr(args, f) is not None}
-    seq_len = args.seq_len if args.seq_len is not None else min(128, model.max_seq_len)
-    overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
-    model = dataclasses.replace(model, **overrides)
+    hf_model = None if args.model.lower() in MODEL_PRESETS else args.model
+    if hf_model is None:
+        model = model_preset(args.model)
+        positions = model.max_seq_len
+    else:
+        from pipeoffload.training.hf_model import resolve_model
+
+        if overrides:
+            flags = ", ".join(_SHAPE_FLAGS[f] for f in overrides)
+            raise ConfigError(f"{flags} shape the reference model; a Hugging Face model's shape "
+                              "is its config.json")
+        model = model_preset("small")
+        positions = resolve_model(hf_model).max_positions or 128
+    seq_len = args.seq_len if args.seq_len is not None else min(128, positions)
+    if hf_model is None:
+        overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
+        if args.tokenizer is not None:
+            from pipeoffload.training.documents import tokenizer_vocab_size
+
+            overrides["vocab_size"] = tokenizer_vocab_size(args.tokenizer)
+        model = dataclasses.replace(model, **overrides)
     data = DataConfig(source=args.data, seq_len=seq_len, batch_size=args.batch_size,
-                      seed=args.seed, max_bytes=args.max_bytes)
+                      seed=args.seed, max_bytes=args.max_bytes, tokenizer=args.tokenizer,
+                      eval_fraction=args.eval_fraction)
     if args.resume is not None and args.resume == "latest" and args.checkpoint_dir is None:
         raise ConfigError("--resume without a PATH needs --checkpoint-dir (where to look)")
     config = TrainConfig(
@@ -185,24 +266,39 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, ReportOptions]:
         p2p_timeout_s=args.p2p_timeout, min_offload_elements=args.min_offload_elements,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, measure_baseline=not args.no_baseline,
-        tp=args.tp, dtype=args.dtype, recompute=args.recompute)
+        tp=args.tp, dtype=args.dtype, recompute=args.recompute, keep_last=args.keep_last,
+        hf_model=hf_model, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        export_hf=args.export_hf, export_dtype=args.export_dtype)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else None
     report = ReportOptions(json=args.json, png=args.png,
-                           log_every=args.log_every, threads=args.threads)
+                           log_every=args.log_every, threads=args.threads, metrics=args.metrics,
+                           tensorboard=args.tensorboard, peak_flops_per_s=peak)
     return config, report
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """The `train` handler: decide where to run (see the module docstring) and run."""
+    preflight.need_torch("train")
     # torch warns on import when numpy is absent; nothing here needs numpy (a minimal install).
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if args.worker_config is not None:
-        payload = json.loads(args.worker_config)
-        from pipeoffload.training.train import TrainConfig
+        with stop_on_signals() as stop:  # first: a stop may come while torch imports
+            payload = json.loads(args.worker_config)
+            from pipeoffload.training.train import TrainConfig
 
-        return run_worker(TrainConfig.from_dict(payload["config"]),
-                          ReportOptions(**payload["report"]), distributed=True)
-    config, report = config_from_args(args)
+            return run_worker(TrainConfig.from_dict(payload["config"]),
+                              ReportOptions(**payload["report"]), distributed=True, stop=stop,
+                              settings=payload.get("settings"))
+    from pipeoffload.training.train import preflight as check_run
+
     torchrun = all(k in os.environ for k in _TORCHRUN_ENV)
+    if torchrun:
+        from pipeoffload.training.job import read_job_env
+
+        read_job_env(os.environ)  # a bad torchrun environment is an input error, named first
+        config, report = _first_rank_reports(lambda: config_from_args(args))
+    else:
+        config, report = config_from_args(args)
     if not torchrun and args.inline and (config.dp > 1 or config.tp > 1):
         raise ConfigError("--inline runs one pipeline replica in one process; use --dp 1 "
                           "and --tp 1, or drop --inline")
@@ -212,60 +308,113 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume not in (None, "latest") and args.checkpoint_dir is None:
         preflight.note("train", "--resume PATH without --checkpoint-dir: this run saves no "
                        "checkpoint; add --checkpoint-dir DIR to keep its progress")
+    settings, changed = run_settings(args)
+    done = nothing_to_resume(config)
+    if done:
+        preflight.note("train", done)
+        return 0
+    out = sys.stderr if report.json else sys.stdout
     if torchrun:
-        return run_worker(config, report, distributed=True)
-    from pipeoffload.training.train import preflight as check_run
+        _first_rank_reports(lambda: check_run(config, config.pp * config.dp * config.tp))
+        if os.environ.get("RANK") == "0":
+            print(f"pipeoffload train: settings: {changed or '(all defaults)'}", file=out,
+                  flush=True)
+            print(data_line(config.data), file=out, flush=True)
+        with stop_on_signals() as stop:
+            return run_worker(config, report, distributed=True, stop=stop, settings=settings)
+    if config.hf_model is not None:
+        from pipeoffload.training.hf_model import weights_note
 
+        note = weights_note(config.hf_model)
+        if note:
+            preflight.note("train", note)
     if config.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: this machine has no CUDA device torch can use; "
                               "pass --device cpu (or auto)")
+    preflight.check_work(config.pp, config.chunks or 2, config.num_microbatches)
+    if not args.inline:
+        preflight.check_local_processes(config.pp, config.dp, config.tp)
     processes = 1 if args.inline else config.pp * config.dp * config.tp
     plan = check_run(config, processes=processes)
     preflight.offload_notes("train", plan.report, config.fetch_on_use)
-    print(startup_line(config, report, processes, plan.schedule.name),
-          file=sys.stderr if report.json else sys.stdout, flush=True)
+    print(startup_line(config, report, processes, plan.schedule.name), file=out, flush=True)
+    print(f"pipeoffload train: settings: {changed or '(all defaults)'}", file=out, flush=True)
+    print(data_line(config.data), file=out, flush=True)
     if processes == 1:
-        return run_worker(config, report, distributed=False)
-    return _self_launch(config, report, plan)
+        with stop_on_signals() as stop:
+            return run_worker(config, report, distributed=False, stop=stop, settings=settings)
+    return _self_launch(config, report, plan, settings)
 
 
-def _self_launch(config: Any, report: ReportOptions, plan: Any) -> int:
+def _first_rank_reports(check: Callable[[], Any]) -> Any:
+    """Under torchrun every rank checks its input before any process group exists; a bad
+    input is one error per job: global rank 0 reports it, the others exit quietly with the
+    same status (2)."""
+    try:
+        return check()
+    except PipeoffloadError:
+        if os.environ.get("RANK") == "0":
+            raise
+        os._exit(2)
+
+
+def _self_launch(config: Any, report: ReportOptions, plan: Any, settings: str) -> int:
     from pipeoffload.training.launch import LaunchConfig, Topology, launch
 
     processes = config.pp * config.dp * config.tp
     last = plan.schedule.rank_of(plan.schedule.num_stages - 1)
     reporter = Topology(pp=config.pp, dp=config.dp, tp=config.tp).global_rank(last, 0)
-    payload = json.dumps({"config": config.to_dict(), "report": dataclasses.asdict(report)})
+    payload = json.dumps({"config": config.to_dict(), "report": dataclasses.asdict(report),
+                          "settings": settings})
     # --no-png: the payload says what to write; the worker's own defaults must not be checked.
     argv = [sys.executable, "-m", "pipeoffload.cli", "train", "--no-png",
             "--worker-config", payload]
     grace_s = min(config.p2p_timeout_s, 30.0) + 5.0
+    # A stopped rank finishes its step and saves; one stuck on a dead peer fails within the
+    # P2P timeout: then the launcher stops waiting.
+    stop_timeout_s = config.p2p_timeout_s + 60.0
     return launch(argv, LaunchConfig(nprocs=processes, reporting_rank=reporter,
-                                     grace_s=grace_s, threads_per_process=report.threads))
+                                     grace_s=grace_s, threads_per_process=report.threads,
+                                     stop_timeout_s=stop_timeout_s))
 
 
-def run_worker(config: Any, report: ReportOptions, *, distributed: bool) -> int:
-    """Train in this process (one rank of a job, or every rank in local mode) and report."""
+def run_worker(config: Any, report: ReportOptions, *, distributed: bool,
+               stop: Any = None, settings: str | None = None) -> int:
+    """Train in this process (one rank of a job, or every rank in local mode) and report;
+    returns the exit status (0, or 128 + the signal a stopped run stopped on)."""
     import torch
 
+    from pipeoffload.cli.progress import Reporter, say, stop_message
     from pipeoffload.training.launch import Topology, connect, disconnect, resolve_device
     from pipeoffload.training.train import train
 
     topology = None
     try:
+        if distributed and stop is not None:
+            watch_worker_parent(stop, os.environ)
         if distributed:
             topology = connect(config.pp, config.dp, config.device, config.p2p_timeout_s,
-                               tp=config.tp)
+                               tp=config.tp, agree={"options": config.to_dict()})
         else:
             topology = Topology.local(config.pp, resolve_device(config.device))
         if topology.device.type == "cpu":
             torch.set_num_threads(report.threads)
         out = sys.stderr if report.json else sys.stdout
-        result = train(config, topology, on_step=lambda log: _progress(log, report, out))
-        if result.reporter:
+        reporter = Reporter(config, report, topology, out)
+        files = {"config.toml": settings.encode()} if settings else None
+        try:
+            result = train(config, topology, on_step=reporter, on_eval=reporter.held_out,
+                           stop=stop, checkpoint_files=files)
+        finally:
+            reporter.close()
+        if result.reporter and result.stopped_by:
+            say(stop_message(result, config))
+            if report.json:
+                say(json.dumps(summary(result, config, None), sort_keys=True), sys.stdout)
+        elif result.reporter:
             _report(result, config, report, out)
     except BaseException as error:
         if not distributed:
@@ -278,15 +427,27 @@ def run_worker(config: Any, report: ReportOptions, *, distributed: bool) -> int:
             text = str(error) if isinstance(error, PipeoffloadError) else (
                 f"{error.filename + ': ' if error.filename else ''}{error.strerror or error}")
             text = text[len(where) + 2:] if text.startswith(f"{where}: ") else text
-            print(f"pipeoffload train: {where}: error: {text}", file=sys.stderr, flush=True)
-            os._exit(2)
+            say(f"pipeoffload train: {where}: error: {text}")
+            # A rank that failed while running (a peer died, a disk filled) failed its work (1);
+            # one refused its input (a bad checkpoint or environment) before training (2).
+            failed = isinstance(error, (PipelineRuntimeError, OSError))
+            os._exit(preflight.FAILED if failed else preflight.INPUT_ERROR)
         print(f"pipeoffload train: {where}: {type(error).__name__}: {error}", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
     if topology is not None:
         disconnect(topology)
-    return 0
+    if distributed and result.stopped_by:
+        # Everything is saved and said; the interpreter's teardown with torch loaded takes
+        # seconds, which a preemption's grace period may not have.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(stop_status(result.stopped_by))
+    return stop_status(result.stopped_by) if result.stopped_by else 0
 
 
 def format_bytes(n: float | None) -> str:
@@ -299,15 +460,6 @@ def format_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
-def _progress(log: Any, report: ReportOptions, out: IO[str]) -> None:
-    if log.step % report.log_every and log.step not in (1, log.steps):
-        return
-    peaks = " ".join(f"r{r}={format_bytes(b)}" for r, b in enumerate(log.peak_bytes))
-    width = len(str(log.steps))
-    print(f"step {log.step:>{width}}/{log.steps}  loss {log.loss:.4f}  lr {log.lr:.2e}  "
-          f"{log.tokens_per_s:,.0f} tok/s  activation peak {peaks}", file=out, flush=True)
-
-
 def _report(result: Any, config: Any, report: ReportOptions, out: IO[str]) -> None:
     if report.json:
         png = _write_png(result, report.png)
@@ -316,6 +468,9 @@ def _report(result: Any, config: Any, report: ReportOptions, out: IO[str]) -> No
     print(render_table(result), file=out)
     if result.checkpoint:
         print(f"checkpoint: {result.checkpoint}", file=out)
+    if result.export:
+        print(f"Hugging Face export: {result.export} (transformers.AutoModelForCausalLM."
+              "from_pretrained loads it)", file=out)
     out.flush()
     png = _write_png(result, report.png)
     if png:
@@ -331,7 +486,8 @@ def _write_png(result: Any, path: str | None) -> str | None:
     from pipeoffload.sim.render_png import render_png
 
     simulation = result.simulation or result.plan.result
-    return str(render_png(simulation, path, compare=result.baseline_simulation))
+    with preflight.writing(path):
+        return str(render_png(simulation, path, compare=result.baseline_simulation))
 
 
 def render_table(result: Any) -> str:
@@ -386,5 +542,9 @@ def summary(result: Any, config: Any, png: str | None) -> dict[str, Any]:
             as_list(result.baseline_predicted_bytes),
         "stage_activation_bytes": as_list(result.stage_bytes),
         "checkpoint": result.checkpoint, "png": png,
+        "stopped_by": signal_name(result.stopped_by) if result.stopped_by else None,
+        "eval_losses": [list(pair) for pair in result.eval_losses],
+        "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None,
+        "export": result.export, "model": config.hf_model or "reference",
     }
 

@@ -6,10 +6,12 @@ The text form follows torch.distributed.pipelining (``{stage}{KIND}{microbatch}`
 mistake for one of its kinds.
 
 Note: [torch markers] torch's lowering writes UNSHARD / RESHARD (FSDP) and REDUCE_GRAD
-(data-parallel gradient sync), usually without a microbatch (``0REDUCE_GRAD``). We read them as
-markers: kept in the schedule and written back, placed on the stage's rank, but they cost no time
-in the simulator, carry no dependency, and the runtime (which has no FSDP) skips them. Their
-microbatch is None when the token has none.
+(data-parallel gradient sync), usually without a microbatch (``0REDUCE_GRAD``); torch 2.15 adds
+WAIT_REDUCE_GRAD after each REDUCE_GRAD and a WAIT_SEND_F / WAIT_SEND_B that retires each
+SEND_F / SEND_B (``1WAIT_SEND_F3``). We read them as markers: kept in the schedule and written
+back, placed on the stage's rank, but they cost no time in the simulator, carry no dependency, and
+the runtime (which has no FSDP and waits for its own sends) skips them. Their microbatch is None
+when the token has none.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class Kind(str, Enum):
     UNSHARD = "UNSHARD"  # torch markers, see Note: [torch markers]
     RESHARD = "RESHARD"
     REDUCE_GRAD = "REDUCE_GRAD"
+    WAIT_REDUCE_GRAD = "WAIT_REDUCE_GRAD"  # torch >= 2.15
+    WAIT_SEND_F = "WAIT_SEND_F"  # torch >= 2.15
+    WAIT_SEND_B = "WAIT_SEND_B"  # torch >= 2.15
 
     @property
     def is_compute(self) -> bool:
@@ -68,7 +73,8 @@ class Kind(str, Enum):
 
     @property
     def is_marker(self) -> bool:
-        """torch's FSDP / data-parallel kinds, kept but costing nothing (Note: [torch markers])."""
+        """torch's FSDP / data-parallel / send-wait kinds, kept but costing nothing
+        (Note: [torch markers])."""
         return self in MARKER_KINDS
 
 
@@ -79,8 +85,10 @@ class Kind(str, Enum):
 _COMPUTE = frozenset({Kind.F, Kind.I, Kind.W, Kind.B, Kind.RECOMPUTE})
 OFFLOAD_KINDS = frozenset({Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.OFFLOAD_WAIT})
 """The kinds the offload planner adds (and replaces when it plans again)."""
-MARKER_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD})
+MARKER_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.WAIT_REDUCE_GRAD,
+                          Kind.WAIT_SEND_F, Kind.WAIT_SEND_B})
 """torch's kinds read as markers that cost no time (Note: [torch markers])."""
+_WHOLE_STAGE = MARKER_KINDS - {Kind.WAIT_SEND_F, Kind.WAIT_SEND_B}  # may omit the microbatch
 
 
 class Action(NamedTuple):
@@ -110,8 +118,8 @@ def parse_action(token: str, where: str = "") -> Action:
     """Parse one whole token such as ``3I12``; anything else raises ParseError naming it."""
     text = token.strip()
     match = _ACTION_RE.fullmatch(text)
-    if match is not None and not match.group(3) and not Kind(match.group(2)).is_marker:
-        match = None  # only markers may omit the microbatch
+    if match is not None and not match.group(3) and Kind(match.group(2)) not in _WHOLE_STAGE:
+        match = None  # only markers that act on the whole stage may omit the microbatch
     if match is None:
         hint = "expected {stage}{KIND}{microbatch}, e.g. 0F3, 1I0, 2OFFLOAD5, 0REDUCE_GRAD"
         if any(kind in text for kind in _UNSUPPORTED_TORCH_KINDS):

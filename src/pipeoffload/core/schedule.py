@@ -65,6 +65,15 @@ class Schedule:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
+        for rank, actions in enumerate(self.ranks):
+            for position, action in enumerate(actions):
+                if not isinstance(action, Action):
+                    raise ScheduleError(
+                        f"rank {rank}, position {position}: {action!r} is a "
+                        f"{type(action).__name__}, not an Action; build actions with "
+                        "Action(stage, Kind.F, microbatch) or parse_action('0F3'), or load "
+                        "text with core.text.parse_rows / read_csv",
+                        rank=rank, position=position)
         object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
         if not self.ranks:
             raise ScheduleError("a schedule needs at least one rank")
@@ -118,7 +127,15 @@ class Schedule:
 
     def stages_on_rank(self, rank: int) -> tuple[int, ...]:
         """The stages rank ``rank`` holds, in increasing order (its chunks 0, 1, ...)."""
-        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+        return self._stages_by_rank[rank]
+
+    @functools.cached_property
+    def _stages_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        """Every rank's stages, made in one pass (callers ask per rank: thousands of ranks)."""
+        by_rank: list[list[int]] = [[] for _ in self.ranks]
+        for stage, rank in enumerate(self.stage_to_rank):
+            by_rank[rank].append(stage)
+        return tuple(tuple(stages) for stages in by_rank)
 
     def rank_of(self, stage: int) -> int:
         return self.stage_to_rank[stage]
@@ -192,7 +209,7 @@ class Schedule:
 def _check_routes(routes: tuple[tuple[int, ...], ...], stages: int, microbatches: int) -> None:
     flat = [s for route in routes for s in route]
     consecutive = all(list(r) == list(range(r[0], r[0] + len(r))) for r in routes if r)
-    if flat != list(range(stages)) or not consecutive:
+    if len(flat) != stages or flat != list(range(stages)) or not consecutive:
         raise ScheduleError(
             f"routes {[list(r) for r in routes]} must split stages 0..{stages - 1} into "
             "consecutive runs, in order (Note: [routes])")
@@ -218,6 +235,8 @@ def infer_routes(rows: Sequence[Sequence[Action]],
         _check_routes(routes, 1 + max(max(r) for r in routes), microbatches)
     except ScheduleError:
         return ()  # not a split into routes: leave it to the validator to say what is missing
+    if len(forward) != microbatches:  # some microbatch has no F: the validator says which
+        return ()
     expected = [routes[m * len(routes) // microbatches] for m in range(microbatches)]
     if any(tuple(sorted(forward.get(m, ()))) != expected[m] for m in range(microbatches)):
         return ()
@@ -245,7 +264,8 @@ def infer_stage_to_rank(rows: Sequence[Sequence[Action]]) -> tuple[int, ...]:
                 )
     if not owner:
         raise ScheduleError("the schedule has no compute actions")
-    missing = [s for s in range(max(owner) + 1) if s not in owner]
-    if missing:
-        raise ScheduleError(f"stage {missing[0]} has no actions; stages must be numbered 0..S-1")
+    if max(owner) + 1 != len(owner):  # a gap; looked for among the stages present, as a
+        # range up to the largest index could be astronomically long (a typo in one cell)
+        missing = next(s for s, present in enumerate(sorted(owner)) if s != present)
+        raise ScheduleError(f"stage {missing} has no actions; stages must be numbered 0..S-1")
     return tuple(owner[s] for s in range(len(owner)))

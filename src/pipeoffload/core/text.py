@@ -59,8 +59,8 @@ def schedule_from_rows(
 def read_csv(path: str | Path, *, microbatches: int | None = None) -> Schedule:
     """Load a schedule from a CSV file (ours or one torch's ``_dump_csv`` wrote)."""
     path = Path(path)
-    try:
-        text = path.read_text()
+    try:  # utf-8-sig: a spreadsheet's byte-order mark is not part of the first action
+        text = path.read_text(encoding="utf-8-sig")
     except OSError as exc:
         raise ParseError(f"cannot read schedule file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:

@@ -10,7 +10,6 @@ that no rank waits forever (found by running the schedule without a clock). torc
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.deps import Dependencies
@@ -21,49 +20,11 @@ from pipeoffload.core.schedule import Schedule
 def validate(schedule: Schedule) -> Schedule:
     """Raise ScheduleError with rank, position and action if ``schedule`` cannot run; else
     return it unchanged (so it chains: ``validate(build(...))``)."""
-    if not _indices_and_placement_hold(schedule):
-        _check_indices_and_placement(schedule)
+    _check_indices_and_placement(schedule)
     work = schedule.without(*MARKER_KINDS) if schedule.has_kind(*MARKER_KINDS) else schedule
-    if not _counts_hold(work):
-        _check_counts(work)
+    _check_counts(work)
     _check_progress(work)
     return schedule
-
-
-# Note: [fast checks] Validating a schedule at p = 32, m = 256 (10^5 actions) took about as long
-# as planning offload into it. Each check below first asks its question of whole sets (what
-# C code does quickly); only when the answer is no does the per-action check run, to name the
-# first offending rank, position and action exactly as before.
-
-
-def _indices_and_placement_hold(schedule: Schedule) -> bool:
-    """Whether ``_check_indices_and_placement`` would pass (see [fast checks])."""
-    if schedule.routes:
-        return False  # DualPipe's routes: the per-action check is the only one
-    microbatches = set(range(schedule.microbatches))
-    microbatches.add(None)  # torch's markers may have none
-    for rank, actions in enumerate(schedule.ranks):
-        if not ({a[0] for a in actions} <= set(schedule.stages_on_rank(rank))
-                and {a[2] for a in actions} <= microbatches):
-            return False
-    return True
-
-
-def _counts_hold(schedule: Schedule) -> bool:
-    """Whether ``_check_counts`` would pass, given indices in range (see [fast checks])."""
-    present = set(itertools.chain.from_iterable(schedule.ranks))
-    if len(present) != sum(len(actions) for actions in schedule.ranks):
-        return False  # an action twice
-    pairs: dict[Kind, set[tuple[int, int]]] = {kind: set() for kind in Kind}
-    for stage, kind, mb in present:
-        pairs[kind].add((stage, mb))
-    expected = {(stage, mb) for mb in range(schedule.microbatches)
-                for stage in schedule.route_of(mb)}
-    f, i, w, b = pairs[Kind.F], pairs[Kind.I], pairs[Kind.W], pairs[Kind.B]
-    offload, back = pairs[Kind.OFFLOAD], pairs[Kind.RELOAD] | pairs[Kind.FETCH]
-    return (f == expected and not b & (i | w) and b | (i & w) == expected
-            and not pairs[Kind.RELOAD] & pairs[Kind.FETCH] and offload == back
-            and pairs[Kind.OFFLOAD_WAIT] <= offload and not pairs[Kind.RECOMPUTE] & offload)
 
 
 def _fail(schedule: Schedule, message: str, rank: int, position: int, action: Action) -> None:
@@ -77,73 +38,146 @@ def _fail(schedule: Schedule, message: str, rank: int, position: int, action: Ac
 
 
 def _check_indices_and_placement(schedule: Schedule) -> None:
-    for rank, position, action in schedule.actions:
-        if not 0 <= action.stage < schedule.num_stages:
-            _fail(schedule, f"stage {action.stage} does not exist "
-                  f"(the schedule has stages 0..{schedule.num_stages - 1})", rank, position, action)
-        if action.microbatch is not None and not 0 <= action.microbatch < schedule.microbatches:
-            _fail(schedule, f"microbatch {action.microbatch} does not exist "
-                  f"(the schedule has microbatches 0..{schedule.microbatches - 1})",
-                  rank, position, action)
+    """Each action's stage and microbatch exist, its stage is on its rank and on its
+    microbatch's route. One set lookup per action; a failure is explained by ``_placement``."""
+    microbatches = schedule.microbatches
+    routed = bool(schedule.routes)
+    route_sets = [frozenset(route) for route in schedule.routes]
+    for rank, actions in enumerate(schedule.ranks):
+        own = frozenset(schedule.stages_on_rank(rank))
+        for position, (stage, _, mb) in enumerate(actions):
+            if stage in own and (mb is None or 0 <= mb < microbatches and (
+                    not routed or stage in route_sets[mb * len(route_sets) // microbatches])):
+                continue
+            _placement(schedule, rank, position, actions[position])
+
+
+def _placement(schedule: Schedule, rank: int, position: int, action: Action) -> None:
+    """Raise the error that says why ``action`` cannot be where it is."""
+    if not 0 <= action.stage < schedule.num_stages:
+        _fail(schedule, f"stage {action.stage} does not exist "
+              f"(the schedule has stages 0..{schedule.num_stages - 1})", rank, position, action)
+    if action.microbatch is not None and not 0 <= action.microbatch < schedule.microbatches:
+        _fail(schedule, f"microbatch {action.microbatch} does not exist "
+              f"(the schedule has microbatches 0..{schedule.microbatches - 1})",
+              rank, position, action)
+    if action.microbatch is not None:
         route = schedule.route_of(action.microbatch)
         if action.stage not in route:
             _fail(schedule, f"microbatch {action.microbatch} runs through stages "
                   f"{route[0]}..{route[-1]} only (Note: [routes], core/schedule.py)",
                   rank, position, action)
-        owner = schedule.rank_of(action.stage)
-        if owner != rank:
-            _fail(schedule, f"stage {action.stage} lives on rank {owner}, not on rank {rank}",
-                  rank, position, action)
+    owner = schedule.rank_of(action.stage)
+    _fail(schedule, f"stage {action.stage} lives on rank {owner}, not on rank {rank}",
+          rank, position, action)
+
+
+_BIT = {kind: 1 << i for i, kind in enumerate(Kind)}
 
 
 def _check_counts(schedule: Schedule) -> None:
-    seen: Counter[Action] = Counter()
-    where: dict[Action, tuple[int, int]] = {}
-    for rank, position, action in schedule.actions:
-        seen[action] += 1
-        if seen[action] == 2:
-            _fail(schedule, "appears twice (each action runs exactly once)", rank, position, action)
-        where.setdefault(action, (rank, position))
-
+    """Each action once; each (stage, microbatch) on a route has a forward, one backward and
+    consistent transfers (``_pair_problem``). Kinds per pair are gathered as bit masks, so the
+    rules run once per distinct mask; pairs with no action at all are found as gaps in each
+    stage's sorted microbatches, so the work follows the actions present, never the product
+    of stages and microbatches (a CSV cell can name microbatch 10^13)."""
+    total = sum(map(len, schedule.ranks))
+    present = set(itertools.chain.from_iterable(schedule.ranks))
+    if len(present) != total:
+        _duplicate(schedule)
+    masks: dict[tuple[int, int], int] = {}
+    bit = _BIT
+    for stage, kind, mb in present:
+        if mb is not None:
+            key = (stage, mb)
+            masks[key] = masks.get(key, 0) | bit[kind]
+    by_stage: dict[int, list[int]] = {}
+    for stage, mb in masks:
+        by_stage.setdefault(stage, []).append(mb)
+    verdict: dict[int, bool] = {}
     for stage in range(schedule.num_stages):
-        for mb in range(schedule.microbatches):
-            if stage not in schedule.route_of(mb):
-                continue
-            has = {kind: Action(stage, kind, mb) in seen for kind in Kind}
-            anchor = Action(stage, Kind.F, mb)
-            # Point at the F if it exists, else at the start of the rank that should run it.
-            rank, position = where.get(anchor, (schedule.rank_of(stage), 0))
-            if not has[Kind.F]:
-                _fail(schedule, f"missing forward {anchor} on rank {rank}", rank, position, anchor)
-            if has[Kind.B] and (has[Kind.I] or has[Kind.W]):
-                _fail(schedule, f"stage {stage} microbatch {mb} has both B and I/W; "
-                      "use B alone or I then W", rank, position, anchor)
-            if not has[Kind.B] and not (has[Kind.I] and has[Kind.W]):
-                missing = "W" if has[Kind.I] else "I" if has[Kind.W] else "B (or I and W)"
-                _fail(schedule, f"missing backward {missing} for stage {stage} microbatch {mb}",
-                      rank, position, anchor)
-            if has[Kind.RELOAD] and has[Kind.FETCH]:
-                act = Action(stage, Kind.FETCH, mb)
-                r, p = where[act]
-                _fail(schedule, "an offloaded (stage, microbatch) comes back by RELOAD or by "
-                      "FETCH, not both", r, p, act)
-            if has[Kind.OFFLOAD] != (has[Kind.RELOAD] or has[Kind.FETCH]):
-                if has[Kind.OFFLOAD]:
-                    act, missing_kind = Action(stage, Kind.OFFLOAD, mb), "RELOAD or FETCH"
-                else:
-                    back = Kind.RELOAD if has[Kind.RELOAD] else Kind.FETCH
-                    act, missing_kind = Action(stage, back, mb), "OFFLOAD"
-                r, p = where[act]
-                _fail(schedule, f"{act} has no matching {missing_kind}", r, p, act)
-            if has[Kind.OFFLOAD_WAIT] and not has[Kind.OFFLOAD]:
-                act = Action(stage, Kind.OFFLOAD_WAIT, mb)
-                r, p = where[act]
-                _fail(schedule, f"{act} waits for an OFFLOAD that no rank runs", r, p, act)
-            if has[Kind.RECOMPUTE] and has[Kind.OFFLOAD]:
-                act = Action(stage, Kind.RECOMPUTE, mb)
-                r, p = where[act]
-                _fail(schedule, "a (stage, microbatch) is either offloaded or recomputed, not both",
-                      r, p, act)
+        expected = _microbatches_of(schedule, stage)
+        have = sorted(by_stage.get(stage, ()))
+        missing = next((want for want, got in zip(expected, have) if want != got),
+                       expected[len(have)] if len(have) < len(expected) else None)
+        for mb in have:
+            if missing is not None and mb > missing:
+                break
+            mask = masks[(stage, mb)]
+            ok = verdict.get(mask)
+            if ok is None:
+                ok = verdict[mask] = _pair_problem(stage, mb, _kinds(mask)) is None
+            if not ok:
+                _explain_pair(schedule, stage, mb, _kinds(mask))
+        if missing is not None:
+            _explain_pair(schedule, stage, missing, frozenset())
+
+
+def _microbatches_of(schedule: Schedule, stage: int) -> range:
+    """The microbatches whose route runs through ``stage`` (Note: [routes]): microbatch m
+    takes route m * R // M, so each route's microbatches are one run."""
+    count = schedule.microbatches
+    routes = schedule.routes
+    if not routes:
+        return range(count)
+    index = next(i for i, route in enumerate(routes) if stage in route)
+    return range(-(-index * count // len(routes)), -(-(index + 1) * count // len(routes)))
+
+
+def _kinds(mask: int) -> frozenset[Kind]:
+    return frozenset(kind for kind, bit in _BIT.items() if mask & bit)
+
+
+def _duplicate(schedule: Schedule) -> None:
+    seen: set[Action] = set()
+    for rank, position, action in schedule.actions:
+        if action in seen:
+            _fail(schedule, "appears twice (each action runs exactly once)", rank, position,
+                  action)
+        seen.add(action)
+
+
+def _explain_pair(schedule: Schedule, stage: int, mb: int, has: frozenset[Kind]) -> None:
+    """Raise the error ``_pair_problem`` finds, pointing at the action it names (or at the
+    forward, else at the start of the rank that should run it)."""
+    problem = _pair_problem(stage, mb, has)
+    assert problem is not None
+    message, kind = problem
+    target = Action(stage, kind, mb)
+    rank, position = next(((r, p) for r, p, a in schedule.actions if a == target),
+                          (schedule.rank_of(stage), 0))
+    _fail(schedule, message.format(rank=rank), rank, position, target)
+
+
+def _pair_problem(stage: int, mb: int, has: frozenset[Kind]) -> tuple[str, Kind] | None:
+    """What is wrong with the kinds one (stage, microbatch) has, and which of its actions to
+    point at ({rank} in the message is filled in by the caller); None if nothing is."""
+    F, I, W, B = Kind.F, Kind.I, Kind.W, Kind.B  # noqa: N806, E741
+    offload, reload, fetch = Kind.OFFLOAD in has, Kind.RELOAD in has, Kind.FETCH in has
+    if F not in has:
+        return f"missing forward {Action(stage, F, mb)} on rank {{rank}}", F
+    if B in has and (I in has or W in has):
+        return (f"stage {stage} microbatch {mb} has both B and I/W; use B alone or I then W",
+                F)
+    if B not in has and not (I in has and W in has):
+        missing = "W" if I in has else "I" if W in has else "B (or I and W)"
+        return f"missing backward {missing} for stage {stage} microbatch {mb}", F
+    if reload and fetch:
+        return ("an offloaded (stage, microbatch) comes back by RELOAD or by FETCH, not both",
+                Kind.FETCH)
+    if offload != (reload or fetch):
+        if offload:
+            kind, missing_kind = Kind.OFFLOAD, "RELOAD or FETCH"
+        else:
+            kind, missing_kind = (Kind.RELOAD if reload else Kind.FETCH), "OFFLOAD"
+        return f"{Action(stage, kind, mb)} has no matching {missing_kind}", kind
+    if Kind.OFFLOAD_WAIT in has and not offload:
+        wait = Action(stage, Kind.OFFLOAD_WAIT, mb)
+        return f"{wait} waits for an OFFLOAD that no rank runs", Kind.OFFLOAD_WAIT
+    if Kind.RECOMPUTE in has and offload:
+        return ("a (stage, microbatch) is either offloaded or recomputed, not both",
+                Kind.RECOMPUTE)
+    return None
 
 
 def _check_progress(schedule: Schedule) -> None:

@@ -23,11 +23,12 @@ from torch import nn
 
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError, IntegrationError
+from pipeoffload.hf_families import SUPPORTED_MODEL_TYPES
+from pipeoffload.runtime.blocks import balanced_ranges
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-"""``config.model_type`` values whose decoder layout split_causal_lm knows and tests cover:
-Llama-family (model.embed_tokens / layers / norm / rotary_emb, lm_head) and GPT-2
-(transformer.wte / wpe / drop / h / ln_f, lm_head)."""
+# SUPPORTED_MODEL_TYPES: ``config.model_type`` values whose decoder layout split_causal_lm knows
+# and tests cover: Llama-family (model.embed_tokens / layers / norm / rotary_emb, lm_head) and
+# GPT-2 (transformer.wte / wpe / drop / h / ln_f, lm_head).
 
 try:
     import transformers
@@ -113,15 +114,21 @@ def _layer_type(config: Any, index: int) -> str:
 def balanced_layers(num_layers: int, num_stages: int) -> list[range]:
     """Contiguous layer ranges per stage, sizes differing by at most one (earlier stages get
     the extra layers; the last stage also carries the head)."""
-    if num_layers < num_stages:
-        raise ConfigError(f"the model has {num_layers} decoder layers but the schedule has "
-                          f"{num_stages} stages; every stage needs at least one layer (use a "
-                          "schedule with fewer stages: smaller pp or chunks)")
-    base, extra = divmod(num_layers, num_stages)
-    bounds = [0]
-    for stage in range(num_stages):
-        bounds.append(bounds[-1] + base + (stage < extra))
-    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    return balanced_ranges(num_layers, num_stages, "decoder layers")
+
+
+def check_causal_lm(model_or_config: Any) -> str:
+    """The ``model_type`` of a model (or its config) that split_causal_lm knows; raises
+    IntegrationError otherwise. Call it before creating any process group, so an unsupported
+    model is refused once, not by every rank of the job."""
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise IntegrationError(
+            f"split_causal_lm knows {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; got "
+            f"{type(model_or_config).__name__} with model_type {model_type!r}. Write the stage "
+            "modules yourself (docs/runtime.md, stage contract)")
+    return model_type
 
 
 def split_causal_lm(model: nn.Module, schedule: Schedule,
@@ -133,30 +140,35 @@ def split_causal_lm(model: nn.Module, schedule: Schedule,
     parameters; with tied embeddings the first and last stage hold the same Parameter and
     declare the tie, so Pipeline keeps their gradients whole when they sit on different ranks.
     """
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    inner = getattr(model, "transformer" if model_type == "gpt2" else "model", None)
-    head = getattr(model, "lm_head", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or inner is None or head is None:
-        raise IntegrationError(
-            f"split_causal_lm knows {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; got "
-            f"{type(model).__name__} with model_type "
-            f"{model_type!r}. Write the stage modules yourself (docs/runtime.md, stage contract)")
+    check_causal_lm(model)
     if rank is not None and not 0 <= rank < schedule.num_ranks:
         raise ConfigError(f"rank={rank}, but schedule {schedule.name!r} has ranks "
                           f"0..{schedule.num_ranks - 1}")
+    wanted = range(schedule.num_stages) if rank is None else schedule.stages_on_rank(rank)
+    return causal_lm_stages(model, schedule.num_stages, wanted)
+
+
+def causal_lm_stages(model: nn.Module, num_stages: int,
+                     wanted: Sequence[int]) -> dict[int, nn.Module]:
+    """split_causal_lm without a schedule: the ``wanted`` stages of ``num_stages``."""
+    model_type = check_causal_lm(model)
     gpt2 = model_type == "gpt2"
+    inner = getattr(model, "transformer" if gpt2 else "model", None)
+    head = getattr(model, "lm_head", None)
+    if inner is None or head is None:
+        raise IntegrationError(
+            f"{type(model).__name__} (model_type {model_type!r}) has no "
+            f"{'transformer' if gpt2 else 'model'} and lm_head; pass the *ForCausalLM model")
     layers = inner.h if gpt2 else inner.layers
     embed = inner.wte if gpt2 else inner.embed_tokens
     norm = inner.ln_f if gpt2 else inner.norm
-    last = schedule.num_stages - 1
-    ranges = balanced_layers(len(layers), schedule.num_stages)
+    last = num_stages - 1
+    ranges = balanced_layers(len(layers), num_stages)
     tied = head.weight is embed.weight
-    wanted = range(schedule.num_stages) if rank is None else schedule.stages_on_rank(rank)
     stages: dict[int, nn.Module] = {}
     for s in wanted:
         stage = CausalLMStage(
-            config, [layers[i] for i in ranges[s]], ranges[s].start,
+            model.config, [layers[i] for i in ranges[s]], ranges[s].start,
             None if gpt2 else inner.rotary_emb,
             embed=embed if s == 0 else None,
             norm=norm if s == last else None, head=head if s == last else None,

@@ -14,7 +14,8 @@ four hidden actions per offloaded (stage, microbatch) (Note: [torch splice]).
 
 Private torch API used (hence the version pin, ``SUPPORTED_TORCH``): ``_PipelineScheduleRuntime``,
 ``_Action``, ``_prepare_schedule_with_comms``, ``pipeline_order_with_comms``,
-``_comp_type_to_function_map`` and ``PipelineStage.args_recv_info``.
+``_comp_type_to_function_map``, ``PipelineStage.args_recv_info`` and, from torch 2.15,
+``_validate_send_waits``. What differs between the tested versions: integrations/torch_versions.py.
 """
 
 from __future__ import annotations
@@ -25,31 +26,18 @@ from enum import Enum
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError, IntegrationError
+from pipeoffload.integrations.torch_versions import torch_pipelining
 from pipeoffload.runtime.config import OffloadConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.offloader import ActivationOffloader
 
-SUPPORTED_TORCH = ("2.13",)
-"""torch major.minor versions this adapter was tested on (it uses private pipelining APIs)."""
-
-
-def check_torch_version(version: str) -> None:
-    """Raise IntegrationError unless ``version`` (a ``torch.__version__``) is a tested one."""
-    major_minor = ".".join(version.split("+")[0].split(".")[:2])
-    if major_minor not in SUPPORTED_TORCH:
-        raise IntegrationError(
-            f"pipeoffload.torch uses private torch.distributed.pipelining APIs and is tested on "
-            f"torch {', '.join(v + '.x' for v in SUPPORTED_TORCH)}; this is torch {version}. "
-            "Install a tested torch, or run the schedule with pipeoffload.Pipeline, which uses "
-            "only public torch APIs")
-
-
-check_torch_version(torch.__version__)
+_TORCH = torch_pipelining(torch.__version__)  # raises IntegrationError on an untested torch
 
 from torch.distributed.pipelining.schedules import (  # noqa: E402 - after the version check
     BACKWARD_INPUT,
@@ -72,6 +60,7 @@ class TransferKind(str, Enum):
     SCOPE_END = "SCOPE_END"  # hidden: close it after F (which includes the loss on the last stage)
     BACKWARD_READY = "BACKWARD_READY"  # hidden: before I / B, wait for the RELOAD copy
     FREE = "FREE"  # hidden: after the last backward pass (W, or B), drop the host copies
+    UNSHARD_AGAIN = "UNSHARD_AGAIN"  # hidden: before I / W on an FSDP stage (Note: [split FSDP])
 
 
 _TO_TORCH = {Kind.F: FORWARD, Kind.I: BACKWARD_INPUT, Kind.W: BACKWARD_WEIGHT,
@@ -120,6 +109,8 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         self.schedule = schedule
         ours = schedule.without(*_LEFT_TO_TORCH) if schedule.has_kind(*_LEFT_TO_TORCH) \
             else schedule
+        self._fsdp = {st.stage_index: [m for m in st.submod.modules() if isinstance(m, FSDPModule)]
+                      for st in self._stages}
         compute = {rank: [_Action(a.stage, _TO_TORCH[a.kind], a.microbatch) for a in row
                           if a.kind in _TO_TORCH]
                    for rank, row in enumerate(ours.ranks)}
@@ -127,9 +118,12 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         # stage -> rank map from the actions.
         self._prepare_schedule_with_comms(compute)
         self.pipeline_order = compute
+        fsdp_stages = {s for s, modules in self._fsdp.items() if modules}
         self.pipeline_order_with_comms = {
-            rank: _splice(ours.ranks[rank], lowered)
+            rank: _splice(ours.ranks[rank], lowered, fsdp_stages if rank == self.rank else set())
             for rank, lowered in self.pipeline_order_with_comms.items()}
+        if _TORCH.send_waits:
+            _check_send_waits(self.pipeline_order_with_comms)
         self._offload_config = offload_config or OffloadConfig()
         self._offloader: ActivationOffloader | None = None
         if schedule.has_kind(Kind.OFFLOAD):
@@ -187,7 +181,20 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
             TransferKind.SCOPE_END: lambda key: self._open.pop(key).__exit__(None, None, None),
             TransferKind.BACKWARD_READY: lambda key: need().wait_reloaded(key),
             TransferKind.FREE: lambda key: need().discard(key),
+            TransferKind.UNSHARD_AGAIN: self._unshard_again,
         }
+
+    def _unshard_again(self, key: tuple[int, int]) -> None:
+        """Note: [split FSDP] torch's split backward names a stage's weights by the module's
+        parameters when I (and then W) runs, but autograd holds the unsharded parameters the
+        forward used. An FSDP group resharded in between (by ``reshard_after_forward=True``, or
+        by a loss that reshards it, as torchtitan's chunked loss does to norm + lm_head) is named
+        by its sharded DTensors then, and its weights silently get no gradient (docs/torchtitan.md,
+        "The final norm's gradient"). Unsharding it again restores what torch's runtime assumes
+        between UNSHARD and RESHARD (a no-op for groups that stayed unsharded); the gradients go
+        to the unsharded parameters, which REDUCE_GRAD reduces as for a full backward."""
+        for module in self._fsdp[key[0]]:
+            module.unshard()
 
     def _wrap(self, handler: Callable[[tuple[int, int]], None]) -> Callable[[Any, Any], None]:
         def run(action: Any, ctx: Any) -> None:
@@ -200,9 +207,10 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
     def _scope_begin(self, key: tuple[int, int]) -> None:
         assert self._offloader is not None
         stage = next(s for s in self._stages if s.stage_index == key[0])
-        # torch keeps one receive buffer per microbatch for the whole run (or, for a stage fed on
-        # this rank, the previous stage's output, held until its backward): copying it to host
-        # would free nothing, so it stays like a parameter.
+        # The stage's input (the receive buffer of this microbatch, or for a stage fed on this
+        # rank the previous stage's output), read just before F takes it: torch holds it for the
+        # backward whatever we do (up to 2.14 also as a buffer kept for the whole run), so
+        # copying it to host would free nothing; it stays like a parameter.
         keep = [info.buffer for info in stage.args_recv_info.get(key[1], ())
                 if isinstance(getattr(info, "buffer", None), torch.Tensor)]
         scope = self._offloader.scope(key, self.rank, self._offload_config.stream, keep=keep)
@@ -246,7 +254,21 @@ def _check_stages(stages: Sequence[Any], schedule: Schedule) -> None:
                 f"{stage.num_stages} but schedule {schedule.name!r} has {schedule.num_stages}")
 
 
-def _splice(row: Sequence[Action], lowered: list[Any]) -> list[Any]:
+def _check_send_waits(lowered: dict[int, list[Any]]) -> None:
+    """torch's own check that every SEND_F / SEND_B has one WAIT_SEND after it, run on the
+    spliced lists (torch runs it before the splice)."""
+    from torch.distributed.pipelining.schedules import _validate_send_waits
+
+    try:
+        _validate_send_waits(lowered)
+    except ValueError as error:
+        raise IntegrationError(
+            f"pipeoffload.torch: the action lists with our transfer actions spliced in fail "
+            f"torch's send-wait check: {error}. This is a pipeoffload bug; please report it "
+            "with the schedule") from error
+
+
+def _splice(row: Sequence[Action], lowered: list[Any], fsdp_stages: set[int]) -> list[Any]:
     """``lowered`` (torch's compute, comm and FSDP actions for one rank) with our transfer
     actions put back.
 
@@ -254,7 +276,8 @@ def _splice(row: Sequence[Action], lowered: list[Any]) -> list[Any]:
     in ``row`` (before any, at the head). Around an offloaded (stage, microbatch) we add hidden
     actions: SCOPE_BEGIN / SCOPE_END around its F (the saved-tensor scope covers the stage's
     forward and the loss torch computes inside F), BACKWARD_READY before its I / B, and FREE
-    after its last backward pass (W after I, or B).
+    after its last backward pass (W after I, or B). Before each I and W of a stage in
+    ``fsdp_stages`` goes an UNSHARD_AGAIN (Note: [split FSDP]).
     """
     offloaded = {(a.stage, a.microbatch) for a in row if a.kind is Kind.OFFLOAD}
     last_backward = {(a.stage, a.microbatch): _TO_TORCH[a.kind] for a in row
@@ -277,6 +300,8 @@ def _splice(row: Sequence[Action], lowered: list[Any]) -> list[Any]:
             out.append(_Action(key[0], TransferKind.SCOPE_BEGIN, key[1]))
         if hit and kind in (BACKWARD_INPUT, FULL_BACKWARD):
             out.append(_Action(key[0], TransferKind.BACKWARD_READY, key[1]))
+        if key[0] in fsdp_stages and kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):
+            out.append(_Action(key[0], TransferKind.UNSHARD_AGAIN, key[1]))
         out.append(t)
         if hit and kind == FORWARD:
             out.append(_Action(key[0], TransferKind.SCOPE_END, key[1]))

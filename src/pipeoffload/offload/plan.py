@@ -37,6 +37,7 @@ from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
 from pipeoffload.offload.forecast import copy_out_ends, latest_starts
+from pipeoffload.offload.limit import plan_limit
 from pipeoffload.offload.postpone import (
     RankCopies,
     forecast_copies,
@@ -125,57 +126,11 @@ def _add_offload(schedule: Schedule, costs: CostModel | None,
     if target.kind is TargetKind.GIVEN:
         return planner.report(target, schedule, simulate(schedule, costs), {}, ())
     if target.kind is TargetKind.LIMIT:
-        return _plan_limit(planner, target)
+        return plan_limit(planner, target)
     chosen, notes = planner.spans.choose(target, planner.units)
     chosen = [item for item in chosen if item not in planner.recomputed]
     planned, result, skipped = planner.plan(chosen)
     return planner.finish(target, planned, result, skipped, notes)
-
-
-def _plan_limit(planner: _Planner, target: OffloadTarget) -> OffloadPlan:
-    """The shortest longest-lived-first prefix per rank that meets the limit (binary search in
-    lockstep over ranks: a rank's peak depends on its own offloads, not on other ranks')."""
-    ranks = range(planner.schedule.num_ranks)
-    if target.in_bytes and planner.base.peak_bytes is None:
-        planner_note = ("limit in bytes needs activation sizes in the cost model "
-                        "(activation_bytes); nothing offloaded")
-        return planner.finish(target, planner.schedule, planner.base, {}, (planner_note,))
-    lo = [0] * len(ranks)
-    hi = [len(planner.by_lifespan[r]) for r in ranks]
-
-    tried: dict[tuple[int, ...], tuple] = {}  # a plan is costly: never make one twice
-
-    def attempt(prefix: list[int]) -> tuple[tuple[Schedule, SimResult, dict], tuple[float, ...]]:
-        key = tuple(prefix)
-        if key not in tried:
-            chosen = [item for r in ranks for item in planner.by_lifespan[r][: prefix[r]]]
-            outcome = planner.plan(chosen)
-            peaks = outcome[1].peak_bytes if target.in_bytes else outcome[1].peak_activation
-            tried[key] = (outcome, peaks)
-        return tried[key]
-
-    _, peaks = attempt(hi)
-    reachable = [peaks[r] <= target.value + 1e-9 for r in ranks]
-    while any(lo[r] < hi[r] for r in ranks if reachable[r]):
-        mid = [(lo[r] + hi[r]) // 2 if reachable[r] else hi[r] for r in ranks]
-        outcome, mid_peaks = attempt(mid)
-        for r in ranks:
-            if not reachable[r] or lo[r] >= hi[r]:
-                continue
-            if mid_peaks[r] <= target.value + 1e-9:
-                hi[r] = mid[r]
-            else:
-                lo[r] = mid[r] + 1
-    final, peaks = attempt(hi)
-    notes = []
-    unit = "bytes" if target.in_bytes else "M_a"
-    for r in ranks:
-        if peaks[r] > target.value + 1e-9:
-            notes.append(
-                f"rank {r}: limit {target.value:g} {unit} not reachable; lowest found "
-                f"{peaks[r]:.4g} {unit}: {planner.floor_reason(r)}"
-            )
-    return planner.finish(target, *final, tuple(notes))
 
 
 class _Planner:

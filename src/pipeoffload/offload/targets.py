@@ -61,21 +61,31 @@ def parse_target(spec: str | OffloadTarget | None, *, allow_stall: bool = False)
         return spec
     if spec is None:
         return OffloadTarget(TargetKind.NONE)
+    if not isinstance(spec, str):
+        raise ConfigError(f"offload target must be a string such as 'all', got {spec!r}")
     text = spec.strip().lower()
+    if not text:
+        raise ConfigError(f"offload target {spec!r} is empty: {_SPEC_HELP}")
     if text in ("none", "all", "given"):
         return OffloadTarget(TargetKind(text), allow_stall=allow_stall)
     name, _, arg = text.partition(":")
     try:
-        kind = TargetKind(name)
+        kind = TargetKind(name.strip())
     except ValueError:
         raise ConfigError(f"unknown offload target {spec!r}: {_SPEC_HELP}") from None
+    arg = arg.strip()
+    if kind in (TargetKind.NONE, TargetKind.ALL, TargetKind.GIVEN):
+        raise ConfigError(f"offload target {spec!r}: {kind.value} takes no value; write "
+                          f"{kind.value!r}")
     if not arg:
         raise ConfigError(f"offload target {spec!r} needs a value: {_SPEC_HELP}")
     if kind is TargetKind.CHUNKS:
-        if not arg.isdigit() or int(arg) < 1:
-            raise ConfigError(f"offload target {spec!r}: K must be a whole number >= 1")
+        # str.isdigit() also accepts superscripts and other digits that int() refuses.
+        if not re.fullmatch(r"[0-9]+", arg) or int(arg) < 1:
+            raise ConfigError(f"offload target {spec!r}: K must be a whole number >= 1 "
+                              "(digits 0-9)")
         return OffloadTarget(kind, float(arg), allow_stall=allow_stall)
-    match = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*([a-z]*)", arg)
+    match = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)", arg)
     if match is None:
         raise ConfigError(f"offload target {spec!r}: {arg!r} is not a number; {_SPEC_HELP}")
     value, unit = float(match.group(1)), match.group(2)
@@ -86,7 +96,8 @@ def parse_target(spec: str | OffloadTarget | None, *, allow_stall: bool = False)
     if unit and unit not in _BYTE_UNITS:
         raise ConfigError(f"offload target {spec!r}: unknown unit {unit!r}; "
                           f"use one of {', '.join(_BYTE_UNITS)} or none for M_a units")
-    if not 0.0 <= value < float("inf"):
-        raise ConfigError(f"offload target {spec!r}: the limit must be a number >= 0")
     scale = _BYTE_UNITS[unit] if unit else 1.0
+    if not 0.0 <= value * scale < float("inf"):
+        raise ConfigError(f"offload target {spec!r}: the limit must be a finite number >= 0"
+                          f"{' (in bytes it overflows)' if value * scale == float('inf') else ''}")
     return OffloadTarget(kind, value * scale, in_bytes=bool(unit), allow_stall=allow_stall)

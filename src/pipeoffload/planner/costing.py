@@ -20,36 +20,41 @@ getting 1/tp of the link.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pipeoffload.checks import check_number
 from pipeoffload.errors import ConfigError
+from pipeoffload.planner.comm_bytes import ring_collective_bytes
 from pipeoffload.planner.hardware import Hardware
-from pipeoffload.planner.ratio import (
+from pipeoffload.planner.layer_time import collective_s
+from pipeoffload.planner.optimizer import (
     OptimizerSpec,
-    PieceCost,
-    RunConfig,
     StateBytes,
     dp_s,
     dp_traffic,
-    p2p_s,
-    stage_cost,
+    optimizer_step_s,
     state_bytes,
 )
-from pipeoffload.planner.transformer import FlopCount, TransformerSpec, head_flops, layer_flops
+from pipeoffload.planner.ratio import (
+    PieceCost,
+    RunConfig,
+    embedding_cost,
+    head_cost,
+    layer_cost,
+    p2p_s,
+)
+from pipeoffload.planner.transformer import (
+    FlopCount,
+    ParamCount,
+    Recompute,
+    TransformerSpec,
+    head_flops,
+    layer_flops,
+)
 from pipeoffload.sim.costs import CostModel, Duplex, HostLink
 
 GIB = 2**30
-
-#: Dense bf16 datasheet peaks (no sparsity) that MFU is quoted against, as the papers do:
-#: A100 312 TFLOP/s; H100 SXM and H200 989 TFLOP/s (NVIDIA datasheets). Hardware not listed
-#: (e.g. a probed JSON preset) falls back to its achievable ``bf16_flops_per_s``.
-DATASHEET_PEAK_FLOPS: dict[str, float] = {
-    "a100-80gb": 312e12,
-    "h100-80gb": 989e12,
-    "h200": 989e12,
-}
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -69,6 +74,34 @@ class Layout:
     @property
     def stages(self) -> int:
         return self.pp * self.chunks
+
+
+@dataclass(frozen=True)
+class Framework:
+    """How the training framework runs a layout (layer_time.py, Note [exposed TP
+    communication]); the planner's defaults are what ``pipeoffload train`` and current Megatron
+    do. ``sequence_parallel``: TP shards norms and dropouts over the sequence (Korthikanti et al.
+    2022). ``tp_overlap``: backward TP collectives overlap their matmuls (Megatron's
+    asynchronous communication, 2022 on). ``grad_accumulation_bytes``: bytes per parameter per
+    microbatch of accumulating weight gradients beyond the GEMM's output (layer_time.py).
+    ``p2p_blocking``: stages wait for their pipeline transfers (Note [blocking P2P])."""
+
+    sequence_parallel: bool = True
+    tp_overlap: bool = True
+    grad_accumulation_bytes: float = 6.0
+    p2p_blocking: bool = False
+
+    def run(self, micro_batch: int, tp: int, recompute: Recompute, *,
+            w_deferred: bool = False) -> RunConfig:
+        """The RunConfig of one layout under this framework."""
+        return RunConfig(micro_batch=micro_batch, tp=tp, recompute=recompute,
+                         sequence_parallel=self.sequence_parallel, tp_overlap=self.tp_overlap,
+                         w_deferred=w_deferred, p2p_blocking=self.p2p_blocking,
+                         grad_accumulation_bytes=self.grad_accumulation_bytes)
+
+
+#: What ``pipeoffload train`` and current Megatron do (Framework's defaults).
+DEFAULT_FRAMEWORK = Framework()
 
 
 @dataclass(frozen=True)
@@ -107,14 +140,40 @@ def split_layers(num_layers: int, stages: int) -> tuple[int, ...]:
 
 
 def stage_costs(spec: TransformerSpec, hw: Hardware, layout: Layout) -> tuple[PieceCost, ...]:
-    """One microbatch through each stage, in stage order (see the module docstring)."""
+    """One microbatch through each stage, in stage order (see the module docstring); the layer,
+    embedding and head are priced once and summed (``ratio.stage_cost`` for one stage)."""
     counts = split_layers(spec.num_layers, layout.stages)
     last = len(counts) - 1
-    shapes = [(n, s == 0, s == last) for s, n in enumerate(counts)]
-    # Most stages have the same shape: price each shape once (a search prices ~10^3 layouts).
-    priced = {shape: stage_cost(spec, hw, layout.run, layers=shape[0], embedding=shape[1],
-                                head=shape[2]) for shape in set(shapes)}
-    return tuple(priced[shape] for shape in shapes)
+    layer = layer_cost(spec, hw, layout.run)
+    by_count = {n: layer.times(n) for n in set(counts)}
+    first = embedding_cost(spec, hw, layout.run) + by_count[counts[0]]
+    stages = [first if s == 0 else by_count[n] for s, n in enumerate(counts)]
+    head = head_cost(spec, hw, layout.run)
+    if spec.tied_embeddings and layout.pp == 1:  # one rank: the head uses the embedding itself
+        head = dataclasses.replace(head, params=ParamCount(
+            head.params.sharded - tied_embedding_params(spec, layout.tp), head.params.replicated))
+    stages[last] = stages[last] + head
+    exchange = blocking_p2p_s(spec, hw, layout)
+    if exchange:
+        stages = [dataclasses.replace(piece, f_s=piece.f_s + exchange, i_s=piece.i_s + exchange)
+                  for piece in stages]
+    return tuple(stages)
+
+
+def blocking_p2p_s(spec: TransformerSpec, hw: Hardware, layout: Layout) -> float:
+    """Note [blocking P2P]: Megatron-LM's schedules before its 2023 P2P overlap send and receive
+    the boundary activation (and its gradient) with batched isend / irecv and wait for them
+    between computes (megatron/p2p_communication.py), so after each F and each backward a stage
+    waits one transfer; without sequence parallelism each TP rank sends 1 / t of it and the
+    receivers all-gather it over NVLink (Narayanan et al. 2021, section 4.1, scatter / gather).
+    0 for runtimes that post transfers ahead (``pipeoffload train``): the simulator then adds
+    the transfer's latency to each cross-rank dependency instead."""
+    if not layout.run.p2p_blocking or layout.pp == 1:
+        return 0.0
+    cross = _cross_node(hw, layout.tp * layout.pp)
+    gather = 0.0 if layout.run.sequence_parallel else \
+        collective_s(spec, hw, layout.run.micro_batch, layout.tp)
+    return p2p_s(spec, hw, layout.run, cross_node=cross) + gather
 
 
 def _cross_node(hw: Hardware, span: int) -> bool:
@@ -144,8 +203,8 @@ def cost_model(pieces: tuple[PieceCost, ...], spec: TransformerSpec, hw: Hardwar
         f_time=reference.f_s,
         i_time=reference.i_s,
         w_time=reference.w_s,
-        p2p_time=p2p_s(spec, hw, layout.run,
-                       cross_node=_cross_node(hw, layout.tp * layout.pp)),
+        p2p_time=0.0 if layout.run.p2p_blocking else p2p_s(
+            spec, hw, layout.run, cross_node=_cross_node(hw, layout.tp * layout.pp)),
         stage_activation_bytes=tuple(piece.activation_bytes for piece in pieces),
         stage_time_scale=tuple(piece.chunk_s / reference.chunk_s for piece in pieces),
         d2h_bytes_per_s=hw.d2h_bytes_per_s * fraction,
@@ -172,13 +231,56 @@ def rank_state(spec: TransformerSpec, pieces: tuple[PieceCost, ...],
 
 def dp_seconds(spec: TransformerSpec, hw: Hardware, pieces: tuple[PieceCost, ...],
                stage_to_rank: tuple[int, ...], layout: Layout, memory: MemoryConfig) -> float:
-    """The DP gradient exchange of the rank with the most parameters, run after the pipeline
-    drains (not overlapped with it: a conservative choice, Megatron overlaps part of it)."""
+    """The exposed DP gradient exchange of the slowest rank (optimizer.py, Note [step outside
+    the pipeline]): all of it after the pipeline drains, or with ``overlap_grad_reduce`` what
+    sticks out of one microbatch's backward through the rank's stages. DP groups are ``tp x
+    pp`` GPUs apart (Note [rank order]); those of a group in one node share its NICs. With tied
+    embeddings the all-reduce of their gradient follows (``embedding_sync_s``)."""
     if layout.dp == 1:
-        return 0.0
+        return embedding_sync_s(spec, hw, stage_to_rank, layout, memory.optimizer)
+    stride = layout.tp * layout.pp
     cross = _cross_node(hw, layout.gpus)
-    return max(dp_s(dp_traffic(spec, n, memory.optimizer, dp=layout.dp), hw, cross_node=cross)
-               for n in rank_params(pieces, stage_to_rank))
+    per_node = min(layout.dp, max(1, hw.gpus_per_node // stride))
+    backward = [0.0] * (max(stage_to_rank) + 1)
+    for stage, piece in enumerate(pieces):
+        backward[stage_to_rank[stage]] += piece.i_s + piece.w_s
+    exposed = 0.0
+    for rank, params in enumerate(rank_params(pieces, stage_to_rank)):
+        seconds = dp_s(dp_traffic(spec, params, memory.optimizer, dp=layout.dp), hw,
+                       cross_node=cross, gpus_per_node=per_node)
+        if memory.optimizer.overlap_grad_reduce:
+            seconds = max(0.0, seconds - backward[rank])
+        exposed = max(exposed, seconds)
+    return exposed + embedding_sync_s(spec, hw, stage_to_rank, layout, memory.optimizer)
+
+
+def tied_embedding_params(spec: TransformerSpec, tp: int) -> float:
+    """Weights the output layer shares with the input embedding (0 when they are untied)."""
+    return spec.vocab * spec.hidden / tp if spec.tied_embeddings else 0.0
+
+
+def embedding_sync_s(spec: TransformerSpec, hw: Hardware, stage_to_rank: tuple[int, ...],
+                     layout: Layout, optimizer: OptimizerSpec) -> float:
+    """Tied embeddings on two pipeline ranks: after the DP exchange and before the optimizer
+    step, Megatron-LM all-reduces the embedding's gradient between the first and the last
+    stage (``train_step``, 2021 and 2022: ``all_reduce(grad, group=get_embedding_group())``,
+    not overlapped; every rank then waits for it at the optimizer's gradient-norm all-reduce).
+    A ring all-reduce over 2 GPUs sends each one the whole gradient, V h / t x ``grad_bytes``,
+    over NVLink when both ranks are in one node, else one GPU per node over the NICs."""
+    if not spec.tied_embeddings or stage_to_rank[0] == stage_to_rank[-1]:
+        return 0.0
+    nbytes = 2 * ring_collective_bytes(tied_embedding_params(spec, layout.tp), 2,
+                                       optimizer.grad_bytes)
+    cross = _cross_node(hw, layout.tp * layout.pp)
+    return nbytes / hw.achieved_bytes_per_s(cross_node=cross, one_gpu_per_node=True)
+
+
+def optimizer_seconds(hw: Hardware, pieces: tuple[PieceCost, ...],
+                      stage_to_rank: tuple[int, ...], layout: Layout,
+                      memory: MemoryConfig) -> float:
+    """The optimizer step of the rank with the most parameters (memory-bound; optimizer.py)."""
+    return max(optimizer_step_s(params, memory.optimizer, hw, dp=layout.dp)
+               for params in rank_params(pieces, stage_to_rank))
 
 
 def step_model_flops(spec: TransformerSpec, sequences: int) -> float:
@@ -192,6 +294,4 @@ def step_model_flops(spec: TransformerSpec, sequences: int) -> float:
 def peak_flops(hw: Hardware) -> tuple[float, bool]:
     """The FLOP/s MFU divides by, and whether it is a datasheet peak (else the achievable rate
     of the preset, which gives higher MFU figures)."""
-    if hw.name in DATASHEET_PEAK_FLOPS:
-        return DATASHEET_PEAK_FLOPS[hw.name], True
-    return hw.bf16_flops_per_s, False
+    return hw.mfu_peak_flops_per_s, bool(hw.peak_flops_per_s)

@@ -18,21 +18,26 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.targets import TargetKind, parse_target
 from pipeoffload.planner.bounds import kept_activation_floor, makespan_lower_bound
 from pipeoffload.planner.costing import (
+    DEFAULT_FRAMEWORK,
     GIB,
+    Framework,
     Layout,
     MemoryConfig,
     cost_model,
     dp_seconds,
+    optimizer_seconds,
     peak_flops,
     rank_state,
     stage_costs,
     step_model_flops,
 )
 from pipeoffload.planner.hardware import Hardware
-from pipeoffload.planner.ratio import PieceCost, RunConfig
-from pipeoffload.planner.reduced import Extrapolation
+from pipeoffload.planner.host_memory import node_host_bytes
+from pipeoffload.planner.ratio import PieceCost
+from pipeoffload.planner.reduced import Extrapolation as Extrapolation  # re-export
 from pipeoffload.planner.runs import RECOMPUTE_AND_OFFLOAD as RECOMPUTE_AND_OFFLOAD  # re-export
 from pipeoffload.planner.runs import Runner
+from pipeoffload.planner.runs import plan_memory as plan_memory  # re-export
 from pipeoffload.planner.train_command import train_command
 from pipeoffload.planner.transformer import Recompute, TransformerSpec
 from pipeoffload.sim.costs import CostModel
@@ -43,8 +48,9 @@ V_SHAPED = frozenset({"zbv", "v-half", "v-min", "dualpipev"})
 CHUNKED = frozenset({"interleaved-1f1b", "grouped-interleaved"})
 #: Schedules that run the whole backward (B) of every stage; the others split it into I and W.
 WHOLE_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
-#: How many bare simulations an Evaluator keeps for the offload targets that follow.
-_BARE_KEPT = 8
+#: Schedules that run W apart from its I (zero bubble and its V and DualPipe kin): the TP
+#: reduce-scatter Megatron hides behind W is exposed in I (layer_time.py).
+W_DEFERRED = frozenset({"zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipe", "dualpipev"})
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,14 @@ class Candidate:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.dp, self.tp, self.pp, self.chunks,
-                      RunConfig(micro_batch=self.micro_batch, tp=self.tp,
-                                recompute=self.recompute))
+        """The layout under the planner's default framework (``layout_under``)."""
+        return self.layout_under(DEFAULT_FRAMEWORK)
+
+    def layout_under(self, framework: Framework) -> Layout:
+        """DP x TP x PP, chunks and the per-GPU run of this candidate under ``framework``."""
+        run = framework.run(self.micro_batch, self.tp, self.recompute,
+                            w_deferred=self.schedule in W_DEFERRED)
+        return Layout(self.dp, self.tp, self.pp, self.chunks, run)
 
     @property
     def display_name(self) -> str:
@@ -123,7 +134,10 @@ class MemorySplit:
 @dataclass(frozen=True)
 class Plan:
     """A simulated candidate. Times in seconds; ``pipeline_time`` is the simulated makespan,
-    ``dp_time`` the data-parallel exchange added after it (not overlapped)."""
+    ``dp_time`` the exposed data-parallel exchange and ``optimizer_time`` the optimizer step,
+    both after it (optimizer.py, Note [step outside the pipeline]). ``host_bytes`` is the pinned
+    host memory offload needs on the fullest GPU and ``host_node_bytes`` on the fullest node
+    (host_memory.py), checked against ``host_budget_bytes`` per node."""
 
     candidate: Candidate
     pipeline_time: float
@@ -136,18 +150,31 @@ class Plan:
     offloaded_fraction: float
     simulated_microbatches: tuple[int, ...]
     notes: tuple[str, ...] = field(default=())
+    optimizer_time: float = 0.0
+    host_bytes: float = 0.0
+    host_node_bytes: float = 0.0
+    host_budget_bytes: float = 0.0
 
     @property
     def step_time(self) -> float:
-        return self.pipeline_time + self.dp_time
+        return self.pipeline_time + self.dp_time + self.optimizer_time
 
     @property
     def memory_gib(self) -> float:
         return self.memory.total / GIB
 
     @property
-    def feasible(self) -> bool:
+    def fits_device(self) -> bool:
         return self.memory.total <= self.budget_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        """Pinned host memory per node within its budget (0: not checked)."""
+        return not self.host_budget_bytes or self.host_node_bytes <= self.host_budget_bytes
+
+    @property
+    def feasible(self) -> bool:
+        return self.fits_device and self.fits_host
 
     @property
     def extrapolated(self) -> bool:
@@ -160,10 +187,13 @@ class Evaluator:
     reuses them."""
 
     def __init__(self, spec: TransformerSpec, hw: Hardware, memory: MemoryConfig,
-                 budget_bytes: float, extrapolation: Extrapolation | None = None) -> None:
+                 budget_bytes: float, extrapolation: Extrapolation | None = None,
+                 framework: Framework = DEFAULT_FRAMEWORK, host_budget_bytes: float = 0.0) -> None:
         self.spec, self.hw, self.memory = spec, hw, memory
         self.budget_bytes = budget_bytes
+        self.host_budget_bytes = host_budget_bytes
         self.extrapolation = extrapolation or Extrapolation()
+        self.framework = framework
         self._pieces: dict[Layout, tuple[PieceCost, ...]] = {}
         self._costs: dict[Layout, CostModel] = {}
         self._bounds: dict[tuple, float] = {}
@@ -174,15 +204,18 @@ class Evaluator:
         """Simulator runs so far (bare, offload plans, compute-only passes)."""
         return self.runner.simulations
 
+    def layout(self, candidate: Candidate) -> Layout:
+        return candidate.layout_under(self.framework)
+
     def pieces(self, candidate: Candidate) -> tuple[PieceCost, ...]:
-        layout = candidate.layout
+        layout = self.layout(candidate)
         if layout not in self._pieces:
             self._pieces[layout] = stage_costs(self.spec, self.hw, layout)
         return self._pieces[layout]
 
     def costs(self, candidate: Candidate) -> CostModel:
         """The simulator's cost model of the candidate's layout."""
-        layout = candidate.layout
+        layout = self.layout(candidate)
         if layout not in self._costs:
             self._costs[layout] = cost_model(self.pieces(candidate), self.spec, self.hw, layout)
         return self._costs[layout]
@@ -201,11 +234,12 @@ class Evaluator:
     def state_and_floor(self, candidate: Candidate) -> float:
         """A lower bound of the device memory: model state, the reserve, and the largest stage
         activation of one microbatch (a forward holds it whatever is offloaded)."""
-        key = ("memory", candidate.layout, candidate.schedule in V_SHAPED)
+        key = ("memory", self.layout(candidate), candidate.schedule in V_SHAPED)
         if key not in self._bounds:
             pieces = self.pieces(candidate)
             placement = self.stage_to_rank(candidate)
-            states = rank_state(self.spec, pieces, placement, candidate.layout, self.memory)
+            states = rank_state(self.spec, pieces, placement, self.layout(candidate),
+                                self.memory)
             floor = [0.0] * candidate.pp
             for stage, piece in enumerate(pieces):
                 rank = placement[stage]
@@ -228,25 +262,27 @@ class Evaluator:
         floors = kept_activation_floor(
             schedule, [piece.activation_bytes for piece in self.pieces(candidate)], offloaded)
         states = rank_state(self.spec, self.pieces(candidate), schedule.stage_to_rank,
-                            candidate.layout, self.memory)
+                            self.layout(candidate), self.memory)
         # The bound adds bytes in another order than the simulator: allow for rounding.
         return (max(s.total + f for s, f in zip(states, floors)) + self.memory.reserve_bytes) \
             * (1 - 1e-9)
 
     def time_bound(self, candidate: Candidate) -> float:
         """A lower bound of the step time whatever is offloaded or recomputed: the makespan's
-        (planner/bounds.py, Note [makespan lower bound]) plus DP time, as ``evaluate`` adds
-        them."""
+        (planner/bounds.py, Note [makespan lower bound]) plus the exposed DP exchange and the
+        optimizer step, as ``evaluate`` adds them."""
         recomputed = candidate.offload == RECOMPUTE_AND_OFFLOAD
-        key = ("time", candidate.layout, candidate.schedule, candidate.microbatches, recomputed)
+        layout = self.layout(candidate)
+        key = ("time", layout, candidate.schedule, candidate.microbatches, recomputed)
         if key not in self._bounds:
             pieces = self.pieces(candidate)
             placement = self.stage_to_rank(candidate)
             makespan = makespan_lower_bound(self.costs(candidate), placement,
                                             candidate.microbatches,
                                             candidate.schedule not in WHOLE_BACKWARD, recomputed)
-            self._bounds[key] = makespan + dp_seconds(self.spec, self.hw, pieces, placement,
-                                                      candidate.layout, self.memory)
+            self._bounds[key] = (
+                makespan + dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory)
+                + optimizer_seconds(self.hw, pieces, placement, layout, self.memory))
         return self._bounds[key]
 
     def busiest_work(self, candidate: Candidate) -> float:
@@ -272,7 +308,7 @@ class Evaluator:
         """Simulate ``candidate`` (all m microbatches with ``full``, else Note [reduced
         simulation], or just ``counts``) and price its memory."""
         pieces = self.pieces(candidate)
-        layout = candidate.layout
+        layout = self.layout(candidate)
         m = candidate.microbatches
         if counts is None:
             counts = (m,) if full else self.extrapolation.counts(m, candidate.pp,
@@ -288,9 +324,10 @@ class Evaluator:
         memory = MemorySplit(states[worst].params, states[worst].grads, states[worst].optimizer,
                              peaks[worst], self.memory.reserve_bytes)
         dp_time = dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory)
+        optimizer_time = optimizer_seconds(self.hw, pieces, placement, layout, self.memory)
         sequences = candidate.dp * candidate.micro_batch * candidate.microbatches
         peak, _ = peak_flops(self.hw)
-        step = makespan + dp_time
+        step = makespan + dp_time + optimizer_time
         mfu = step_model_flops(self.spec, sequences) / (step * layout.gpus * peak)
         return Plan(
             candidate=candidate,
@@ -304,4 +341,9 @@ class Evaluator:
             offloaded_fraction=run.offloaded_fraction,
             simulated_microbatches=run.counts,
             notes=run.notes,
+            optimizer_time=optimizer_time,
+            host_bytes=max(run.host_bytes),
+            host_node_bytes=node_host_bytes(run.host_bytes, candidate.tp, candidate.pp,
+                                            self.hw.gpus_per_node),
+            host_budget_bytes=self.host_budget_bytes,
         )

@@ -42,22 +42,54 @@ CURVE_INTENSITIES = (8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0)
 
 @dataclass(frozen=True)
 class Gemm:
-    """An (m x k) @ (k x n) product with ``bytes_per_element``-byte inputs and output."""
+    """An (m x k) @ (k x n) product with ``bytes_per_element``-byte inputs and output, or
+    ``batch`` of them run as one batched kernel."""
 
     m: float
     n: float
     k: float
     bytes_per_element: int = 2
+    batch: float = 1
 
     @property
     def flops(self) -> float:
-        return 2 * self.m * self.n * self.k
+        return 2 * self.m * self.n * self.k * self.batch
+
+    def input_gradient(self) -> Gemm:
+        """dX = dY W^T of the linear layer Y = X W this GEMM is: (m x n) @ (n x k)."""
+        return Gemm(self.m, self.k, self.n, self.bytes_per_element, self.batch)
+
+    def weight_gradient(self) -> Gemm:
+        """dW = X^T dY: (k x m) @ (m x n)."""
+        return Gemm(self.k, self.n, self.m, self.bytes_per_element, self.batch)
 
     @property
     def intensity(self) -> float:
         """FLOPs per byte of the least traffic the product needs (read A and B, write C)."""
         traffic = self.m * self.k + self.k * self.n + self.m * self.n
-        return self.flops / (self.bytes_per_element * traffic)
+        return 2 * self.m * self.n * self.k / (self.bytes_per_element * traffic)
+
+
+#: The output tile one thread block computes in a large 16-bit GEMM [assumption: the 256 x 128
+#: tile of the examples in NVIDIA's "Matrix Multiplication Background User's Guide", section 3;
+#: cuBLAS picks among several].
+TILE = (256, 128)
+
+
+def wave_efficiency(gemm: Gemm, sm_count: int) -> float:
+    """Useful work over the work of the waves a GEMM takes: its output is cut into tiles, one
+    per thread block, a partial tile costing a whole one (the guide's "tile quantization",
+    section 3.1), and the GPU runs ``sm_count`` blocks at once, so 1.1 waves of tiles take as
+    long as 2 ("wave quantization", section 3.2). The better of the tile's two orientations;
+    1 without an SM count."""
+    if sm_count < 1:
+        return 1.0
+    best = 0.0
+    for tile_m, tile_n in (TILE, TILE[::-1]):
+        useful = gemm.m * gemm.n / (tile_m * tile_n) * gemm.batch
+        tiles = math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n) * math.ceil(gemm.batch)
+        best = max(best, useful / (math.ceil(tiles / sm_count) * sm_count))
+    return best
 
 
 def reference_intensity(bytes_per_element: int = 2) -> float:

@@ -14,8 +14,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeoffload.checks import parse_json
 from pipeoffload.errors import ConfigError
-from pipeoffload.planner.gemm import Gemm, check_points, curve_fraction, roofline_points
+from pipeoffload.planner.gemm import (
+    Gemm,
+    check_points,
+    curve_fraction,
+    roofline_points,
+    wave_efficiency,
+)
 from pipeoffload.sim.costs import Duplex, HostLink
 
 _MIB = 2**20
@@ -25,19 +32,39 @@ _MIB = 2**20
 class Hardware:
     """One GPU model in its usual server.
 
-    - ``bf16_flops_per_s``: matmul FLOP/s a transformer layer achieves in 16-bit (MFU-level).
+    - ``bf16_flops_per_s``: the dense 16-bit rate large GEMMs achieve (a measured maximum, not
+      the datasheet); ``gemm_points`` / ``gemm_ridge_flops_per_byte`` scale it by shape.
+    - ``peak_flops_per_s``: the datasheet dense 16-bit rate that MFU is quoted against (0: use
+      ``bf16_flops_per_s``, which quotes higher MFU figures).
     - ``hbm_bytes``: device memory capacity.
+    - ``hbm_bytes_per_s``: the device-memory bandwidth memory-bound kernels achieve (norms,
+      activations, softmax, dropout, residual adds, the optimizer step); 0: such work is not
+      timed (the model before issue 21).
+    - ``attention_flops_per_s``: the rate of flash-attention kernels (forward and backward
+      together); 0: ``bf16_flops_per_s``.
+    - ``kernel_launch_s``: fixed cost of one kernel (the gap between dependent kernels of an
+      eager framework); 0: none.
     - ``d2h_bytes_per_s`` / ``h2d_bytes_per_s``: pinned host-link copy bandwidth of one GPU.
     - ``full_duplex``: both directions run at once at their own rates (PCIe is full duplex).
     - ``intra_node_bytes_per_s`` / ``inter_node_bytes_per_s``: per-GPU, per-direction bandwidth
       of collectives and P2P inside a node (NVLink) and across nodes (NIC per GPU).
     - ``gpus_per_host_link``: GPUs that share one host link (two A100s behind one PCIe switch).
+    - ``host_bytes_per_node``: host (CPU) memory of one node, the default budget for pinned
+      offload buffers; 0: unknown (no host-memory check).
     - ``intra_node_busbw_fraction`` / ``inter_node_busbw_fraction``: the share of those nominal
       link rates NCCL achieves as bus bandwidth (nccl-tests' busbw at large messages); every
       collective and P2P transfer is priced at the achieved rate. 1.0 means nominal.
     - ``gemm_ridge_flops_per_byte``: the datasheet math rate over HBM bandwidth (NVIDIA's
       ops:byte ratio), which draws the default GEMM efficiency curve; 0 means every matmul runs
       at ``bf16_flops_per_s`` whatever its shape.
+    - ``sm_count``: streaming multiprocessors, for GEMM wave quantization (gemm.py); 0: none.
+    - ``collective_sms``: SMs an NCCL collective inside a node holds while it runs (one thread
+      block per channel), taken from a matmul it overlaps (layer_time.py, Note [collectives
+      share the SMs]); 0: overlapped collectives cost the matmul nothing.
+    - ``inter_node_one_gpu_busbw_fraction``: the busbw fraction of a NIC when one GPU per node
+      takes part (a pipeline hop, a data-parallel group of a TP8 layout); 0: the same as
+      ``inter_node_busbw_fraction``, which is for collectives where every GPU of a node drives
+      its own NIC.
     - ``gemm_points``: measured (intensity FLOP/byte, fraction of the large-GEMM rate) pairs from
       ``pipeoffload probe``; when present they replace the default curve (gemm.py, Note [GEMM
       efficiency curve]).
@@ -57,6 +84,14 @@ class Hardware:
     inter_node_busbw_fraction: float = 1.0
     gemm_ridge_flops_per_byte: float = 0.0
     gemm_points: tuple[tuple[float, float], ...] = ()
+    peak_flops_per_s: float = 0.0
+    hbm_bytes_per_s: float = 0.0
+    attention_flops_per_s: float = 0.0
+    kernel_launch_s: float = 0.0
+    host_bytes_per_node: float = 0.0
+    sm_count: int = 0
+    collective_sms: int = 0
+    inter_node_one_gpu_busbw_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.gemm_points, (list, tuple)) or not all(
@@ -75,17 +110,22 @@ class Hardware:
                     f"hardware {self.name!r}: {field} must be in (0, 1] (achieved over nominal "
                     f"bandwidth), got {value!r}"
                 )
-        ridge = self.gemm_ridge_flops_per_byte
-        if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or ridge < 0:
+        if self.inter_node_one_gpu_busbw_fraction > 1:
             raise ConfigError(
-                f"hardware {self.name!r}: gemm_ridge_flops_per_byte must be >= 0 (0: no shape "
-                f"model), got {ridge!r}"
+                f"hardware {self.name!r}: inter_node_one_gpu_busbw_fraction must be in [0, 1] "
+                f"(0: inter_node_busbw_fraction), got {self.inter_node_one_gpu_busbw_fraction!r}"
             )
+        for field, meaning in _OPTIONAL_RATES.items():
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value < math.inf:
+                raise ConfigError(
+                    f"hardware {self.name!r}: {field} must be >= 0 (0: {meaning}), got {value!r}"
+                )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name in ("name", "full_duplex", "intra_node_busbw_fraction",
-                              "inter_node_busbw_fraction", "gemm_ridge_flops_per_byte",
-                              "gemm_points"):
+                              "inter_node_busbw_fraction", "gemm_points", *_OPTIONAL_RATES):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                     not 0 < value < math.inf:
@@ -93,7 +133,7 @@ class Hardware:
                     f"hardware {self.name!r}: {field.name} must be a positive number, "
                     f"got {value!r}"
                 )
-        for field in ("gpus_per_node", "gpus_per_host_link"):
+        for field in ("gpus_per_node", "gpus_per_host_link", "sm_count", "collective_sms"):
             if not float(getattr(self, field)).is_integer():
                 raise ConfigError(
                     f"hardware {self.name!r}: {field} must be a whole number, "
@@ -110,15 +150,33 @@ class Hardware:
         """Seconds to run ``flops`` of matmul work."""
         return flops / self.bf16_flops_per_s
 
+    def attention_s(self, flops: float) -> float:
+        """Seconds of flash-attention work of ``flops`` (the preset's kernel rate)."""
+        return flops / (self.attention_flops_per_s or self.bf16_flops_per_s)
+
+    def memory_s(self, nbytes: float, kernels: float = 0.0) -> float:
+        """Seconds of memory-bound kernels moving ``nbytes`` through device memory, plus each
+        kernel's fixed cost; 0 when the preset does not time memory-bound work."""
+        if not self.hbm_bytes_per_s:
+            return 0.0
+        return nbytes / self.hbm_bytes_per_s + kernels * self.kernel_launch_s
+
+    @property
+    def mfu_peak_flops_per_s(self) -> float:
+        """What MFU divides by: the datasheet peak, else the achievable GEMM rate."""
+        return self.peak_flops_per_s or self.bf16_flops_per_s
+
     def gemm_fraction(self, gemm: Gemm) -> float:
         """The fraction of ``bf16_flops_per_s`` a GEMM of this shape reaches: the probe's
-        measured curve, else the default roofline curve, else 1."""
-        if self.gemm_points:
+        measured curve, else the default roofline curve times its wave efficiency (gemm.py) when
+        the SM count is known, else 1."""
+        if self.gemm_points:  # measured shapes: their own wave quantization is in the points
             return curve_fraction(self.gemm_points, gemm.intensity)
+        waves = wave_efficiency(gemm, self.sm_count)
         if self.gemm_ridge_flops_per_byte > 0:
             return curve_fraction(roofline_points(self.gemm_ridge_flops_per_byte),
-                                  gemm.intensity)
-        return 1.0
+                                  gemm.intensity) * waves
+        return waves
 
     def gemm_s(self, gemm: Gemm) -> float:
         """Seconds to run one GEMM, its shape's efficiency included."""
@@ -138,11 +196,23 @@ class Hardware:
         a ring's pace); nominal rate times its busbw fraction."""
         return self.achieved_bytes_per_s(cross_node=group_size > self.gpus_per_node)
 
-    def achieved_bytes_per_s(self, *, cross_node: bool) -> float:
-        """Per-GPU, per-direction bandwidth NCCL achieves inside a node or across nodes."""
+    def achieved_bytes_per_s(self, *, cross_node: bool, one_gpu_per_node: bool = False) -> float:
+        """Per-GPU, per-direction bandwidth NCCL achieves inside a node or across nodes; across
+        nodes with ``one_gpu_per_node`` of the communicator in each node (a pipeline hop, the
+        data-parallel group of a TP8 layout), NCCL reaches a smaller share of the NIC."""
         if cross_node:
-            return self.inter_node_bytes_per_s * self.inter_node_busbw_fraction
+            fraction = self.inter_node_busbw_fraction
+            if one_gpu_per_node and self.inter_node_one_gpu_busbw_fraction:
+                fraction = self.inter_node_one_gpu_busbw_fraction
+            return self.inter_node_bytes_per_s * fraction
         return self.intra_node_bytes_per_s * self.intra_node_busbw_fraction
+
+    @property
+    def collective_sm_share(self) -> float:
+        """The share of the SMs a running collective holds (0 without both counts)."""
+        if not self.collective_sms or not self.sm_count:
+            return 0.0
+        return min(1.0, self.collective_sms / self.sm_count)
 
     def host_link(self) -> HostLink:
         """The simulator's view of how this machine's GPUs reach host memory."""
@@ -158,12 +228,7 @@ class Hardware:
     @classmethod
     def from_json(cls, text: str, *, source: str = "<json>") -> Hardware:
         """A preset from ``to_json``'s output; ``source`` names the file in error messages."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"{source}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})"
-            ) from None
+        data = parse_json(text, source)
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object of hardware fields")
         names = [f.name for f in dataclasses.fields(cls)]
@@ -184,66 +249,122 @@ class Hardware:
         return cls(**data)
 
 
+#: Fields that may be 0, and what 0 means.
+_OPTIONAL_RATES = {
+    "gemm_ridge_flops_per_byte": "no GEMM shape model",
+    "peak_flops_per_s": "MFU against bf16_flops_per_s",
+    "hbm_bytes_per_s": "memory-bound work not timed",
+    "attention_flops_per_s": "attention at bf16_flops_per_s",
+    "kernel_launch_s": "no per-kernel cost",
+    "host_bytes_per_node": "host memory unknown",
+    "sm_count": "no wave quantization",
+    "collective_sms": "overlapped collectives take no SMs",
+    "inter_node_one_gpu_busbw_fraction": "inter_node_busbw_fraction",
+}
+
+
 def _preset(**kwargs: object) -> Hardware:
     return Hardware(**kwargs)  # type: ignore[arg-type]
 
 
+_TB = 1e12
+
 # Sources (docs/planner-model.md, "Hardware presets", has the full reasoning):
-# - FLOP/s and host-link GB/s of A100 / H100: the PipeOffload authors' code (paper-notes.md s2).
+# - bf16_flops_per_s: measured Maximum Achievable Matmul FLOPS, BF16 (S. Bekman,
+#   stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
+#   comparison table"): A100 SXM 271.2, H100 SXM 794.5 TFLOP/s. H200: the H100 SXM's (same die,
+#   clocks and 700 W); an 8192^3 bf16 product measured 769-798 TFLOP/s on an H200 of this
+#   project's device pool.
+# - peak_flops_per_s: datasheet dense 16-bit, A100 312, H100 SXM / H200 989 TFLOP/s.
+# - hbm_bytes_per_s: HBM_EFFICIENCY of the datasheet bandwidth (A100 80GB 2.039, H100 SXM 3.35,
+#   H200 4.8 TB/s). HBM_EFFICIENCY is the one fitted constant: what Megatron's memory-bound
+#   kernels achieve on a 22B layer (Korthikanti et al. 2022, Table 4, the three times without
+#   sequence parallelism; published.calibrate_hbm_efficiency). A bare device-to-device copy
+#   does better (4.3 of 4.8 TB/s, 0.9, on an H200 of this project's device pool): small and
+#   strided kernels, fp32 statistics and RNG-bound dropout run below a copy's rate. The same
+#   fraction on H100 / H200 [assumption].
+# - attention_flops_per_s: FlashAttention-2 (Dao 2023, section 4.1): on A100 forward up to 73%
+#   and backward up to 63% of 312 TFLOP/s; with the backward's 2.5x the forward's FLOPs that is
+#   0.65 x 312 = 203 TFLOP/s together [derived]. On H100 "up to 335 TFLOP/s" forward and
+#   backward together (FA2 without Hopper instructions; FlashAttention-3 is faster).
+# - kernel_launch_s: 4 us between dependent kernels of an eager framework [assumption: NVIDIA's
+#   CUDA Graphs introduction (technical blog, 2019) measures launch overheads of a few us].
+# - sm_count: A100 108, H100 SXM / H200 132 streaming multiprocessors (NVIDIA's A100 and H100
+#   architecture whitepapers).
+# - host_bytes_per_node: system memory of NVIDIA's DGX of that GPU, 2 TB each (DGX A100 640GB,
+#   DGX H100, DGX H200 datasheets).
+# - host link GB/s: the PipeOffload authors' code (docs/method.md section 2); H200 the H100's
+#   PCIe 5.
 # - Memory: nvidia-smi's total (A100 80GB 81920 MiB, H100 80GB 81559 MiB, H200 143771 MiB).
 # - NVLink per direction: A100 NVLink3 300 GB/s, H100/H200 NVLink4 450 GB/s (datasheets).
 # - Network: one 200 Gb/s (A100) / 400 Gb/s (H100, H200) NIC per GPU, as in DGX systems.
 # - A100s share a PCIe switch in pairs (PipeOffload paper, section 4.2).
-# - H200: the H100's compute die and PCIe 5 link, so the H100's 440 TFLOP/s and 21 GB/s.
 # - busbw fractions: nccl-tests' large-message bus bandwidth over the nominal link rate,
 #   A100 NVLink 3 ~235 of 300 GB/s; H100 / H200 all-gather and reduce-scatter ~360 of 450
-#   [assumption]; networks 0.9 of line rate [assumption].
+#   [assumption]. Network, A100 (200 Gb/s HDR, one NIC per GPU): NCCL 2.17 all-reduce of 1 GB
+#   on Azure NDmv4 (microsoft/mscclpp, docs/performance-ndmv4.md): 2 nodes x 8 GPUs 183.82 GB/s
+#   busbw over 8 x 25 GB/s = 0.92; 2 nodes x 1 GPU 18.65 of 25 GB/s = 0.746 (one GPU per node).
+#   H100 / H200 (400 Gb/s NDR): "46-48GB/s per NIC" (NCCL's maintainer, NVIDIA/nccl-tests issue
+#   #290), 47 of 50 = 0.94; one GPU per node: the A100's ratio 0.746 / 0.92 applied, 0.76
+#   [assumption].
+# - collective_sms: NCCL's channels, one thread block (one SM) each: 24 on 8 A100s with
+#   NVSwitch ("Channel 23/24" in the NCCL log of NVIDIA/nccl-tests issue #100, an HGX A100),
+#   16 on 8 H100s ("16 coll channels", NVIDIA/nccl issues #892, an 8 x H800 node, and #1453, an
+#   H100 cluster).
 # - GEMM ridge: datasheet dense bf16 over HBM bandwidth (A100 80GB 312 TFLOP/s / 2.039 TB/s,
 #   H100 SXM 989 / 3.35, H200 989 / 4.8), NVIDIA's ops:byte ratio.
+HBM_EFFICIENCY = 0.72
+A100_HBM_BYTES_PER_S = 2.039 * _TB
 _PRESETS: dict[str, Hardware] = {
     "a100-80gb": _preset(
         name="a100-80gb",
-        bf16_flops_per_s=220e12,
+        sm_count=108,
+        bf16_flops_per_s=271.2e12,
+        peak_flops_per_s=312e12,
         hbm_bytes=81920 * _MIB,
+        hbm_bytes_per_s=HBM_EFFICIENCY * A100_HBM_BYTES_PER_S,
+        attention_flops_per_s=0.65 * 312e12,
+        kernel_launch_s=4e-6,
         d2h_bytes_per_s=15e9,
         h2d_bytes_per_s=15e9,
         intra_node_bytes_per_s=300e9,
         inter_node_bytes_per_s=25e9,
         gpus_per_node=8,
         gpus_per_host_link=2,
+        host_bytes_per_node=2 * _TB,
         intra_node_busbw_fraction=0.78,
-        inter_node_busbw_fraction=0.9,
+        inter_node_busbw_fraction=0.92,
+        inter_node_one_gpu_busbw_fraction=0.746,
+        collective_sms=24,
         gemm_ridge_flops_per_byte=312e12 / 2.039e12,
     ),
     "h100-80gb": _preset(
         name="h100-80gb",
-        bf16_flops_per_s=440e12,
+        sm_count=132,
+        bf16_flops_per_s=794.5e12,
+        peak_flops_per_s=989e12,
         hbm_bytes=81559 * _MIB,
+        hbm_bytes_per_s=HBM_EFFICIENCY * 3.35 * _TB,
+        attention_flops_per_s=335e12,
+        kernel_launch_s=4e-6,
         d2h_bytes_per_s=21e9,
         h2d_bytes_per_s=21e9,
         intra_node_bytes_per_s=450e9,
         inter_node_bytes_per_s=50e9,
         gpus_per_node=8,
         gpus_per_host_link=1,
+        host_bytes_per_node=2 * _TB,
         intra_node_busbw_fraction=0.8,
-        inter_node_busbw_fraction=0.9,
+        inter_node_busbw_fraction=0.94,
+        inter_node_one_gpu_busbw_fraction=0.76,
+        collective_sms=16,
         gemm_ridge_flops_per_byte=989e12 / 3.35e12,
     ),
-    "h200": _preset(
-        name="h200",
-        bf16_flops_per_s=440e12,
-        hbm_bytes=143771 * _MIB,
-        d2h_bytes_per_s=21e9,
-        h2d_bytes_per_s=21e9,
-        intra_node_bytes_per_s=450e9,
-        inter_node_bytes_per_s=50e9,
-        gpus_per_node=8,
-        gpus_per_host_link=1,
-        intra_node_busbw_fraction=0.8,
-        inter_node_busbw_fraction=0.9,
-        gemm_ridge_flops_per_byte=989e12 / 4.8e12,
-    ),
 }
+# The H200: the H100's die, clocks, links and host side with more and faster HBM.
+_PRESETS["h200"] = dataclasses.replace(
+    _PRESETS["h100-80gb"], name="h200", hbm_bytes=143771 * _MIB,
+    hbm_bytes_per_s=HBM_EFFICIENCY * 4.8 * _TB, gemm_ridge_flops_per_byte=989e12 / 4.8e12)
 
 _ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200-141gb": "h200"}
 

@@ -6,7 +6,8 @@ Shapes and their sources (docs/planner-model.md, "Model presets", has the table)
   the table's 5140 is read as a typo, as Megatron and others do).
 - pipeoffload-*: the PipeOffload paper's table 2 (layers, heads, hidden; GQA with 8 groups).
   f = 4h, GeLU and a 32000-token vocabulary are [derived]: with them the parameter counts
-  (embedding counted once) come out at the paper's 5.8B .. 83.8B to 0.1B.
+  (embedding counted once) come out at the paper's 5.8B .. 83.8B to 0.1B. Biases: GPT-3 has
+  them (its paper follows GPT-2's layers); Llama has none; pipeoffload-* none [assumption].
 - llama3-*: Llama 3 (Dubey et al. 2024, table 3) and the published config.json files.
 """
 
@@ -17,14 +18,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeoffload.checks import parse_json
 from pipeoffload.errors import ConfigError
+from pipeoffload.hf_families import SUPPORTED_MODEL_TYPES
 from pipeoffload.planner.transformer import MlpKind, TransformerSpec
 
 
 def _gpt3(name: str, layers: int, hidden: int, heads: int) -> TransformerSpec:
     return TransformerSpec(
         num_layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn_hidden=4 * hidden,
-        vocab=50257, seq_len=2048, mlp=MlpKind.GELU, dropout=True, name=name,
+        vocab=50257, seq_len=2048, mlp=MlpKind.GELU, dropout=True, bias=True, name=name,
     )
 
 
@@ -149,9 +152,14 @@ def model_from_config(
         value = _lookup(data, field, source)
         if value is not None:
             values[field] = value
-    for field in ("flash_attention", "activation_bytes", "param_bytes", "dropout"):
+    for field in ("flash_attention", "activation_bytes", "param_bytes", "dropout", "bias"):
         if data.get(field) is not None:
             values[field] = data[field]
+    if "bias" not in values:
+        # HuggingFace Llama-style configs say attention_bias / mlp_bias; GPT-2's layers have
+        # biases and its config does not say
+        flags = [data[k] for k in ("attention_bias", "mlp_bias") if data.get(k) is not None]
+        values["bias"] = any(flags) if flags else "n_embd" in data
     values.update(overrides)
     if "mlp" not in values:
         values["mlp"] = _mlp_kind(data, source)
@@ -164,6 +172,8 @@ def model_from_config(
             isinstance(data.get(k), (int, float)) and data[k] > 0 for k in _DROPOUT_KEYS
         )
     values.setdefault("name", data.get("name") or data.get("_name_or_path") or source)
+    if isinstance(data.get("model_type"), str):
+        values.setdefault("model_type", data["model_type"])
     missing = [f for f in _SYNONYMS if f not in values]
     if missing:
         wanted = "; ".join(f"{f} (or {' / '.join(_SYNONYMS[f])})" for f in missing)
@@ -181,7 +191,9 @@ def model_from_config(
 
 
 def load_model_config(path: str | Path, **overrides: Any) -> TransformerSpec:
-    """``model_from_config`` on a JSON file (a HuggingFace config.json works as is)."""
+    """``model_from_config`` on a JSON file (a HuggingFace config.json works as is); a config of
+    a family `pipeoffload train --model` runs records the path it was read from (or
+    ``train_model=`` its folder) as the spec's ``train_model``."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -190,16 +202,21 @@ def load_model_config(path: str | Path, **overrides: Any) -> TransformerSpec:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"model config {path} is not UTF-8 text (byte {exc.start}: "
                           f"{exc.reason}); pass a config.json or a preset name") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})") from None
+    data = parse_json(text, str(path))
+    train_model = overrides.pop("train_model", str(path))
+    if isinstance(data, dict) and data.get("model_type") in SUPPORTED_MODEL_TYPES:
+        overrides["train_model"] = train_model
     return model_from_config(data, source=str(path), **overrides)
 
 
 def load_model(name_or_path: str, **overrides: Any) -> TransformerSpec:
-    """A preset by name, or a config file (a path ending in .json, or any existing file)."""
+    """A preset by name, a config file (a path ending in .json, or any existing file), or a
+    folder holding a config.json (a Hugging Face model: `train --model FOLDER` loads its
+    weights)."""
     path = Path(name_or_path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_model_config(path / "config.json",
+                                 **{"train_model": name_or_path, **overrides})
     if name_or_path.lower().endswith(".json") or path.is_file():
         return load_model_config(path, **overrides)
     return model_preset(name_or_path, **overrides)

@@ -1,69 +1,54 @@
 """Seconds from the analytic model and a hardware preset, per-GPU model state, and the ratio k.
 
 k = (D2H + H2D time of a layer's saved activations) / (F + I + W time of that layer)
-(PipeOffload, Wan et al. 2025, section 2; paper-notes.md s2): at k <= 1 every activation can be
-offloaded with (almost) no slowdown. ``offload_ratio`` computes it from the per-layer FLOPs and
-bytes of ``transformer``; ``paper_k`` is the paper's closed form for a GPT layer. Run
+(PipeOffload, Wan et al. 2025, section 2; docs/method.md section 2): at k <= 1 every activation
+can be offloaded with (almost) no slowdown. ``offload_ratio`` computes it from the per-layer FLOPs
+and bytes of ``transformer``; ``paper_k`` is the paper's closed form for a GPT layer. Run
 ``python -m pipeoffload.planner.ratio`` for the table in docs/planner-model.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.planner.comm_bytes import (
+    CommBytes,
+    end_tp_comm_bytes,
+    head_tp_comm_bytes,
+    layer_tp_comm_bytes,
+    p2p_bytes,
+)
 from pipeoffload.planner.hardware import Hardware, hardware_preset
 from pipeoffload.planner.layer_time import (
     PassSeconds,
+    RunConfig,
     embedding_seconds,
     head_seconds,
     layer_seconds,
 )
 from pipeoffload.planner.transformer import (
-    CommBytes,
     FlopCount,
     MlpKind,
     ParamCount,
     PassFlops,
     Recompute,
     TransformerSpec,
-    as_flop_count,
-    as_recompute,
     embedding_activation_bytes,
     embedding_flops,
     embedding_params,
-    end_tp_comm_bytes,
     head_activation_bytes,
     head_flops,
     head_params,
-    head_tp_comm_bytes,
     layer_activation_bytes,
     layer_flops,
     layer_params,
-    layer_tp_comm_bytes,
-    p2p_bytes,
     recompute_flops,
-    ring_collective_bytes,
 )
 
-
-@dataclass(frozen=True)
-class RunConfig:
-    """How a model runs on each GPU: microbatch size, tensor-parallel degree (with sequence
-    parallelism), what layers recompute, and which FLOPs count (transformer.FlopCount)."""
-
-    micro_batch: int = 1
-    tp: int = 1
-    recompute: Recompute = Recompute.LGD
-    flop_count: FlopCount = FlopCount.HARDWARE
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "recompute", as_recompute(self.recompute))
-        object.__setattr__(self, "flop_count", as_flop_count(self.flop_count))
-        for field in ("micro_batch", "tp"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"RunConfig.{field} must be a positive integer, got {value!r}")
+#: The default per-GPU run (microbatch 1, no TP, LGD recompute, sequence parallelism).
+DEFAULT_RUN = RunConfig()
 
 
 @dataclass(frozen=True)
@@ -136,47 +121,48 @@ def _piece(
     )
 
 
-def layer_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig()) -> PieceCost:
+def layer_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN) -> PieceCost:
     """One transformer layer: matmuls by shape, exposed TP collectives (layer_time.py, Note
     [exposed TP communication]). Under full recompute (HARDWARE count) the backward also re-runs
     the forward and its collectives."""
-    b, tp = run.micro_batch, run.tp
+    b, tp, sp = run.micro_batch, run.tp, run.sequence_parallel
     recomputed = recompute_flops(spec, b, run.recompute, tp=tp, count=run.flop_count)
-    comm = layer_tp_comm_bytes(spec, b, tp=tp)
-    if recomputed:
+    comm = layer_tp_comm_bytes(spec, b, tp=tp, sequence_parallel=sp)
+    if run.recompute is Recompute.FULL and run.flop_count is FlopCount.HARDWARE:
         comm = CommBytes(comm.forward, comm.backward + comm.forward)
     return _piece(
-        layer_seconds(spec, hw, b, tp, run.recompute, run.flop_count),
+        layer_seconds(spec, hw, run),
         layer_flops(spec, b, tp=tp, count=run.flop_count),
         recomputed,
         comm,
-        layer_activation_bytes(spec, b, run.recompute, tp=tp),
+        layer_activation_bytes(spec, b, run.recompute, tp=tp, sequence_parallel=sp),
         layer_params(spec, tp=tp),
     )
 
 
-def embedding_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig()) -> PieceCost:
+def embedding_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN) -> PieceCost:
     """The input embedding (no matmul FLOPs: its time is its TP collectives only)."""
     b, tp = run.micro_batch, run.tp
     return _piece(
-        embedding_seconds(spec, hw, b, tp),
+        embedding_seconds(spec, hw, run),
         embedding_flops(spec, b, tp=tp),
         0.0,
         end_tp_comm_bytes(spec, b, tp=tp),
-        embedding_activation_bytes(spec, b, tp=tp),
+        embedding_activation_bytes(spec, b, tp=tp, sequence_parallel=run.sequence_parallel),
         embedding_params(spec, tp=tp),
     )
 
 
-def head_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig()) -> PieceCost:
+def head_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN) -> PieceCost:
     """Final norm, output projection and loss."""
     b, tp = run.micro_batch, run.tp
     return _piece(
-        head_seconds(spec, hw, b, tp),
+        head_seconds(spec, hw, run),
         head_flops(spec, b, tp=tp),
         0.0,
         head_tp_comm_bytes(spec, b, tp=tp),
-        head_activation_bytes(spec, b, run.recompute, tp=tp),
+        head_activation_bytes(spec, b, run.recompute, tp=tp,
+                              sequence_parallel=run.sequence_parallel),
         head_params(spec, tp=tp),
     )
 
@@ -184,7 +170,7 @@ def head_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig())
 def stage_cost(
     spec: TransformerSpec,
     hw: Hardware,
-    run: RunConfig = RunConfig(),
+    run: RunConfig = DEFAULT_RUN,
     *,
     layers: int,
     embedding: bool = False,
@@ -205,88 +191,12 @@ def stage_cost(
 
 
 def p2p_s(
-    spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig(), *, cross_node: bool
+    spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN, *, cross_node: bool
 ) -> float:
-    """Seconds to send one microbatch's boundary activation (or its gradient) to the next stage."""
-    link = hw.achieved_bytes_per_s(cross_node=cross_node)
+    """Seconds to send one microbatch's boundary activation (or its gradient) to the next stage
+    (across nodes, one GPU of each node talks to one of the other)."""
+    link = hw.achieved_bytes_per_s(cross_node=cross_node, one_gpu_per_node=True)
     return p2p_bytes(spec, run.micro_batch, tp=run.tp) / link
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """Bytes per parameter of mixed-precision Adam (Megatron: 2 + 4 + 4 + 4 + 4 = 18).
-
-    ``grad_bytes``: the gradient buffer (fp32 main grads). ``master_bytes``: the fp32 copy of the
-    weights. ``state_bytes``: Adam's two fp32 moments. ``sharded``: ZeRO-1 / Megatron's
-    distributed optimizer splits master weights and moments over the data-parallel group.
-    """
-
-    grad_bytes: int = 4
-    master_bytes: int = 4
-    state_bytes: int = 8
-    sharded: bool = False
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Model-state memory of one GPU: weights, gradients, optimizer (master copy + moments)."""
-
-    params: float
-    grads: float
-    optimizer: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-
-def state_bytes(
-    spec: TransformerSpec, params: float, optimizer: OptimizerSpec, *, dp: int = 1
-) -> StateBytes:
-    """Memory for ``params`` parameters on one GPU (Rajbhandari et al. 2020, ZeRO, s3.1)."""
-    if dp < 1:
-        raise ConfigError(f"dp (data-parallel degree) must be >= 1, got {dp}")
-    per_param_optimizer = optimizer.master_bytes + optimizer.state_bytes
-    shards = dp if optimizer.sharded else 1
-    return StateBytes(
-        params * spec.param_bytes,
-        params * optimizer.grad_bytes,
-        params * per_param_optimizer / shards,
-    )
-
-
-@dataclass(frozen=True)
-class DpTraffic:
-    """Bytes one GPU sends per step for data parallelism: gradient reduction, and with a sharded
-    optimizer the all-gather of the updated 16-bit weights."""
-
-    grad_reduce: float
-    param_gather: float
-
-    @property
-    def total(self) -> float:
-        return self.grad_reduce + self.param_gather
-
-
-def dp_traffic(
-    spec: TransformerSpec, params: float, optimizer: OptimizerSpec, *, dp: int
-) -> DpTraffic:
-    """Ring all-reduce of the gradients, 2 (d-1)/d of their bytes; sharded: a reduce-scatter of
-    the gradients plus an all-gather of the weights, (d-1)/d of each (Megatron's distributed
-    optimizer)."""
-    if dp < 1:
-        raise ConfigError(f"dp (data-parallel degree) must be >= 1, got {dp}")
-    grads = ring_collective_bytes(params, dp, optimizer.grad_bytes)
-    if optimizer.sharded:
-        return DpTraffic(grads, ring_collective_bytes(params, dp, spec.param_bytes))
-    return DpTraffic(2 * grads, 0.0)
-
-
-def dp_s(traffic: DpTraffic, hw: Hardware, *, cross_node: bool) -> float:
-    """Seconds of the data-parallel exchange of one step, not overlapped with compute, at
-    NCCL's achieved bus bandwidth."""
-    link = hw.achieved_bytes_per_s(cross_node=cross_node)
-    return traffic.total / link
 
 
 @dataclass(frozen=True)
@@ -319,7 +229,7 @@ class OffloadRatio:
 
 
 def offload_ratio(
-    spec: TransformerSpec, hw: Hardware, run: RunConfig = RunConfig()
+    spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN
 ) -> OffloadRatio:
     """k of one transformer layer of ``spec`` on ``hw``: the round trip of its saved activations
     over the host link against its F + I + W time (TP collectives included). Host-link sharing
@@ -361,6 +271,21 @@ def paper_layer(hidden: int, seq_len: int) -> tuple[TransformerSpec, RunConfig]:
                            flop_count=FlopCount.MODEL)
 
 
+#: The PipeOffload authors' whole-layer rate for an A100 (docs/method.md section 2).
+PAPER_A100_FLOPS_PER_S = 220e12
+
+
+def paper_hardware() -> Hardware:
+    """An A100 under the paper's assumptions: every FLOP at the authors' whole-layer 220
+    TFLOP/s, memory-bound work not timed, one rate for every matmul shape and size; its 15 GB/s
+    host link."""
+    return dataclasses.replace(
+        hardware_preset("a100-80gb"), name="a100-80gb (paper's k)",
+        bf16_flops_per_s=PAPER_A100_FLOPS_PER_S, peak_flops_per_s=0.0, hbm_bytes_per_s=0.0,
+        attention_flops_per_s=0.0, kernel_launch_s=0.0, gemm_ridge_flops_per_byte=0.0,
+        sm_count=0)
+
+
 def k_table(
     hw: Hardware, hiddens: tuple[int, ...], seq_lens: tuple[int, ...]
 ) -> list[tuple[int, int, float, float]]:
@@ -376,7 +301,7 @@ def k_table(
 
 
 def _main() -> None:
-    hw = hardware_preset("a100-80gb")
+    hw = paper_hardware()
     print(f"k on {hw.name} ({hw.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
           f"{hw.d2h_bytes_per_s / 1e9:.0f} GB/s), LGD recompute, flash attention, 16-bit")
     print("| h | s | k (per-layer model) | k (closed form) |")

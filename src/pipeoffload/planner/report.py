@@ -1,8 +1,9 @@
-"""What ``pipeoffload plan`` prints: the k line, a ranked table, the winner's command, and the
-same as one JSON object (the contract: k, best and candidates, each plan with pp, tp, dp,
-schedule, chunks, group_size, offload, recompute, microbatch_size, microbatches, step_time,
-mfu, memory_gib, feasible and command: the `pipeoffload train` command, or null with
-``command_refused`` saying why train cannot run the plan)."""
+"""What ``pipeoffload plan`` prints: the k line, a ranked table, the winner's command, the
+verdict on offload, and the same as one JSON object (the contract: k, best and candidates, each
+plan with pp, tp, dp, schedule, chunks, group_size, offload, recompute, microbatch_size,
+microbatches, step_time, mfu, memory_gib, host_gib, host_node_gib, feasible and command: the
+`pipeoffload train` command, or null with ``command_refused`` saying why train cannot run the
+plan)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pipeoffload.planner.evaluate import Plan
 from pipeoffload.planner.search import SearchResult
 from pipeoffload.planner.train_command import train_command
 from pipeoffload.planner.transformer import TransformerSpec
+from pipeoffload.planner.verdict import Verdict
 
 
 def plan_json(plan: Plan, spec: TransformerSpec | None = None) -> dict[str, Any]:
@@ -33,6 +35,7 @@ def plan_json(plan: Plan, spec: TransformerSpec | None = None) -> dict[str, Any]
         "step_time": plan.step_time,
         "pipeline_time": plan.pipeline_time,
         "dp_time": plan.dp_time,
+        "optimizer_time": plan.optimizer_time,
         "mfu": plan.mfu,
         "bubble_rate": plan.bubble_rate,
         "stall_time": plan.stall_time,
@@ -45,6 +48,10 @@ def plan_json(plan: Plan, spec: TransformerSpec | None = None) -> dict[str, Any]
             "activations": memory.activations / GIB,
             "reserve": memory.reserve / GIB,
         },
+        "host_gib": plan.host_bytes / GIB,
+        "host_node_gib": plan.host_node_bytes / GIB,
+        "fits_device": plan.fits_device,
+        "fits_host": plan.fits_host,
         "feasible": plan.feasible,
         "simulated_microbatches": list(plan.simulated_microbatches),
         "command": train_command(c, spec).argv,
@@ -52,18 +59,23 @@ def plan_json(plan: Plan, spec: TransformerSpec | None = None) -> dict[str, Any]
     }
 
 
-def result_json(result: SearchResult, inputs: dict[str, Any]) -> dict[str, Any]:
-    """The whole search as one JSON object."""
+def result_json(result: SearchResult, inputs: dict[str, Any], *, fixed: bool = False,
+                verdict: Verdict | None = None) -> dict[str, Any]:
+    """The whole search as one JSON object. ``fixed``: every dimension was given, so ``best`` is
+    that configuration whether or not it fits."""
     best = result.best
     stats = result.stats
     return {
         "inputs": inputs,
+        "fixed": fixed,
+        "verdict": verdict.as_json() if verdict is not None else None,
         "k": result.k.k,
         "k_detail": str(result.k),
         "budget_gib": result.budget_bytes / GIB,
+        "host_budget_gib": (best.host_budget_bytes / GIB if best is not None else None),
         "best": plan_json(best, result.spec) if best is not None else None,
         "feasible": bool(best is not None and best.feasible),
-        "shortfall": result.shortfall(),
+        "shortfall": result.shortfall("this configuration" if fixed else "the nearest plan"),
         "candidates": [plan_json(plan, result.spec) for plan in result.candidates],
         "search": {
             "configurations": stats.configurations,
@@ -80,7 +92,8 @@ def result_json(result: SearchResult, inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 _HEADER = ("#", "schedule", "pp", "tp", "dp", "v", "g", "b", "m", "recompute", "offload",
-           "step s", "MFU", "params+grads", "optimizer", "activations", "total GiB", "fits")
+           "step s", "MFU", "params+grads", "optimizer", "activations", "total GiB",
+           "host GiB/GPU", "fits")
 
 
 def _row(rank: int, plan: Plan) -> tuple[str, ...]:
@@ -92,7 +105,8 @@ def _row(rank: int, plan: Plan) -> tuple[str, ...]:
         f"{'~' if plan.extrapolated else ''}{plan.step_time:.3f}",
         f"{plan.mfu:.1%}", f"{(memory.params + memory.grads) / GIB:.1f}",
         f"{memory.optimizer / GIB:.1f}", f"{memory.activations / GIB:.1f}",
-        f"{plan.memory_gib:.1f}", "yes" if plan.feasible else "no",
+        f"{plan.memory_gib:.1f}", f"{plan.host_bytes / GIB:.1f}",
+        "yes" if plan.feasible else ("no (host)" if plan.fits_device else "no"),
     )
 
 
@@ -107,9 +121,10 @@ def render_table(plans: list[Plan] | tuple[Plan, ...]) -> str:
     return "\n".join(lines)
 
 
-def render_result(result: SearchResult, inputs_line: str) -> str:
+def render_result(result: SearchResult, inputs_line: str, *, fixed: bool = False,
+                  verdict: Verdict | None = None) -> str:
     """The human report: the k line with its inputs, the ranked table, the winner's command
-    (or what the nearest plan would need)."""
+    (or what the nearest plan would need), and the verdict on offload."""
     stats = result.stats
     lines = [inputs_line, str(result.k), ""]
     if result.candidates:
@@ -126,11 +141,24 @@ def render_result(result: SearchResult, inputs_line: str) -> str:
     best = result.best
     if best is None:
         lines.append("no configuration to show")
-    elif best.feasible:
-        lines.append(f"best: {best.step_time:.3f} s per step, MFU {best.mfu:.1%}, "
-                     f"{best.memory_gib:.1f} GiB per device")
+        return "\n".join(lines)
+    host = (f", {best.host_node_bytes / GIB:.1f} GiB pinned host memory per node"
+            if best.host_node_bytes else "")
+    summary = (f"{best.step_time:.3f} s per step, MFU {best.mfu:.1%}, "
+               f"{best.memory_gib:.1f} GiB per device{host}")
+    if fixed:
+        lines.append("every dimension was fixed (tp, pp, chunks, microbatch size, schedule, "
+                     "recompute, offload): this is that configuration's prediction, "
+                     + ("and it fits" if best.feasible else "and it does NOT fit"))
+    if best.feasible:
+        lines.append(f"{'yours' if fixed else 'best'}: {summary}")
         lines.append(best.candidate.command(result.spec))
     else:
-        lines.append(result.shortfall() or "")
-        lines.append("nearest: " + best.candidate.command(result.spec))
+        if fixed:
+            lines.append(f"yours: {summary}")
+        lines.append(result.shortfall("this configuration" if fixed else "the nearest plan")
+                     or "")
+        lines.append(("yours: " if fixed else "nearest: ") + best.candidate.command(result.spec))
+    if verdict is not None:
+        lines.append(verdict.line())
     return "\n".join(lines)

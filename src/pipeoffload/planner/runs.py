@@ -23,6 +23,7 @@ from pipeoffload.offload.plan import OffloadPlan, add_offload
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.targets import parse_target
 from pipeoffload.planner.bounds import kept_activation_floor
+from pipeoffload.planner.host_memory import host_peak_bytes
 from pipeoffload.planner.reduced import Extrapolation, extrapolate
 from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.costs import CostModel
@@ -59,6 +60,7 @@ class Run(NamedTuple):
     stall_time: float
     offloaded_fraction: float
     notes: tuple[str, ...]
+    host_bytes: tuple[float, ...]  # per rank, pinned host bytes offload holds (host_memory.py)
 
 
 class Simulated(NamedTuple):
@@ -71,6 +73,7 @@ class Simulated(NamedTuple):
     stall_time: float
     offloaded_fraction: float
     notes: tuple[str, ...]
+    host_bytes: tuple[float, ...]  # per rank, the largest over the counts
 
 
 class Runner:
@@ -103,12 +106,14 @@ class Runner:
                 graph = _kept(self._graphs, schedule, None, lambda: ComputeGraph(schedule))
                 makespan, compute = graph.makespan(costs)
             peaks = kept_activation_floor(schedule, stage_bytes, 0)
-            return Run(makespan, sum(compute), tuple(peaks), 0.0, 0.0, ())
+            return Run(makespan, sum(compute), tuple(peaks), 0.0, 0.0, (),
+                       (0.0,) * schedule.num_ranks)
         bare = _kept(self._bare, schedule, costs, lambda: simulate(schedule, costs))
         plan = plan_memory(schedule, costs, option, bare)
         result = plan.result
         return Run(result.makespan, sum(result.compute_time), result.peak_bytes or (),
-                   result.total_stall_time, plan.report.offloaded_fraction, plan.report.notes)
+                   result.total_stall_time, plan.report.offloaded_fraction, plan.report.notes,
+                   host_peak_bytes(result))
 
     def simulate(self, build: Callable[[int], Schedule], costs: CostModel, option: str,
                  stage_bytes: list[float], microbatches: int, counts: tuple[int, ...],
@@ -131,8 +136,9 @@ class Runner:
         compute = last.compute_time * microbatches / counts[-1]
         bubble = 1 - compute / (ranks * makespan) if makespan > 0 else 0.0
         peaks = tuple(max(values) for values in zip(*(run.peak_bytes for run in runs)))
+        host = tuple(max(values) for values in zip(*(run.host_bytes for run in runs)))
         return Simulated(counts, makespan, bubble, peaks, last.stall_time,
-                         last.offloaded_fraction, last.notes)
+                         last.offloaded_fraction, last.notes, host)
 
 
 def _kept(cache: dict[Hashable, tuple[Schedule, T]], schedule: Schedule, costs: Hashable,

@@ -1,6 +1,6 @@
 """The planner's search: the fastest configuration of a model on N GPUs that fits in memory.
 
-It enumerates DP x TP x PP = N (TP inside a node, dividing the head count), microbatch size
+It enumerates DP x TP x PP = N (TP dividing a node's GPUs and the head count), microbatch size
 and count (from the global batch), the zoo's schedules with their chunks and group sizes,
 recompute options and offload targets, and simulates what it cannot rule out (``evaluate``).
 
@@ -76,8 +76,8 @@ OFFLOAD_ORDER = ("none", "chunks:1", "all", RECOMPUTE_AND_OFFLOAD)
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the search may choose. ``tp`` / ``pp`` None: every divisor that fits (TP within a
-    node and dividing the heads). ``group_sizes``: "min" (ceil(p/2)), "max" (p) or both."""
+    """What the search may choose. ``tp`` / ``pp`` None: every divisor that fits (TP dividing a
+    node's GPUs and the heads). ``group_sizes``: "min" (ceil(p/2)), "max" (p) or both."""
 
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     chunks: tuple[int, ...] = (2, 4)
@@ -123,6 +123,9 @@ class SearchConfig:
     tolerance: float = 0.005
     """The returned plan may be slower than the best by this share (Note: [branch and bound]);
     0 returns the best (and simulates every near tie to find it)."""
+    host_budget_bytes: float | None = None
+    """Pinned host memory per node that offload may use (None: the hardware's
+    ``host_bytes_per_node``; 0: not checked)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "global_batch", "top_k"):
@@ -130,6 +133,7 @@ class SearchConfig:
         check_number("SearchConfig.nearest_tries", self.nearest_tries, minimum=0, integer=True)
         check_number("SearchConfig.tolerance", self.tolerance, minimum=0, maximum=1)
         check_optional("SearchConfig.budget_bytes", self.budget_bytes, above=0)
+        check_optional("SearchConfig.host_budget_bytes", self.host_budget_bytes, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -164,11 +168,17 @@ class SearchResult:
     def best(self) -> Plan | None:
         return self.candidates[0] if self.candidates else None
 
-    def shortfall(self) -> str | None:
-        """What the nearest plan would need, when nothing fits; None otherwise."""
+    def shortfall(self, subject: str = "the nearest plan") -> str | None:
+        """What the nearest plan (``subject``) would need, when nothing fits; None otherwise."""
         best = self.best
         if best is None or best.feasible:
             return None
+        if best.fits_device:
+            over = best.host_node_bytes - best.host_budget_bytes
+            return (f"nothing fits in {best.host_budget_bytes / GIB:.1f} GiB of pinned host "
+                    f"memory per node; {subject} needs {best.host_node_bytes / GIB:.1f} "
+                    f"GiB per node, {over / GIB:.1f} GiB over: offload less, add nodes, or "
+                    f"raise --host-memory")
         over = best.memory.total - self.budget_bytes
         part, size = best.memory.largest_part()
         fixes = {"activations": "offload more, recompute (--recompute full) or shorten the "
@@ -177,7 +187,7 @@ class SearchResult:
                                     "ranks or add GPUs",
                  "gradients": "add GPUs (more PP / TP)",
                  "parameters": "add GPUs (more PP / TP)"}
-        return (f"nothing fits in {self.budget_bytes / GIB:.1f} GiB; the nearest plan needs "
+        return (f"nothing fits in {self.budget_bytes / GIB:.1f} GiB; {subject} needs "
                 f"{best.memory_gib:.1f} GiB per device, {over / GIB:.1f} GiB over the budget; "
                 f"the largest part is {part} ({size / GIB:.1f} GiB): {fixes[part]}, "
                 f"or raise --memory")
@@ -190,7 +200,8 @@ def _divisors(n: int) -> list[int]:
 def _layouts(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
              space: SearchSpace) -> Iterator[tuple[int, int, int]]:
     for tp in _divisors(config.gpus):
-        if tp > hw.gpus_per_node or spec.heads % tp or (space.tp and tp not in space.tp):
+        # TP inside one node: a group that straddles nodes would run at the network's rate
+        if hw.gpus_per_node % tp or spec.heads % tp or (space.tp and tp not in space.tp):
             continue
         for pp in _divisors(config.gpus // tp):
             if pp > spec.num_layers or (space.pp and pp not in space.pp):
@@ -300,7 +311,10 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
     """Search (Note: [branch and bound]); ``progress`` gets a status line about once a second."""
     started = time.monotonic()
     budget = config.budget_bytes if config.budget_bytes is not None else hw.hbm_bytes
-    evaluator = Evaluator(spec, hw, config.memory, budget, config.extrapolation)
+    host_budget = (config.host_budget_bytes if config.host_budget_bytes is not None
+                   else hw.host_bytes_per_node)
+    evaluator = Evaluator(spec, hw, config.memory, budget, config.extrapolation,
+                          host_budget_bytes=host_budget)
     reduced_error = 1 + config.extrapolation.tolerance
     groups = configurations(spec, hw, config, space)
     stats = dict.fromkeys(("pruned_by_time", "pruned_by_memory", "dominated", "not_buildable",
@@ -389,8 +403,8 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
     if not groups:
         notes.append(f"no layout of {config.gpus} GPUs fits this model and batch: "
                      f"DP must divide the global batch ({config.global_batch}), TP the heads "
-                     f"({spec.heads}) and <= {hw.gpus_per_node}, PP x chunks <= layers "
-                     f"({spec.num_layers})")
+                     f"({spec.heads}) and {hw.gpus_per_node} (GPUs per node), PP x chunks <= "
+                     f"layers ({spec.num_layers})")
     ranked_feasible = sorted(feasible.values(), key=lambda p: (p.step_time, p.memory.total))
     infeasible.sort(key=lambda p: (p.memory.total, p.step_time))
     ranked = tuple(ranked_feasible[: config.top_k] or infeasible[: config.top_k])

@@ -9,13 +9,18 @@ per-chunk mix of recompute and offload (RECOMPUTE_AND_OFFLOAD). What train refus
 printer refuses too:
 - a tensor-parallel degree that does not divide the heads, key/value heads, MLP width or the
   reference model's byte vocabulary;
-- activations of other than 2 (bf16) or 4 (fp32) bytes.
+- activations of other than 2 (bf16) or 4 (fp32) bytes;
+- for a Hugging Face model (``spec.train_model``, run as ``--model PATH``): ``--recompute lgd``
+  and tensor parallelism of a family train does not shard (pipeoffload/hf_families.py).
 """
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from pipeoffload import hf_families
 
 if TYPE_CHECKING:
     from pipeoffload.planner.evaluate import Candidate
@@ -62,20 +67,36 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None) -> 
         dtype = DTYPE_FLAGS[spec.activation_bytes]
         if dtype is not None:
             parts.append(f"--dtype {dtype}")
-        parts += [f"--layers {spec.num_layers}", f"--dim {spec.hidden}",
-                  f"--heads {spec.heads}", f"--kv-heads {spec.kv_heads}",
-                  f"--ffn-hidden {spec.ffn_hidden}", f"--seq-len {spec.seq_len}"]
+        if spec.train_model is not None:
+            parts += [f"--model {shlex.quote(spec.train_model)}", f"--seq-len {spec.seq_len}"]
+        else:
+            parts += [f"--layers {spec.num_layers}", f"--dim {spec.hidden}",
+                      f"--heads {spec.heads}", f"--kv-heads {spec.kv_heads}",
+                      f"--ffn-hidden {spec.ffn_hidden}", f"--seq-len {spec.seq_len}"]
     return TrainCommand(" ".join(parts), None)
 
 
 def _refusal(c: Candidate, spec: TransformerSpec | None) -> str | None:
+    if c.recompute.value not in ("none", "lgd", "full"):
+        return (f"its recompute option is {c.recompute.value}; train recomputes lgd or full "
+                "(selective recompute is Megatron's unfused-attention variant)")
     if spec is None:
         return None
     if spec.activation_bytes not in DTYPE_FLAGS:
         return (f"its activations are {spec.activation_bytes} bytes per element; train runs "
                 "fp32 (4) or bf16 (2)")
-    for name, value in (("heads", spec.heads), ("kv_heads", spec.kv_heads),
-                        ("ffn_hidden", spec.ffn_hidden), ("vocabulary", TRAIN_VOCAB)):
+    sizes = [("heads", spec.heads), ("kv_heads", spec.kv_heads),
+             ("ffn_hidden", spec.ffn_hidden)]
+    if spec.train_model is not None:
+        if c.recompute.value not in hf_families.RECOMPUTE_MODES:
+            return (f"train recomputes a Hugging Face model's whole layers (full) or nothing, "
+                    f"not {c.recompute.value}; search with --recompute full or none")
+        if c.tp > 1 and spec.model_type not in hf_families.TENSOR_PARALLEL_MODEL_TYPES:
+            return (f"train does not shard {spec.model_type} models over tensor-parallel "
+                    "ranks; search with --tp 1")
+    else:
+        sizes.append(("vocabulary", TRAIN_VOCAB))
+    for name, value in sizes:
         if value % c.tp:
             return (f"tp={c.tp} does not divide {name}={value}; train shards those over the "
                     "tensor-parallel ranks; search with --tp values that divide it")

@@ -47,12 +47,17 @@ class Recompute(str, Enum):
     """What a layer keeps for its backward.
 
     NONE: everything autograd saves. LGD: LayerNorm, activation-function and dropout outputs are
-    recomputed in the backward (the authors' --recompute-lgd). FULL: only the layer input is kept
-    and the whole forward re-runs before the backward (Megatron's full recompute).
+    recomputed in the backward (the authors' --recompute-lgd). SELECTIVE: Korthikanti et al.
+    2022's selective recompute: the attention core's s x s tensors (softmax output, its dropout
+    mask and output) are not kept and Q K^T, softmax, dropout and the product with V re-run
+    before the backward; with flash attention nothing s x s is kept anyway and it equals NONE.
+    FULL: only the layer input is kept and the whole forward re-runs before the backward
+    (Megatron's full recompute).
     """
 
     NONE = "none"
     LGD = "lgd"
+    SELECTIVE = "selective"
     FULL = "full"
 
 
@@ -87,6 +92,14 @@ class TransformerSpec:
 
     ``kv_heads`` < ``heads`` is grouped-query attention; ``dropout`` says whether the layers
     apply dropout (GPT-3 style) or not (Llama style): it adds masks to the saved activations.
+    ``bias``: the linear layers have biases (GPT-3, Megatron's GPT); they are not counted as
+    parameters (< 0.1%), but adding them and reducing their gradients are memory-bound kernels
+    (layer_work.py). ``tied_embeddings``: the output layer reuses the input embedding's
+    weights (Megatron's GPT, GPT-2); a pipeline keeps a copy on its last stage and all-reduces
+    the two copies' gradients every step (costing.py, ``embedding_sync_s``).
+    ``train_model``: what `pipeoffload train --model` takes to train this very model (a Hugging
+    Face config.json or its folder, read from there with ``model_type``), None when train can
+    only run the reference model at this shape.
     """
 
     num_layers: int
@@ -101,7 +114,11 @@ class TransformerSpec:
     activation_bytes: int = 2
     param_bytes: int = 2
     dropout: bool = False
+    bias: bool = False
+    tied_embeddings: bool = False
     name: str = "custom"
+    train_model: str | None = None
+    model_type: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp", _enum(MlpKind, self.mlp, f"model {self.name!r}: mlp"))
@@ -112,7 +129,7 @@ class TransformerSpec:
                 raise ConfigError(
                     f"model {self.name!r}: {field} must be a positive integer, got {value!r}"
                 )
-        for field in ("flash_attention", "dropout"):
+        for field in ("flash_attention", "dropout", "bias", "tied_embeddings"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(
                     f"model {self.name!r}: {field} must be true or false, "
@@ -158,7 +175,8 @@ class PassFlops:
         return PassFlops(self.f * factor, self.i * factor, self.w * factor)
 
 
-def _check(micro_batch: int, tp: int) -> None:
+def check_run(micro_batch: int, tp: int) -> None:
+    """Raise ConfigError unless the microbatch size and TP degree are positive."""
     if micro_batch < 1:
         raise ConfigError(f"micro_batch must be >= 1, got {micro_batch}")
     if tp < 1:
@@ -192,7 +210,7 @@ def layer_flops(
     (no weights): I = 2 F (dQ, dK and dP, dV), W = 0; flash attention re-runs Q K^T in I
     (+ half of the core's F) under the HARDWARE count.
     """
-    _check(micro_batch, tp)
+    check_run(micro_batch, tp)
     count = as_flop_count(count)
     linear = _linear_flops(spec, micro_batch)
     core = _attention_core_flops(spec, micro_batch)
@@ -208,24 +226,28 @@ def recompute_flops(
     tp: int = 1,
     count: FlopCount | str = FlopCount.HARDWARE,
 ) -> float:
-    """Forward FLOPs re-run before a layer's backward: the whole F under FULL (HARDWARE count),
-    else 0 (LGD re-runs only elementwise work, which is not counted)."""
-    if as_recompute(recompute) is not Recompute.FULL:
-        return 0.0
+    """Forward FLOPs re-run before a layer's backward (HARDWARE count; 0 under MODEL): the whole
+    F under FULL; the attention core's under SELECTIVE without flash attention; else 0 (LGD
+    re-runs only elementwise work, which is not counted)."""
+    recompute = as_recompute(recompute)
     if as_flop_count(count) is FlopCount.MODEL:
         return 0.0
-    return layer_flops(spec, micro_batch, tp=tp, count=count).f
+    if recompute is Recompute.FULL:
+        return layer_flops(spec, micro_batch, tp=tp, count=count).f
+    if recompute is Recompute.SELECTIVE and not spec.flash_attention:
+        return _attention_core_flops(spec, micro_batch) / tp
+    return 0.0
 
 
 def embedding_flops(spec: TransformerSpec, micro_batch: int, *, tp: int = 1) -> PassFlops:
     """The embedding is a gather (F) and a scatter-add of gradients (W): no matmul FLOPs."""
-    _check(micro_batch, tp)
+    check_run(micro_batch, tp)
     return PassFlops(0.0, 0.0, 0.0)
 
 
 def head_flops(spec: TransformerSpec, micro_batch: int, *, tp: int = 1) -> PassFlops:
     """Output projection to the vocabulary, 2 b s h V per pass (loss softmax not counted)."""
-    _check(micro_batch, tp)
+    check_run(micro_batch, tp)
     per_pass = 2 * micro_batch * spec.seq_len * spec.hidden * spec.vocab / tp
     return PassFlops(per_pass, per_pass, per_pass)
 
@@ -236,46 +258,56 @@ def layer_activation_bytes(
     recompute: Recompute | str,
     *,
     tp: int = 1,
+    sequence_parallel: bool = True,
 ) -> float:
     """Bytes one layer keeps from its F to its backward, for ``micro_batch`` sequences, on one of
-    ``tp`` GPUs (sequence parallelism shards every saved tensor, Korthikanti et al. 2022 s4.2.2).
+    ``tp`` GPUs. With sequence parallelism every saved tensor is sharded over tp (Korthikanti et
+    al. 2022 s4.2.2); without it the norm inputs and outputs and the residual-dropout masks are
+    whole on every GPU (their s b h (10 + 24 / t) + 5 a s^2 b / t, section 4.2.1).
 
     NONE with dropout and no flash attention gives Korthikanti's 34 s b h + 5 a s^2 b (16-bit,
     GeLU, f = 4h, no GQA); LGD with flash attention gives 20 s b h plus the softmax statistics.
     """
-    _check(micro_batch, tp)
+    check_run(micro_batch, tp)
     recompute = as_recompute(recompute)
     e, b, s, h, a = spec.activation_bytes, micro_batch, spec.seq_len, spec.hidden, spec.heads
     bsh, bsf, bas2 = b * s * h, b * s * spec.ffn_hidden, b * a * s * s
+    whole = 1 if sequence_parallel else tp  # tensors of the residual stream: / tp only with SP
     if recompute is Recompute.FULL:
-        return e * bsh / tp
-    keep_all = recompute is Recompute.NONE
+        return e * bsh * whole / tp
+    keep_all = recompute is not Recompute.LGD
+    stream = 0.0  # norm inputs and outputs, residual-dropout masks
+    sharded = 0.0
     # Attention block: norm input, [norm output = QKV input], Q, K, V, attention output.
-    total = e * bsh + e * bsh * keep_all + e * (bsh + 2 * b * s * spec.kv_hidden) + e * bsh
+    stream += e * bsh + e * bsh * keep_all
+    sharded += e * (bsh + 2 * b * s * spec.kv_hidden) + e * bsh
     if spec.flash_attention:
-        total += SOFTMAX_STAT_BYTES * b * a * s
-    else:
-        total += e * bas2  # softmax output
+        sharded += SOFTMAX_STAT_BYTES * b * a * s
+    elif recompute is not Recompute.SELECTIVE:
+        sharded += e * bas2  # softmax output
         if spec.dropout and keep_all:
-            total += MASK_BYTES * bas2 + e * bas2  # attention-dropout mask and output
+            sharded += MASK_BYTES * bas2 + e * bas2  # attention-dropout mask and output
     # MLP block: norm input, [norm output = first matmul input].
-    total += e * bsh + e * bsh * keep_all
+    stream += e * bsh + e * bsh * keep_all
     if spec.mlp is MlpKind.SWIGLU:
         # gate and up projections; [silu(gate) and the product, the down projection's input]
-        total += 2 * e * bsf + 2 * e * bsf * keep_all
+        sharded += 2 * e * bsf + 2 * e * bsf * keep_all
     else:
         # GeLU input; [GeLU output, the second matmul's input]
-        total += e * bsf + e * bsf * keep_all
+        sharded += e * bsf + e * bsf * keep_all
     if spec.dropout and keep_all:
-        total += 2 * MASK_BYTES * bsh  # masks of the two residual dropouts
-    return total / tp
+        stream += 2 * MASK_BYTES * bsh  # masks of the two residual dropouts
+    return (stream * whole + sharded) / tp
 
 
-def embedding_activation_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int = 1) -> float:
-    """Token ids (for the gradient scatter-add) and, with dropout, the embedding-dropout mask."""
-    _check(micro_batch, tp)
+def embedding_activation_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int = 1,
+                               sequence_parallel: bool = True) -> float:
+    """Token ids (for the gradient scatter-add) and, with dropout, the embedding-dropout mask
+    (sharded over tp with sequence parallelism)."""
+    check_run(micro_batch, tp)
     bs = micro_batch * spec.seq_len
-    return TOKEN_ID_BYTES * bs + (MASK_BYTES * bs * spec.hidden / tp if spec.dropout else 0.0)
+    shards = tp if sequence_parallel else 1
+    return TOKEN_ID_BYTES * bs + (MASK_BYTES * bs * spec.hidden / shards if spec.dropout else 0.0)
 
 
 def head_activation_bytes(
@@ -284,13 +316,16 @@ def head_activation_bytes(
     recompute: Recompute | str,
     *,
     tp: int = 1,
+    sequence_parallel: bool = True,
 ) -> float:
     """Final norm input, [its output, the projection's input, unless recomputed], and the fp32
     softmax the loss keeps (b s V / t elements). Full recompute does not cover the head (as in
-    Megatron), so FULL keeps what LGD keeps."""
-    _check(micro_batch, tp)
+    Megatron), so FULL keeps what LGD keeps. The norm's tensors are whole on every GPU without
+    sequence parallelism."""
+    check_run(micro_batch, tp)
     e, bs = spec.activation_bytes, micro_batch * spec.seq_len
-    norm = e * bs * spec.hidden * (2 if as_recompute(recompute) is Recompute.NONE else 1)
+    kept = 2 if as_recompute(recompute) in (Recompute.NONE, Recompute.SELECTIVE) else 1
+    norm = e * bs * spec.hidden * kept * (1 if sequence_parallel else tp)
     return (norm + LOSS_BYTES * bs * spec.vocab) / tp
 
 
@@ -315,7 +350,7 @@ def layer_params(spec: TransformerSpec, *, tp: int = 1) -> ParamCount:
 
     Biases are not counted (Llama has none; for GPT-3 they are < 0.1% of a layer).
     """
-    _check(1, tp)
+    check_run(1, tp)
     h = spec.hidden
     attention = 2 * h * h + 2 * h * spec.kv_hidden
     mlp = (3 if spec.mlp is MlpKind.SWIGLU else 2) * h * spec.ffn_hidden
@@ -324,71 +359,24 @@ def layer_params(spec: TransformerSpec, *, tp: int = 1) -> ParamCount:
 
 def embedding_params(spec: TransformerSpec, *, tp: int = 1) -> ParamCount:
     """The V x h input embedding, vocabulary-parallel over tp."""
-    _check(1, tp)
+    check_run(1, tp)
     return ParamCount(spec.vocab * spec.hidden / tp, 0)
 
 
 def head_params(spec: TransformerSpec, *, tp: int = 1) -> ParamCount:
-    """Final norm and the V x h output projection (untied: a pipeline keeps its own copy)."""
-    _check(1, tp)
+    """Final norm and the V x h output projection (its own weights, or with tied embeddings a
+    copy the last pipeline stage keeps)."""
+    check_run(1, tp)
     return ParamCount(spec.vocab * spec.hidden / tp, spec.hidden)
 
 
 def model_params(spec: TransformerSpec) -> float:
-    """All parameters of the model, embedding and output projection counted separately."""
+    """All parameters of the model, embedding and output projection counted separately unless
+    they are tied."""
+    tied = spec.vocab * spec.hidden if spec.tied_embeddings else 0
     return (
         spec.num_layers * layer_params(spec).total
         + embedding_params(spec).total
         + head_params(spec).total
+        - tied
     )
-
-
-def ring_collective_bytes(elements: float, group: int, bytes_per_element: int) -> float:
-    """Bytes one GPU sends in a ring all-gather or reduce-scatter of a tensor of ``elements``
-    over ``group`` GPUs: (group - 1) / group of it (Thakur et al. 2005, ring algorithms)."""
-    return (group - 1) / group * elements * bytes_per_element
-
-
-@dataclass(frozen=True)
-class CommBytes:
-    """Bytes one GPU sends for tensor-parallel collectives in the forward and in the backward."""
-
-    forward: float
-    backward: float
-
-    def __add__(self, other: CommBytes) -> CommBytes:
-        return CommBytes(self.forward + other.forward, self.backward + other.backward)
-
-
-def layer_tp_comm_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int) -> CommBytes:
-    """Tensor + sequence parallelism (Korthikanti et al. 2022 s4.2.2): per layer, two all-gathers
-    and two reduce-scatters of b s h elements in F; in the backward their four conjugates plus
-    Megatron's re-gather of the two column-parallel inputs for the weight gradients (six; which
-    of them overlap is layer_time.py's Note [exposed TP communication])."""
-    _check(micro_batch, tp)
-    bsh = micro_batch * spec.seq_len * spec.hidden
-    one = ring_collective_bytes(bsh, tp, spec.activation_bytes)
-    return CommBytes(4 * one, 6 * one)
-
-
-def end_tp_comm_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int) -> CommBytes:
-    """The embedding: a reduce-scatter of its output in F, an all-gather of its gradient in B."""
-    _check(micro_batch, tp)
-    bsh = micro_batch * spec.seq_len * spec.hidden
-    one = ring_collective_bytes(bsh, tp, spec.activation_bytes)
-    return CommBytes(one, one)
-
-
-def head_tp_comm_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int) -> CommBytes:
-    """The head (column-parallel): an all-gather of its input in F; in B the input's re-gather
-    for the weight gradient and the reduce-scatter of the input gradient."""
-    one = end_tp_comm_bytes(spec, micro_batch, tp=tp).forward
-    return CommBytes(one, 2 * one)
-
-
-def p2p_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int = 1) -> float:
-    """Bytes one GPU sends to the next pipeline stage per microbatch (and the same gradient back):
-    the b s h boundary activation, split over tp by sequence parallelism."""
-    _check(micro_batch, tp)
-    return micro_batch * spec.seq_len * spec.hidden * spec.activation_bytes / tp
-

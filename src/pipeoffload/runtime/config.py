@@ -9,7 +9,7 @@ from pipeoffload.errors import ConfigError
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """How the activation offloader treats saved tensors (paper-notes.md section 5).
+    """How the activation offloader treats saved tensors (docs/method.md section 5).
 
     - ``min_offload_elements``: saved tensors with at most this many elements stay on the device
       (the authors' code keeps tensors of <= 1024 elements; moving them costs more than it saves).

@@ -49,8 +49,10 @@ class RankExecutor:
         stream_offload: bool = True,
         device: torch.device | None = None,
         recv_lookahead: int = 0,
+        forward_only: bool = False,
     ) -> None:
         self.rank = rank
+        self._forward_only = forward_only  # Pipeline.evaluate: F records no graph
         self._schedule = schedule
         self._stages = stages
         self._transport = transport
@@ -146,7 +148,9 @@ class RankExecutor:
             target, step.targets[mb] = step.targets[mb], None
         if inputs is None or target is None:
             raise PipelineRuntimeError(f"rank {self.rank}: {action} runs twice in one step")
-        if (stage, mb) in self._recomputed:
+        if self._forward_only:
+            outputs = runner.forward_unrecorded(inputs, target)
+        elif (stage, mb) in self._recomputed:
             device = self._device if self._device is not None else runner.device
             self._kept[(stage, mb)] = (inputs, target, RngState.capture(device))
             outputs = runner.forward_unrecorded(inputs, target)

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from enum import Enum
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
+from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.schedule import Schedule
 
 _COMM = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
@@ -44,6 +45,14 @@ def with_comms(schedule: Schedule) -> Schedule:
                 row.append(Action(stage, Kind.SEND_B, mb))
         rows.append(row)
     return schedule.with_ranks(rows)
+
+
+def forward_only(lowered: Schedule) -> Schedule:
+    """A lowered schedule's F actions and their SEND_F / RECV_F, in the same order: what
+    Pipeline.evaluate runs (no backward, transfers or recomputation; NCCL pairs the forward
+    messages in the order training posts them)."""
+    return lowered.without(Kind.B, Kind.I, Kind.W, Kind.SEND_B, Kind.RECV_B, Kind.RECOMPUTE,
+                           *OFFLOAD_KINDS)
 
 
 def message_of(action: Action) -> tuple[str, int, int]:
@@ -186,3 +195,33 @@ def early_receives(actions: list[Action], lookahead: int) -> dict[Action, tuple[
         target = window[0]
         moved.setdefault(actions[target], []).append(action)
     return {at: tuple(recvs) for at, recvs in moved.items()}
+
+
+def interleave(schedule: Schedule, ranks: tuple[int, ...]) -> list[tuple[int, Action]]:
+    """One execution order of ``ranks``' lists that respects every dependency among them.
+
+    For one rank it is that rank's list. For several (local mode) each rank runs as far as it
+    can, round robin, like the validator's clockless run; dependencies on ranks outside
+    ``ranks`` do not exist here (local mode holds them all).
+    """
+    if len(ranks) == 1:
+        return [(ranks[0], a) for a in schedule.ranks[ranks[0]]]
+    deps = Dependencies(schedule)
+    done: set[Action] = set()
+    pointer = {r: 0 for r in ranks}
+    order: list[tuple[int, Action]] = []
+    progress = True
+    while progress:
+        progress = False
+        for rank in ranks:
+            actions = schedule.ranks[rank]
+            while pointer[rank] < len(actions):
+                action = actions[pointer[rank]]
+                if any(d not in done for d in deps.of(action)):
+                    break
+                done.add(action)
+                order.append((rank, action))
+                pointer[rank] += 1
+                progress = True
+    assert all(pointer[r] == len(schedule.ranks[r]) for r in ranks), "validated schedule deadlocked"
+    return order

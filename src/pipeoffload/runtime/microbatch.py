@@ -35,7 +35,11 @@ def split(batch: TensorTuple, microbatches: int, what: str,
         return [() for _ in range(microbatches)]
     for index, tensor in enumerate(batch):
         if tensor.dim() == 0:
-            raise ConfigError(f"{what}[{index}] is a scalar; it needs a batch dimension (dim 0)")
+            raise ConfigError(f"{what}[{index}] is a scalar (0-d tensor); it needs a batch "
+                              f"dimension (dim 0) to split into {microbatches} microbatches")
+        if tensor.is_meta:
+            raise ConfigError(f"{what}[{index}] is on the meta device (a shape without data); "
+                              "pass tensors with data, on the CPU or the stages' device")
         size = tensor.shape[0]
         if size % microbatches:
             raise ConfigError(

@@ -1,7 +1,7 @@
 """The activation offloader: moves a (stage, microbatch)'s saved tensors to host and back.
 
 One saved_tensors_hooks scope per (stage, microbatch) forward captures what autograd saves
-(paper-notes.md section 5): parameters and tiny tensors (<= OffloadConfig.min_offload_elements
+(docs/method.md section 5): parameters and tiny tensors (<= OffloadConfig.min_offload_elements
 elements) stay as they are; every other saved tensor is recorded by its storage, so several saved
 views of one storage move once and come back as the same views (same offset, sizes, strides).
 

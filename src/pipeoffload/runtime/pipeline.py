@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
-from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError
@@ -20,7 +19,14 @@ from pipeoffload.runtime import rendezvous
 from pipeoffload.runtime.config import RuntimeConfig
 from pipeoffload.runtime.executor import RankExecutor, StepData
 from pipeoffload.runtime.inputs import StageCall, check_form, positional, wrap_stages
-from pipeoffload.runtime.lowering import Channel, channel_of, order_conflicts, with_comms
+from pipeoffload.runtime.lowering import (
+    Channel,
+    channel_of,
+    forward_only,
+    interleave,
+    order_conflicts,
+    with_comms,
+)
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.microbatch import as_tuple, check_same, signature, split
 from pipeoffload.runtime.offloader import ActivationOffloader
@@ -144,6 +150,7 @@ class Pipeline:
         if schedule.has_kind(Kind.OFFLOAD):
             self._offloader = ActivationOffloader(self.device, self.config.offload, params, meter)
         self._lowered = with_comms(schedule)
+        self._nccl_groups = (group, backward_group, channel_groups) if nccl else None
         if self.distributed:
             if nccl:
                 self._check_nccl_layout(group, backward_group, channel_groups)
@@ -163,7 +170,9 @@ class Pipeline:
                                                if self.distributed and not nccl else 0))
             for rank in self.ranks
         }
-        self._order = _interleave(self._lowered, self.ranks)
+        self._order = interleave(self._lowered, self.ranks)
+        self._lookahead = self.config.recv_lookahead if self.distributed and not nccl else 0
+        self._forward_only: tuple[list[tuple[int, Action]], dict[int, RankExecutor]] | None = None
         ties = merge_ties([tied or {}, *(getattr(m, "tied_parameters", {})
                                          for m in stages.values())], schedule.num_stages)
         self._tied = TiedGradients(ties, stages, schedule, group, self.device, self.distributed,
@@ -185,6 +194,8 @@ class Pipeline:
         self._transport.abandon()
         for executor in self._executors.values():
             executor.abandon()
+        for executor in (self._forward_only[1] if self._forward_only else {}).values():
+            executor.abandon()
         for runner in self._runners.values():
             runner.abandon()
         if self._offloader is not None:
@@ -193,8 +204,11 @@ class Pipeline:
 
     def _check_nccl_layout(self, group: dist.ProcessGroup | None,
                            backward_group: dist.ProcessGroup | None,
-                           channel_groups: Mapping[Channel, dist.ProcessGroup] | None) -> None:
-        """Refuse communicators on which NCCL would pair the wrong messages or deadlock."""
+                           channel_groups: Mapping[Channel, dist.ProcessGroup] | None,
+                           lowered: Schedule | None = None) -> None:
+        """Refuse communicators on which NCCL would pair the wrong messages or deadlock
+        (running ``lowered``, by default the step's schedule)."""
+        lowered = self._lowered if lowered is None else lowered
         backward = group if backward_group is None else backward_group
         groups = {c: backward if c.value.startswith("B") else group for c in Channel}
         groups.update(channel_groups or {})
@@ -205,14 +219,14 @@ class Pipeline:
 
         fix = ("pass channel_groups={c: dist.new_group(<the same ranks>) for c in "
                "pipeoffload.runtime.lowering.Channel} (pipeoffload.training.launch.connect does)")
-        problems = order_conflicts(self._lowered, lane=lane)
+        problems = order_conflicts(lowered, lane=lane)
         if problems:
             raise ConfigError(
                 "NCCL matches messages between two ranks in the order they are posted, and this "
                 "schedule receives some in another order than it sends them: "
                 + "; ".join(problems[:3]) + f"; {fix}")
         for first_step in (True, False):
-            outcome = rendezvous.simulate(self._lowered, lane, first_step=first_step)
+            outcome = rendezvous.simulate(lowered, lane, first_step=first_step)
             if not outcome.ok:
                 raise ConfigError(
                     "on these communicators NCCL would deadlock (runtime/rendezvous.py's model, "
@@ -253,10 +267,9 @@ class Pipeline:
                              tuple(self._tied.names),
                              offloader.kept_bytes if offloader is not None else {})
 
-    def step(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
-             target: Tensors | None = None) -> torch.Tensor | None:
-        """Run one training step's forward and backward; see the class docstring. A dict of
-        ``inputs`` goes to the first stage(s) as keyword arguments (Note: [stage contract])."""
+    def _prepare(self, inputs: Tensors | Mapping[str, torch.Tensor] | None,
+                 target: Tensors | None) -> StepData:
+        """Split a step's batch into the microbatches this process's stages use."""
         has_first = any(runner.is_first for runner in self._runners.values())
         has_last = any(runner.is_last for runner in self._runners.values())
         m = self.schedule.microbatches
@@ -266,7 +279,8 @@ class Pipeline:
         targets = as_tuple(target, "target")
         if has_first and not batch:
             raise ConfigError("this process holds a first stage, so step() needs inputs")
-        if batch and targets and batch[0].shape[0] != targets[0].shape[0]:
+        if batch and targets and batch[0].dim() and targets[0].dim() and \
+                batch[0].shape[0] != targets[0].shape[0]:  # 0-d: split() says which
             raise ConfigError(f"inputs have batch size {batch[0].shape[0]} but target has "
                               f"{targets[0].shape[0]} (dim 0); they must match")
         micro_inputs = (split(batch, m, "inputs", self.device) if has_first
@@ -285,8 +299,23 @@ class Pipeline:
                 if runner.is_first:
                     assert isinstance(runner.module, StageCall)
                     runner.module.names = names
-        data = StepData(list(micro_inputs), list(micro_targets))
-        del micro_inputs, micro_targets, batch, targets
+        return StepData(list(micro_inputs), list(micro_targets))
+
+    def _mean_loss(self, data: StepData) -> torch.Tensor | None:
+        if not any(runner.is_last for runner in self._runners.values()):
+            return None
+        m = self.schedule.microbatches
+        if len(data.losses) < m:  # the last stage of some routes only: this rank's share
+            return torch.stack([data.losses[i] for i in sorted(data.losses)]).sum() / m
+        losses = [data.losses[i] for i in range(m)]
+        return torch.stack(losses).mean()
+
+    def step(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
+             target: Tensors | None = None) -> torch.Tensor | None:
+        """Run one training step's forward and backward; see the class docstring. A dict of
+        ``inputs`` goes to the first stage(s) as keyword arguments (Note: [stage contract])."""
+        learnt = self._input_sig is None  # shapes learnt by a step are forgotten if it fails
+        data = self._prepare(inputs, target)
         self._transport.begin_step()
         self._tied.begin_step()
         try:
@@ -300,13 +329,54 @@ class Pipeline:
             self._tied.finish_step()
         except BaseException:
             self._abandon_step()
+            if learnt:
+                self._input_sig = self._input_names = None
             raise
-        if not has_last:
-            return None
-        if len(data.losses) < m:  # the last stage of some routes only: this rank's share
-            return torch.stack([data.losses[i] for i in sorted(data.losses)]).sum() / m
-        losses = [data.losses[i] for i in range(m)]
-        return torch.stack(losses).mean()
+        return self._mean_loss(data)
+
+    def evaluate(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
+                 target: Tensors | None = None) -> torch.Tensor | None:
+        """Forward only, for validation: the mean loss over the schedule's microbatches where
+        the last stage lives (None elsewhere), as ``step`` returns it, but with no autograd
+        graph, nothing saved, offloaded or sent back, and ``.grad`` untouched. The F actions run
+        in the schedule's order, so every rank of the pipeline calls it together. Modules keep
+        their mode: call ``.eval()`` on them first to switch dropout off."""
+        order, executors = self._forward_only_program()
+        learnt = self._input_sig is None  # shapes learnt by a step are forgotten if it fails
+        data = self._prepare(inputs, target)
+        self._transport.begin_step()
+        try:
+            with torch.no_grad():
+                for rank, action in order:
+                    executors[rank].run(action, data)
+            self._transport.finish()
+            for executor in executors.values():
+                executor.finish()
+        except BaseException:
+            self._abandon_step()
+            if learnt:
+                self._input_sig = self._input_names = None
+            raise
+        return self._mean_loss(data)
+
+    def _forward_only_program(self) -> tuple[list[tuple[int, Action]], dict[int, RankExecutor]]:
+        """The step's schedule without backward, transfers and recomputation: its F actions and
+        their SEND_F / RECV_F, in the same order (made once)."""
+        if self._forward_only is None:
+            lowered = forward_only(self._lowered)
+            if self._nccl_groups is not None:
+                self._check_nccl_layout(*self._nccl_groups, lowered=lowered)
+            executors = {
+                rank: RankExecutor(rank, lowered,
+                                   {s: r for s, r in self._runners.items()
+                                    if self.schedule.rank_of(s) == rank},
+                                   self._transport, None, None, self.config.clone_hand_off,
+                                   device=self.device, recv_lookahead=self._lookahead,
+                                   forward_only=True)
+                for rank in self.ranks
+            }
+            self._forward_only = (interleave(lowered, self.ranks), executors)
+        return self._forward_only
 
 
 def _describe(names: tuple[str, ...] | None) -> str:
@@ -322,33 +392,3 @@ def _device_of(modules: Mapping[int, nn.Module], nccl: bool) -> torch.device:
     if nccl:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _interleave(schedule: Schedule, ranks: tuple[int, ...]) -> list[tuple[int, Action]]:
-    """One execution order of ``ranks``' lists that respects every dependency among them.
-
-    For one rank it is that rank's list. For several (local mode) each rank runs as far as it
-    can, round robin, like the validator's clockless run; dependencies on ranks outside
-    ``ranks`` do not exist here (local mode holds them all).
-    """
-    if len(ranks) == 1:
-        return [(ranks[0], a) for a in schedule.ranks[ranks[0]]]
-    deps = Dependencies(schedule)
-    done: set[Action] = set()
-    pointer = {r: 0 for r in ranks}
-    order: list[tuple[int, Action]] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank in ranks:
-            actions = schedule.ranks[rank]
-            while pointer[rank] < len(actions):
-                action = actions[pointer[rank]]
-                if any(d not in done for d in deps.of(action)):
-                    break
-                done.add(action)
-                order.append((rank, action))
-                pointer[rank] += 1
-                progress = True
-    assert all(pointer[r] == len(schedule.ranks[r]) for r in ranks), "validated schedule deadlocked"
-    return order

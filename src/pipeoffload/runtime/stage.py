@@ -19,6 +19,7 @@ from pipeoffload.runtime.backward import (
     plain_backward,
     weight_backward,
 )
+from pipeoffload.runtime.stage_errors import check_loss, forward_failed
 
 TensorTuple = tuple[torch.Tensor, ...]
 
@@ -145,8 +146,13 @@ class StageRunner:
                 input_meta.append((tensor.shape, tensor.dtype, tensor.device))
             marked.append(tensor)
         with saving if saving is not None else nullcontext():
-            result = self.module(*marked)
+            try:
+                result = self.module(*marked)
+            except Exception as error:
+                raise forward_failed(self.index, microbatch, self.is_first, self.module,
+                                     tuple(marked), error) from error
             if self.is_last:
+                output_needs_grad = any(t.requires_grad for t in _as_outputs(result, self.index))
                 result = self._loss_fn(result, *target)
         del marked
         outputs = _as_outputs(result, self.index)
@@ -157,6 +163,7 @@ class StageRunner:
                     f"stage {self.index}: loss_fn returned shape {list(loss.shape)}; "
                     "it must return a scalar (reduce with mean or sum)"
                 )
+            check_loss(self.index, microbatch, loss, output_needs_grad)
             edges = [get_gradient_edge(loss)] if loss.requires_grad else []
             self._state[microbatch] = _Forwarded(edges, [0] * len(edges), input_edges, input_meta,
                                                  boxes, loss.new_empty(()))

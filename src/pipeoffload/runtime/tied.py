@@ -7,8 +7,10 @@ the same mapping in a stage module's ``tied_parameters`` attribute (pipeoffload.
 every stage it makes). The mapping covers all stages, so every rank knows which ranks hold the
 tie without asking them, and nothing is communicated for a pipeline without ties. In one process
 (local mode) stages usually share one Parameter and autograd already sums; distinct copies are
-summed. Under torch.distributed the gradient each rank computed in this step is all-reduced
-(sum) over the pipeline group, ranks without the tie adding zeros, with the P2P timeout; earlier
+summed, as they are when all the tie's stages sit on one rank of a distributed pipeline (the
+first and last stage of a V schedule). A tie across ranks has the gradient each rank computed
+in this step all-reduced (sum) over the pipeline group, ranks without the tie adding zeros
+(every rank joins: each knows the tie's ranks from the mapping), with the P2P timeout; earlier
 accumulated gradients are kept as they were (no double counting). The copies stay equal if they
 start equal and the optimizer is the same on every rank.
 """
@@ -52,7 +54,7 @@ class TiedGradients:
                  schedule: Schedule, group: dist.ProcessGroup | None, device: torch.device,
                  distributed: bool, timeout_s: float) -> None:
         self._params: dict[str, list[nn.Parameter]] = {}
-        shared = []
+        shared, across = [], set()
         for name, where in sorted(spec.items()):
             params = self._params.setdefault(name, [])
             for stage, param_name in where.items():
@@ -64,12 +66,15 @@ class TiedGradients:
                 raise ConfigError(f"tie {name!r} joins parameters of different shapes or dtypes "
                                   f"{[(list(p.shape), p.dtype) for p in params]}")
             ranks = {schedule.rank_of(s) for s in where}
-            if (len(ranks) > 1 and distributed) or len(params) > 1:
+            if len(ranks) > 1 and distributed:
+                across.add(name)  # every rank knows: all of them join its all-reduce
+            if name in across or len(params) > 1:
                 shared.append(name)
         self._shared = shared
         self._group = group
         self._device = device
         self._distributed = distributed
+        self._across = across  # ties on several ranks (the rest are summed in this process)
         self._timeout = timedelta(seconds=timeout_s)
         self._meta: dict[str, tuple[int, torch.dtype]] = {}
         self._before: dict[int, torch.Tensor | None] = {}
@@ -96,7 +101,7 @@ class TiedGradients:
             for p in params:
                 if p.grad is not None:
                     total += p.grad.reshape(-1)
-            if self._distributed:
+            if name in self._across:
                 self._all_reduce(total, f"the gradient of tied parameter {name!r}")
             for p in params:
                 before = self._before.get(id(p))
@@ -119,7 +124,7 @@ class TiedGradients:
         params = self._params[name]
         numel = params[0].numel() if params else 0
         code = _DTYPES.index(params[0].dtype) if params else 0
-        if not self._distributed:
+        if name not in self._across:
             self._meta[name] = numel, params[0].dtype
             return self._meta[name]
         # max and (negated) min of the holders' numel and dtype in one all-reduce

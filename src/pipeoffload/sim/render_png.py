@@ -57,13 +57,16 @@ def render_png(result: SimResult, path: str | Path, *, compare: SimResult | None
     ratios: list[float] = []
     for rank in range(pp):
         ratios += [gantt_in, _MEMORY_IN] + ([_GAP_IN] if rank < pp - 1 else [])
-    height = _TOP_IN + _BOTTOM_IN + sum(ratios)
+    text = title or _title(result, compare)
+    extra_in = 0.2 * max(text.count("\n") - 1, 0)  # room for title lines beyond two
+    top_in = _TOP_IN + extra_in
+    height = top_in + _BOTTOM_IN + sum(ratios)
     fig = mpl.Figure(figsize=(_WIDTH_IN, height), dpi=_DPI)
     mpl.FigureCanvasAgg(fig)
     grid = fig.add_gridspec(
         len(ratios), 1, height_ratios=ratios, hspace=0,
         left=_LEFT_IN / _WIDTH_IN, right=1 - _RIGHT_IN / _WIDTH_IN,
-        top=1 - _TOP_IN / height, bottom=_BOTTOM_IN / height,
+        top=1 - top_in / height, bottom=_BOTTOM_IN / height,
     )
     end = max(result.makespan, compare.makespan if compare is not None else 0.0) or 1.0
     px_per_time = (_WIDTH_IN - _LEFT_IN - _RIGHT_IN) * _DPI / end
@@ -86,11 +89,11 @@ def render_png(result: SimResult, path: str | Path, *, compare: SimResult | None
     axes[0].set_xlim(0, end)
     axes[-1].set_xlabel("time (cost-model units)")
 
-    fig.suptitle(title or _title(result, compare), x=_LEFT_IN / _WIDTH_IN, ha="left",
-                 y=1 - 0.12 / height, va="top", fontsize=11)
+    fig.suptitle(text, x=_LEFT_IN / _WIDTH_IN, ha="left", y=1 - 0.12 / height, va="top",
+                 fontsize=11)
     handles = _legend_handles(mpl, result, compare)
     fig.legend(handles=handles, loc="upper left", ncol=len(handles), frameon=False, fontsize=8.5,
-               bbox_to_anchor=(_LEFT_IN / _WIDTH_IN - 0.005, 1 - 0.62 / height))
+               bbox_to_anchor=(_LEFT_IN / _WIDTH_IN - 0.005, 1 - (0.62 + extra_in) / height))
     path = Path(path)
     kind = "svg" if path.suffix.lower() == ".svg" else "png"  # any other name: PNG bytes
     fig.savefig(path, format=kind, dpi=_DPI, facecolor="white")
@@ -139,6 +142,9 @@ def _draw_gantt(ax: Any, result: SimResult, rank: int, lanes: list[Lane],
         width = max(item.end - item.start, 0.0)
         y = bottoms[lane] + 0.08 * heights[lane]
         h = 0.84 * heights[lane]
+        if width == 0 and lane:  # a copy that takes no time: a tick where it happens
+            ax.vlines(item.start, y, y + h, colors=[color], linewidth=1.6)
+            continue
         ax.broken_barh([(item.start, width)], (y, h), facecolors=[color],
                        edgecolors="white", linewidth=0.4)
         label = str(item.action.microbatch)  # the kind is the colour
@@ -223,7 +229,20 @@ def _title(result: SimResult, compare: SimResult | None) -> str:
         line += f"   vs {compare.schedule.name}: {other}"
         if compare.peak_bytes is not None:
             line += f" = {' '.join(format_bytes(b) for b in compare.peak_bytes)}"
+    if _free_copies(result):
+        line += ("\ncopies take no time in this cost model (as train's on CPU), drawn as ticks: "
+                 "an offloaded activation comes back as its backward starts;\ncopies that take "
+                 "time (an offload ratio, 0.5 in the README's table) come back earlier, so the "
+                 "peaks are higher")
     return f"{head}\n{line}"
+
+
+def _free_copies(result: SimResult) -> bool:
+    """Whether the schedule copies activations and every copy takes no time."""
+    stages = {t.action.stage for row in result.timeline for t in row
+              if t.action.kind in (Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH)}
+    return bool(stages) and all(result.costs.transfer_time(s, kind) == 0 for s in stages
+                                for kind in (Kind.OFFLOAD, Kind.RELOAD))
 
 
 def _legend_handles(mpl: SimpleNamespace, result: SimResult,

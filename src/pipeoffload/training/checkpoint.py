@@ -2,8 +2,11 @@
 
 Layout: ``<root>/step_<N:08d>/`` holds ``stage_<s:03d>.pt`` (model and AdamW state of stage s,
 written once per stage by data-parallel replica 0), ``rank_<g:05d>.pt`` (RNG states of global
-rank g) and, written last, ``manifest.json`` (the step, every file's size and SHA-256, and what
-the checkpoint is only valid with: topology, model shape, data position).
+rank g), any extra files the caller adds (``train`` adds ``config.toml``, its effective
+settings) and, written last, ``manifest.json`` (the step, every file's size and SHA-256, and
+what the checkpoint is only valid with: run id, topology, model shape, data position). Stage
+and rank files record the run id and step too; what is read, and how, is
+checkpoint_files.py's (plain files inside the folder only, identities checked on load).
 
 Note: [atomic checkpoint] Every file is written to a temporary name in the same folder, flushed,
 fsynced and renamed over its final name (``os.replace`` is atomic on POSIX), and the folder is
@@ -20,7 +23,6 @@ import io
 import json
 import os
 import random
-import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,17 +33,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.errors import PipeoffloadError
+from pipeoffload.training.checkpoint_files import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    CheckpointError,
+    FileIdentity,
+    check_identity,
+    check_name,
+    read_plain_file,
+    step_folders,
+    step_of,
+    tidy,
+)
 from pipeoffload.training.data import TextDataset
 from pipeoffload.training.sharded_state import load_tensors, local_state, shard_optimizer_state
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-class CheckpointError(PipeoffloadError):
-    """A checkpoint is missing, incomplete, corrupt or was written for another configuration."""
+FORMAT_VERSION = 2  # 2: stage and rank files record the run id and step
 
 
 @dataclass(frozen=True)
@@ -136,15 +143,7 @@ def prepare_folder(folder: Path) -> None:
 
 def complete_checkpoints(root: str | Path) -> list[Path]:
     """Step folders under ``root`` that have a manifest, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / MANIFEST).is_file():
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
+    return [f.path for f in step_folders(root) if f.complete]
 
 
 def find_checkpoint(resume: str | Path, root: str | Path | None) -> Path:
@@ -177,23 +176,32 @@ def read_manifest(folder: str | Path, *, verify_files: bool = True) -> Manifest:
     folder = Path(folder)
     path = folder / MANIFEST
     try:
-        body = json.loads(path.read_text())
+        if not path.exists():
+            raise FileNotFoundError(path)
+        body = json.loads(read_plain_file(folder, MANIFEST, max_bytes=MAX_MANIFEST_BYTES))
         step = body["step"]
-        files = {name: FileRecord(name, int(rec["size_bytes"]), str(rec["sha256"]))
+        files = {check_name(folder, name): FileRecord(name, int(rec["size_bytes"]),
+                                                      str(rec["sha256"]))
                  for name, rec in body["files"].items()}
         info = body["info"]
         version = body["format"]
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: {folder} is not a complete checkpoint "
                               "(saving was interrupted?); resume from an older one") from None
+    except CheckpointError:
+        raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path} is unreadable or corrupt ({error!r}); resume from "
                               "another checkpoint") from None
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path} has format {version}, this version reads "
-                              f"{FORMAT_VERSION}")
+                              f"{FORMAT_VERSION}; finish that run with the pipeoffload that "
+                              "wrote it, or start a new one")
     if not isinstance(step, int) or step < 0 or not isinstance(info, dict):
         raise CheckpointError(f"{path} is corrupt: bad step {step!r} or info")
+    if step_of(folder.name) not in (None, step):
+        raise CheckpointError(f"{path} records step {step}, but its folder is {folder.name}: "
+                              "a checkpoint was copied or renamed; resume from another one")
     if verify_files:
         for record in files.values():
             _verify(folder, record)
@@ -202,12 +210,7 @@ def read_manifest(folder: str | Path, *, verify_files: bool = True) -> Manifest:
 
 def _verify(folder: Path, record: FileRecord) -> bytes:
     path = folder / record.name
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise CheckpointError(f"checkpoint file {path} listed in the manifest cannot be read "
-                              f"({error.strerror or error}); the checkpoint is incomplete or "
-                              "damaged, resume from another one") from None
+    data = read_plain_file(folder, record.name, size_bytes=record.size_bytes)
     digest = hashlib.sha256(data).hexdigest()
     if len(data) != record.size_bytes or digest != record.sha256:
         raise CheckpointError(
@@ -230,6 +233,23 @@ def load_object(manifest: Manifest, name: str, device: torch.device | str = "cpu
     except Exception as error:
         raise CheckpointError(f"checkpoint file {manifest.folder / name} cannot be loaded "
                               f"({error!r})") from None
+
+
+def run_id(manifest: Manifest) -> str:
+    """The id of the run that wrote ``manifest`` (kept by a resumed run)."""
+    run = manifest.info.get("run")
+    if not isinstance(run, str) or not run:
+        raise CheckpointError(f"{manifest.folder / MANIFEST} is corrupt: no run id")
+    return run
+
+
+def load_identified(manifest: Manifest, name: str, device: torch.device | str = "cpu") -> Any:
+    """``load_object``, then refuse the file unless it records this checkpoint's run id, step
+    and its own name (checkpoint_files.check_identity)."""
+    saved = load_object(manifest, name, device)
+    check_identity(manifest.folder / name, saved,
+                   FileIdentity(run_id(manifest), manifest.step, name))
+    return saved
 
 
 def check_compatible(manifest: Manifest, expected: dict[str, Any]) -> None:
@@ -303,28 +323,41 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, Any],
-         where: Placement) -> Path:
+         where: Placement, *, extra_files: Mapping[str, bytes] | None = None,
+         keep_last: int | None = None) -> Path:
     """Write the checkpoint of ``step`` from every process (a collective under
-    torch.distributed); data-parallel replica 0 writes the stages. Returns its folder."""
+    torch.distributed); data-parallel replica 0 writes the stages, global rank 0
+    ``extra_files`` ({bare name: bytes}). ``identity["run"]`` (the run id) goes into every
+    file. Once complete, stale temporary files go and ``keep_last`` retires older
+    checkpoints (checkpoint_files.tidy). Returns its folder."""
     folder = step_folder(root, step)
     if where.rank == 0:
         prepare_folder(folder)
     _barrier(where)
+    run = str(identity.get("run", ""))
     records = []
     if where.dp_index == 0:
         tp_index = _tp_index(where)
         for s, module in sorted(state.stages.items()):
-            payload = {"model": module.state_dict(), "optimizer": state.optimizers[s].state_dict()}
+            name = stage_file(s, tp_index)
+            payload = {"model": module.state_dict(), "optimizer": state.optimizers[s].state_dict(),
+                       "identity": FileIdentity(run, step, name).as_dict()}
             if state.masters is not None:
                 payload["masters"] = list(state.masters[s])
-            records.append(save_object(folder, stage_file(s, tp_index), local_state(payload)))
-    records.append(save_object(folder, rank_file(where.rank), rng_state(where.device)))
+            records.append(save_object(folder, name, local_state(payload)))
+    name = rank_file(where.rank)
+    records.append(save_object(folder, name, {**rng_state(where.device),
+                                              "identity": FileIdentity(run, step, name).as_dict()}))
+    if where.rank == 0:
+        for extra, data in sorted((extra_files or {}).items()):
+            records.append(write_atomic(folder / check_name(folder, extra), data))
     if where.distributed:
         records = [FileRecord(**r) for part in _gather_json([vars(r) for r in records])
                    for r in part]
     if where.rank == 0:
         info = {**identity, "processes": _world(where), "data": state.dataset.state_dict()}
         write_manifest(folder, step, records, _json(info))
+        tidy(root, keep_last)
     _barrier(where)
     return folder
 
@@ -351,9 +384,7 @@ def describe_resume(resume: str | Path, root: str | Path | None) -> str:
     step = read_manifest(folder, verify_files=False).step
     text = f"resuming from {folder} (step {step})"
     parent = folder.parent
-    newer = sorted(p.name for p in parent.glob("step_*")
-                   if _STEP_DIR.match(p.name) and int(p.name[5:]) > step
-                   and not (p / MANIFEST).is_file())
+    newer = [f.path.name for f in step_folders(parent) if f.step > step and not f.complete]
     if str(resume) == "latest" or Path(resume) == parent:
         if newer:
             text += (f", skipping newer {', '.join(newer)}: no {MANIFEST} (saving was "
@@ -370,7 +401,7 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
     tp_index = _tp_index(where)
     for s, module in sorted(state.stages.items()):
         name = stage_file(s, tp_index)
-        saved = load_object(manifest, name, where.device)
+        saved = load_identified(manifest, name, where.device)
         try:
             load_tensors(module.state_dict(), saved["model"])
             optimizer = state.optimizers[s]
@@ -382,7 +413,7 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
         except (KeyError, RuntimeError, ValueError) as error:
             raise CheckpointError(f"{manifest.folder / name} does not fit stage {s} "
                                   f"({error}); resume with the model it was saved with") from None
-    set_rng_state(load_object(manifest, rank_file(where.rank)), where.device)
+    set_rng_state(load_identified(manifest, rank_file(where.rank)), where.device)
     data = manifest.info.get("data")
     if not isinstance(data, dict) or data.get("step") != manifest.step:
         raise CheckpointError(f"{manifest.folder / MANIFEST} is corrupt: its data position "

@@ -1,10 +1,11 @@
-"""Byte-level text data for `pipeoffload train`: corpus loading, batches, sharding, resume.
+"""Text data for `pipeoffload train`: corpus loading, batches, sharding, resume.
 
-Tokens are bytes (vocab 256), so any file is valid input and nothing needs downloading: the
-default corpus is the source code of a few Python standard-library packages, which every
-Python installation carries. The text is cut into non-overlapping windows of seq_len + 1
-bytes (inputs are the first seq_len, targets the last seq_len); the last ``eval_fraction`` of
-the bytes is held out for evaluation.
+Tokens are bytes (vocab 256) unless a local tokenizer is given (``DataConfig.tokenizer``,
+training/documents.py), so any file is valid input and nothing needs downloading: the default
+corpus is the source code of a few Python standard-library packages, which every Python
+installation carries; ``*.jsonl`` files contribute the ``text`` of each record. The tokens are
+cut into non-overlapping windows of seq_len + 1 (inputs are the first seq_len, targets the
+last seq_len); the last ``eval_fraction`` of the tokens is held out for evaluation.
 
 Note: [global batch] The batch of global step t is a pure function of (corpus, seed, seq_len,
 batch_size, t): global samples t*B .. t*B+B-1 (B = batch_size), where global sample g is
@@ -18,6 +19,7 @@ which also lets a run resume with a different dp_size.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
 import sysconfig
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.training.documents import JSONL_SUFFIX, read_jsonl, tokenize, tokens_sha256
 
 VOCAB_SIZE = 256
 
@@ -47,7 +50,8 @@ class DataConfig:
     reads the ``stdlib_packages`` of this Python's standard library (``*.py`` files, sorted).
     ``max_bytes`` caps what is read (in that order; None reads everything) so loading is
     fast. ``batch_size`` is the global batch in sequences per step, summed over data-parallel
-    replicas. ``eval_fraction`` of the bytes, taken from the end, is held out (0 disables it).
+    replicas. ``eval_fraction`` of the tokens, taken from the end, is held out (0 disables it).
+    ``tokenizer``: a local tokenizer.json (or its folder) whose ids are the tokens; None: bytes.
     """
 
     source: str | Path | None = None
@@ -57,6 +61,7 @@ class DataConfig:
     eval_fraction: float = 0.05
     max_bytes: int | None = 1 << 20
     stdlib_packages: tuple[str, ...] = DEFAULT_STDLIB_PACKAGES
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.batch_size < 1:
@@ -83,13 +88,21 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class Corpus:
-    """The bytes read, where from (``origin``, ``files`` in reading order), and whether
-    ``max_bytes`` cut them short."""
+    """The text read, where from (``origin``, ``files`` in reading order, ``file_bytes`` read
+    from each), whether ``max_bytes`` cut it short, and where each document ends in ``data``
+    (a plain file is one document, a JSON-lines record another)."""
 
     data: bytes = field(repr=False)
     files: tuple[str, ...]
     origin: str
     truncated: bool
+    file_bytes: tuple[int, ...] = ()
+    document_ends: tuple[int, ...] = ()
+
+    def documents(self) -> list[bytes]:
+        """The documents, in order."""
+        ends = self.document_ends or (len(self.data),)
+        return [self.data[a:b] for a, b in zip((0, *ends[:-1]), ends)]
 
 
 def encode(text: str | bytes) -> Tensor:
@@ -142,22 +155,40 @@ def load_corpus(config: DataConfig) -> Corpus:
     else:
         root, files = _user_files(Path(config.source))
         origin = str(config.source)
-    chunks, size, used, truncated = [], 0, [], False
+    chunks: list[bytes] = []
+    size, used, read, truncated = 0, [], [], False
     for path in files:
         if config.max_bytes is not None and size >= config.max_bytes:
             truncated = True
             break
         limit = -1 if config.max_bytes is None else config.max_bytes - size
-        with path.open("rb") as f:
-            chunk = f.read(limit)
-            truncated = truncated or (limit >= 0 and bool(f.read(1)))
-        chunks.append(chunk)
+        if path.suffix == JSONL_SUFFIX:
+            documents, nbytes, cut = read_jsonl(path, limit)
+        else:
+            with path.open("rb") as f:
+                documents = [f.read(limit)]
+                cut = limit >= 0 and bool(f.read(1))
+            nbytes = len(documents[0])
+        truncated = truncated or cut
+        chunks.extend(documents)
         used.append(path.relative_to(root).as_posix())
-        size += len(chunk)
+        read.append(nbytes)
+        size += nbytes
     data = b"".join(chunks)
     if not data:
         raise ConfigError(f"data source {origin} is empty; give it some text")
-    return Corpus(data=data, files=tuple(used), origin=origin, truncated=truncated)
+    ends = tuple(itertools.accumulate(len(c) for c in chunks))
+    return Corpus(data=data, files=tuple(used), origin=origin, truncated=truncated,
+                  file_bytes=tuple(read), document_ends=ends)
+
+
+def vocab_needed(config: DataConfig) -> int:
+    """Token ids the model must embed: 256 for bytes, the tokenizer's vocabulary otherwise."""
+    if config.tokenizer is None:
+        return VOCAB_SIZE
+    from pipeoffload.training.documents import tokenizer_vocab_size
+
+    return tokenizer_vocab_size(config.tokenizer)
 
 
 class TextDataset:
@@ -181,26 +212,31 @@ class TextDataset:
         self.config, self.corpus = config, corpus
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.local_batch_size = config.batch_size // dp_size
-        n_eval = math.floor(len(corpus.data) * config.eval_fraction)
-        tokens = torch.frombuffer(bytearray(corpus.data), dtype=torch.uint8)
+        if config.tokenizer is None:
+            tokens = torch.frombuffer(bytearray(corpus.data), dtype=torch.uint8)
+        else:
+            tokens = tokenize(corpus.documents(), config.tokenizer)
+        n_eval = math.floor(len(tokens) * config.eval_fraction)
         self.train_tokens = tokens[: len(tokens) - n_eval]
         self.eval_tokens = tokens[len(tokens) - n_eval:]
         seq, batch = config.seq_len, config.batch_size
         self.num_train_windows = (len(self.train_tokens) - 1) // seq
         if self.num_train_windows < batch:
             raise ConfigError(
-                f"too little text in {corpus.origin}: {len(self.train_tokens)} training bytes "
-                f"make {self.num_train_windows} windows of seq_len+1={seq + 1} bytes, but one "
+                f"too little text in {corpus.origin}: {len(self.train_tokens)} training tokens "
+                f"make {self.num_train_windows} windows of seq_len+1={seq + 1} tokens, but one "
                 f"batch needs {batch}; add text, raise max_bytes, or lower batch_size/seq_len"
             )
         self.num_eval_batches = max(len(self.eval_tokens) - 1, 0) // seq // batch
         if config.eval_fraction > 0 and self.num_eval_batches == 0:
             raise ConfigError(
-                f"the held-out {len(self.eval_tokens)} bytes ({config.eval_fraction:.0%} of "
+                f"the held-out {len(self.eval_tokens)} tokens ({config.eval_fraction:.0%} of "
                 f"{corpus.origin}) are fewer than one batch needs ({batch * seq + 1}); raise "
                 "eval_fraction, add text, lower batch_size/seq_len, or set eval_fraction=0"
             )
-        self.train_sha256 = hashlib.sha256(corpus.data[: len(self.train_tokens)]).hexdigest()
+        self.train_sha256 = (
+            hashlib.sha256(corpus.data[: len(self.train_tokens)]).hexdigest()
+            if config.tokenizer is None else tokens_sha256(self.train_tokens))
         self.step = 0
         self._perms: dict[int, list[int]] = {}
 

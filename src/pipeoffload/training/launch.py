@@ -7,6 +7,12 @@ as is (so its stdout can be parsed, e.g. a final JSON line), every other rank's 
 themselves (so each reports its own error), then the rest are terminated; the launcher returns
 the first failure's exit code and says which rank failed and how.
 
+SIGTERM and SIGHUP to the launcher are forwarded to every child, which finish their step, save
+and exit with 128 + the signal's number (training/signals.py Note: [stopping on a signal]); the
+launcher waits up to ``stop_timeout_s`` for them, kills what is left, and returns the same
+status. Children get the launcher's pid (``PIPEOFFLOAD_LAUNCHER_PID``) so that they stop by
+themselves if it dies without a word (SIGKILL).
+
 Each process then joins the job with ``connect`` (torchrun's processes too).
 
 Note: [rank layout] The processes form a device mesh of shape (pp, dp, tp), dims named
@@ -36,6 +42,14 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.training.signals import (
+    LAUNCHER_PID_ENV,
+    STOP_SIGNALS,
+    recording_signals,
+    signal_name,
+    stop_outcome,
+    stop_status,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -51,21 +65,25 @@ class LaunchConfig:
     - ``term_timeout_s``: after SIGTERM, how long before SIGKILL.
     - ``threads_per_process``: OMP_NUM_THREADS for each child (CPU cores are shared).
     - ``env``: extra environment variables for every child.
+    - ``stop_timeout_s``: after SIGTERM / SIGHUP reached the children, how long they may take
+      to finish their step and save before they are killed.
     """
 
     nprocs: int
     reporting_rank: int | None = 0
     grace_s: float = 30.0
     term_timeout_s: float = 5.0
+    stop_timeout_s: float = 120.0
     threads_per_process: int = 1
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.nprocs < 1:
             raise ConfigError(f"LaunchConfig.nprocs must be >= 1, got {self.nprocs}")
-        if self.grace_s < 0 or self.term_timeout_s < 0 or self.threads_per_process < 1:
-            raise ConfigError("LaunchConfig: grace_s and term_timeout_s must be >= 0 and "
-                              "threads_per_process >= 1")
+        if (min(self.grace_s, self.term_timeout_s, self.stop_timeout_s) < 0
+                or self.threads_per_process < 1):
+            raise ConfigError("LaunchConfig: grace_s, term_timeout_s and stop_timeout_s must be "
+                              ">= 0 and threads_per_process >= 1")
 
 
 def free_port() -> int:
@@ -91,14 +109,28 @@ def shell_code(code: int) -> int:
 
 
 def _forward(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+    broken = False  # our own output is gone (a closed terminal): keep draining the child's
     for raw in iter(stream.readline, b""):
+        if broken:
+            continue
         line = raw.decode("utf-8", errors="replace")
         with lock:
-            out.write(prefix + line if prefix else line)
-            if not line.endswith("\n"):
-                out.write("\n")
-            out.flush()
+            try:
+                out.write(prefix + line if prefix else line)
+                if not line.endswith("\n"):
+                    out.write("\n")
+                out.flush()
+            except (OSError, ValueError):
+                broken = True
     stream.close()
+
+
+def _say(text: str, lock: threading.Lock) -> None:
+    with lock:
+        try:
+            print(text, file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # no terminal any more (SIGHUP): the status still tells
+            pass
 
 
 def launch(argv: Sequence[str], config: LaunchConfig) -> int:
@@ -108,29 +140,24 @@ def launch(argv: Sequence[str], config: LaunchConfig) -> int:
     lock = threading.Lock()
     procs: list[subprocess.Popen[bytes]] = []
     threads: list[threading.Thread] = []
-    for rank in range(config.nprocs):
-        env = dict(os.environ)
-        env.update(config.env)
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(config.nprocs), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(config.nprocs),
-                   OMP_NUM_THREADS=str(config.threads_per_process), PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-        procs.append(proc)
-        prefix = "" if rank == config.reporting_rank else f"[rank {rank}] "
-        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            thread = threading.Thread(target=_forward, args=(stream, out, prefix, lock),
-                                      daemon=True)
-            thread.start()
-            threads.append(thread)
-    try:
-        first_failure, stopped = _supervise(procs, config)
-    except KeyboardInterrupt:
-        _terminate(procs, config.term_timeout_s)
-        raise
+    received: list[int] = []  # stop signals the launcher got, in order
+    with recording_signals(received):
+        for rank in range(config.nprocs):  # all of them even if a stop comes: none would
+            procs.append(_start(argv, rank, port, config, lock, threads))  # join the rest
+        try:
+            first_failure, stopped = _supervise(procs, config, received)
+        except KeyboardInterrupt:
+            _terminate(procs, config.term_timeout_s)
+            raise
     for thread in threads:
         thread.join(timeout=5)
+    stop = stop_outcome([p.returncode for p in procs], received)
+    if stop is not None:
+        signum, by_launcher = stop
+        whom = "the launcher" if by_launcher else "the workers"
+        _say(f"launch: stopped by {signal_name(signum)} (sent to {whom}): every rank finished "
+             f"its step and exited with status {stop_status(signum)}", lock)
+        return stop_status(signum)
     if first_failure is None:
         return 0
     rank, code = first_failure
@@ -139,29 +166,61 @@ def launch(argv: Sequence[str], config: LaunchConfig) -> int:
     if stopped:
         others.append(f"the launcher stopped rank(s) {', '.join(map(str, stopped))} "
                       f"{config.grace_s:g} s later")
-    with lock:
-        print(f"launch: rank {rank} (pid {procs[rank].pid}) {describe_exit(code)}"
-              + (f"; then {', '.join(others)}" if others else ""), file=sys.stderr, flush=True)
+    after = f" after {signal_name(received[0])}" if received else ""
+    _say(f"launch: rank {rank} (pid {procs[rank].pid}) {describe_exit(code)}{after}"
+         + (f"; then {', '.join(others)}" if others else ""), lock)
     return shell_code(code) or 1
 
 
-def _supervise(procs: list[subprocess.Popen[bytes]],
-               config: LaunchConfig) -> tuple[tuple[int, int] | None, list[int]]:
+def _start(argv: Sequence[str], rank: int, port: int, config: LaunchConfig,
+           lock: threading.Lock, threads: list[threading.Thread]) -> subprocess.Popen[bytes]:
+    """Start rank ``rank`` and the threads that forward its output."""
+    env = dict(os.environ)
+    env.update(config.env)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+               WORLD_SIZE=str(config.nprocs), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(config.nprocs),
+               OMP_NUM_THREADS=str(config.threads_per_process), PYTHONUNBUFFERED="1")
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    prefix = "" if rank == config.reporting_rank else f"[rank {rank}] "
+    for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+        thread = threading.Thread(target=_forward, args=(stream, out, prefix, lock),
+                                  daemon=True)
+        thread.start()
+        threads.append(thread)
+    return proc
+
+
+def _supervise(procs: list[subprocess.Popen[bytes]], config: LaunchConfig,
+               received: Sequence[int] = ()) -> tuple[tuple[int, int] | None, list[int]]:
     """Wait for every child; on the first failure, give the rest ``grace_s``, then stop them.
+    A stop signal in ``received`` is forwarded to every child, which then get
+    ``stop_timeout_s`` (as they do when one exits with a stop status).
 
     Returns the (rank, return code) to blame, None if all succeeded: a child killed by a
     signal if any (its peers fail because it vanished, and may notice that before this loop
     sees it die), else the first to exit non-zero; and the ranks the launcher stopped.
     """
+    stop_codes = {stop_status(s) for s in STOP_SIGNALS}
     stopped: list[int] = []
     failures: list[tuple[int, int]] = []
     deadline: float | None = None
+    forwarded = 0
     while True:
+        for signum in received[forwarded:]:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signum)
+            forwarded += 1
         codes = [p.poll() for p in procs]
         for rank, code in enumerate(codes):
             if code not in (0, None) and all(r != rank for r, _ in failures):
                 failures.append((rank, code))
-        if failures and deadline is None:
+        if deadline is None and (received or any(c in stop_codes for c in codes)):
+            deadline = time.monotonic() + config.stop_timeout_s
+        elif deadline is None and any(c not in stop_codes for _, c in failures):
             deadline = time.monotonic() + config.grace_s
         done = all(c is not None for c in codes)
         if not done and deadline is not None and time.monotonic() >= deadline:
@@ -169,7 +228,7 @@ def _supervise(procs: list[subprocess.Popen[bytes]],
             _terminate(procs, config.term_timeout_s)
             done = True
         if done:
-            if not failures:
+            if not failures or all(c in stop_codes for _, c in failures) and not stopped:
                 return None, stopped
             return next(((r, c) for r, c in failures if c < 0), failures[0]), stopped
         time.sleep(0.05)
@@ -229,6 +288,19 @@ class Topology:
     def global_rank(self, pp_rank: int, dp_index: int, tp_index: int = 0) -> int:
         return (pp_rank * self.dp + dp_index) * self.tp + tp_index
 
+    def stages_of(self, schedule: Any) -> list[int]:
+        """The stages of ``schedule`` this process holds (every stage in local mode)."""
+        return sorted(s for r in self.pipeline_ranks for s in schedule.stages_on_rank(r))
+
+    def pipeline_options(self) -> dict[str, Any]:
+        """What ``Pipeline`` takes from the job: ``Pipeline(stages, schedule, loss_fn,
+        **topology.pipeline_options())`` (the pipeline group, its P2P channel groups, the
+        device)."""
+        if not self.distributed:
+            return {"device": self.device}
+        return {"group": self.pp_group, "channel_groups": self.channel_groups,
+                "device": self.device}
+
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """"cpu", "cuda" or "auto" (CUDA when available) as this process's device."""
@@ -242,28 +314,35 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
-            env: Mapping[str, str] = os.environ, tp: int = 1) -> Topology:
+            env: Mapping[str, str] = os.environ, tp: int = 1,
+            agree: Mapping[str, Any] | None = None) -> Topology:
     """Join the job torchrun (or ``launch``) started: init the default group from env://
     (NCCL on GPUs, gloo on CPU; ``timeout_s`` for every collective, and on NCCL the bound for a
     hung receive: runtime/p2p.py Note: [NCCL posting]), build the (pp, dp, tp) device mesh and
     take the pipeline, data-parallel and tensor-parallel groups from it (see Note: [rank
     layout]). On CUDA the group is bound to this process's device (``device_id``: eager NCCL
     init, new groups split from it), and each pipeline gets one communicator per
-    lowering.Channel (Note: [NCCL channels])."""
+    lowering.Channel (Note: [NCCL channels]). The environment is checked and the ranks meet
+    through training/job.py first, so a bad variable, a port in use or ranks that disagree on
+    WORLD_SIZE or on ``agree`` (e.g. the training options) are named, not a timeout."""
     import torch
     import torch.distributed as dist
 
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    from pipeoffload.training.job import join_store, read_job_env
+
+    job = read_job_env(env)
+    store = join_store(job, timeout_s, {"pp": pp, "dp": dp, "tp": tp, **(agree or {})})
+    world = job.world_size
     if world != pp * dp * tp:
         raise ConfigError(f"the job has WORLD_SIZE={world} processes but --pp {pp} x --dp {dp} "
                           f"x --tp {tp} = {pp * dp * tp}; start pp*dp*tp processes")
-    where = resolve_device(device, int(env.get("LOCAL_RANK", "0")))
+    where = resolve_device(device, job.local_rank)
     backend = "nccl" if where.type == "cuda" else "gloo"
     if where.type == "cuda":
         torch.cuda.set_device(where)
     timeout = datetime.timedelta(seconds=timeout_s)
     bound = {"device_id": where} if where.type == "cuda" else {}
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+    dist.init_process_group(backend, store=store, rank=job.rank, world_size=world,
                             timeout=timeout, **bound)
     return mesh_topology(pp, dp, tp, where, timeout_s)
 

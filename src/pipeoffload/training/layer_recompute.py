@@ -10,6 +10,18 @@ simulator is given what the meter measured). Parameters are explicit inputs of t
 node, so their gradients flow through ordinary edges and the runtime's B/W split works: I asks
 the node for the input gradient, W asks it again for the parameter gradients (the region is
 re-run each time; runtime/backward.py Note: [B/W split]).
+
+Note: [lgd gradient sums] a region changes which gradients autograd adds up, and in what
+order: float addition is not associative, so only a region that keeps every sum's order keeps
+results bit for bit. The block input x of ``--recompute lgd`` is used three times: by the
+residual add and twice inside the norm (x * rsqrt(mean(x^2)) reads x directly and through
+x^2). Without a region autograd sums (residual + direct) + through-the-square; a region over
+the norm alone returns direct + through-the-square as one gradient, which the outer graph then
+adds to the residual's: a different rounding, one float32 ulp in a loss on some CPUs (issue
+25: 5.431514263 vs 5.431514740 with ATen's AVX2 kernels, equal with AVX-512 by chance). So a
+region that reads a tensor the residual also reads passes it on (``h.view_as(h)``, made last,
+so its gradient is added first, as the residual's is without a region) and the residual uses
+that: all three terms are added inside the region, in the same order as without it.
 """
 
 from __future__ import annotations

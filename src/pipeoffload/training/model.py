@@ -233,8 +233,9 @@ class TransformerBlock(nn.Module):
     output and the MLP's gate and up projections; the norm outputs (the projections' input) and
     silu(gate) * up (the down projection's input) are recomputed in the backward
     (training/layer_recompute.py). "full" keeps only the block's input and re-runs the whole block
-    before its backward (the planner's FULL, Megatron's full recompute). The values are the
-    same as "none", bit for bit.
+    before its backward (the planner's FULL, Megatron's full recompute). The values and the
+    gradients are the same as "none", bit for bit (layer_recompute.py Note: [lgd gradient
+    sums] says what that takes).
     """
 
     recompute: str = "none"
@@ -258,12 +259,15 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
     def _lgd(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # Each region passes its input on to the residual: layer_recompute.py Note: [lgd
+        # gradient sums] (bit-for-bit the gradients of recompute none).
         attention, mlp = self.attention, self.feed_forward
-        q, k, v = recomputed(lambda h: attention.project(self.attention_norm(h)),
-                             (self.attention_norm, attention.wq, attention.wk, attention.wv), x)
+        q, k, v, x = recomputed(
+            lambda h: (*attention.project(self.attention_norm(h)), h.view_as(h)),
+            (self.attention_norm, attention.wq, attention.wk, attention.wv), x)
         x = x + attention.attend(q, k, v, cos, sin)
-        gate, up = recomputed(lambda h: mlp.up(self.ffn_norm(h)), (self.ffn_norm, mlp.w1, mlp.w3),
-                              x)
+        gate, up, x = recomputed(lambda h: (*mlp.up(self.ffn_norm(h)), h.view_as(h)),
+                                 (self.ffn_norm, mlp.w1, mlp.w3), x)
         (down,) = recomputed(lambda g, u: (mlp.down(g, u),), (mlp.w2,), gate, up)
         return x + down
 

@@ -26,9 +26,10 @@ NO_DEVICE_MESSAGE = "no CUDA device; nothing to probe"
 class ProbeConfig:
     """Sizes and the constants that turn measurements into a preset.
 
-    ``layer_efficiency``: fraction of the measured large-GEMM rate a whole transformer layer
-    achieves; 0.75 maps an A100's ~290 TFLOP/s bf16 GEMM to the 220 TFLOP/s the PipeOffload
-    authors use. ``duplex_threshold``: a link is full duplex when each direction keeps at least
+    ``layer_efficiency``: scales the measured large-GEMM rate into the preset's
+    ``bf16_flops_per_s``; 1.0, since the planner times a layer's memory-bound work, attention
+    and communication separately (docs/planner-model.md) and only the matmuls run at this rate.
+    ``duplex_threshold``: a link is full duplex when each direction keeps at least
     this fraction of its solo bandwidth while the other runs. ``gemm_widths``: n of the
     (matmul_size x matmul_size) @ (matmul_size x n) products whose rates, over the square's,
     become the preset's GEMM efficiency curve (the intensities a TP shard's matmuls span).
@@ -40,7 +41,7 @@ class ProbeConfig:
     copy_bytes: int = 512 * 2**20
     copy_iters: int = 5
     warmup_iters: int = 2
-    layer_efficiency: float = 0.75
+    layer_efficiency: float = 1.0
     duplex_threshold: float = 0.75
 
 

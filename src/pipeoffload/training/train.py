@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
 from pipeoffload.offload.recompute import add_recompute
+from pipeoffload.offload.targets import TargetKind, parse_target
 from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
@@ -37,8 +39,15 @@ from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, simulate
 from pipeoffload.training import checkpoint as ckpt
+from pipeoffload.training.checkpoint_files import check_root, resolve_resume
 from pipeoffload.training.data import DataConfig, TextDataset
+from pipeoffload.training.export import check_export_folder, export_dtype
+from pipeoffload.training.gather import agree_on_start, gather_step, stage_sizes
+from pipeoffload.training.gradients import clip_gradients, uncounted_masters
+from pipeoffload.training.hf_model import resolve_model
+from pipeoffload.training.hf_run import build_hf, check_model, export_run
 from pipeoffload.training.launch import Topology
+from pipeoffload.training.measure import measure_without_offload
 from pipeoffload.training.model import (
     RECOMPUTE_MODES,
     ModelConfig,
@@ -46,8 +55,10 @@ from pipeoffload.training.model import (
     set_layer_recompute,
 )
 from pipeoffload.training.precision import MasterWeights, sync_gradients, torch_dtype
-from pipeoffload.training.split import build_stage_modules, lm_loss, stage_layer_ranges
+from pipeoffload.training.signals import StopRequest, signal_name
+from pipeoffload.training.split import build_stage_modules, lm_loss
 from pipeoffload.training.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from pipeoffload.training.validation import eval_steps, held_out
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,16 @@ class TrainConfig:
     a resumed run follows the same curve. ``min_offload_elements`` is OffloadConfig's (0 moves
     every saved tensor, which makes the measured peaks comparable to the simulator's).
     ``measure_baseline`` runs one extra forward/backward without offload after training (no
-    optimizer step, the model is unchanged) to measure the peaks offload saved.
+    optimizer step, the model is unchanged) to measure the peaks offload saved. ``resume`` is
+    None, "latest", "auto" (latest when ``checkpoint_dir`` holds a complete checkpoint, else a
+    fresh start) or a path; ``keep_last`` keeps only the newest N complete checkpoints (None:
+    all).
+    ``hf_model``: a Hugging Face config.json or a folder with one (and maybe weights) to train
+    instead of the reference ``model`` (training/hf_model.py). The held-out loss
+    (training/validation.py) is measured on up to ``eval_batches`` batches at the last step,
+    and with ``eval_every`` also at the start and every that many steps. ``export_hf``: a
+    folder to write the trained model to as a Hugging Face model, in ``export_dtype`` (None:
+    bf16 for a bf16 run, else fp32).
     """
 
     model: ModelConfig = field(default_factory=lambda: model_preset("small"))
@@ -94,10 +114,26 @@ class TrainConfig:
     tp: int = 1
     dtype: str = "fp32"
     recompute: str = "none"
+    keep_last: int | None = None
+    hf_model: str | None = None
+    eval_every: int = 0
+    eval_batches: int = 4
+    export_hf: str | None = None
+    export_dtype: str | None = None
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)
-        check_tensor_parallel(self.model, self.tp, self.data.seq_len)
+        if self.hf_model is None:
+            check_tensor_parallel(self.model, self.tp, self.data.seq_len)
+        train_offload(self.offload)
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError(f"--eval-every must be >= 0 and --eval-batches >= 1, got "
+                              f"{self.eval_every} and {self.eval_batches}")
+        if self.export_hf is not None and self.hf_model is None:
+            raise ConfigError("--export-hf writes a Hugging Face model; train one with --model "
+                              "PATH (a config.json or a folder with one)")
+        if self.export_dtype is not None:
+            export_dtype(self.export_dtype)
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"--recompute {self.recompute!r}: choose one of "
                               f"{', '.join(RECOMPUTE_MODES)}")
@@ -124,7 +160,12 @@ class TrainConfig:
             raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to write)")
-        if self.data.seq_len > self.model.max_seq_len:
+        if self.keep_last is not None and (self.keep_last < 1 or self.checkpoint_dir is None):
+            raise ConfigError(f"--keep-last {self.keep_last} needs --checkpoint-dir and N >= 1")
+        if self.resume == "auto" and self.checkpoint_dir is None:
+            raise ConfigError("--resume auto needs --checkpoint-dir (where to look, and where "
+                              "to save)")
+        if self.hf_model is None and self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"--seq-len {self.data.seq_len} exceeds the model's max_seq_len "
                               f"{self.model.max_seq_len}; lower --seq-len or raise it")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -165,6 +206,32 @@ class TrainConfig:
         return cls(model=model, data=DataConfig(**data), **values)
 
 
+def train_offload(spec: str | None) -> str | None:
+    """``--offload`` as build_plan reads it (case and spaces aside); a spec train cannot run
+    raises ConfigError listing what it takes."""
+    if spec is None:
+        return None
+    forms = ("none, all, chunks:K, fraction:X, limit:X, limit:XGiB or "
+             f"{RECOMPUTE_AND_OFFLOAD} (each rank's longest-lived chunk recomputed, the rest "
+             "offloaded)")
+    text = spec.strip().lower() if isinstance(spec, str) else ""
+    if text == RECOMPUTE_AND_OFFLOAD:
+        return text
+    kind = text.partition(":")[0].strip()
+    if kind == TargetKind.GIVEN.value:
+        raise ConfigError("--offload given keeps the transfers of a schedule loaded from CSV "
+                          "(simulate --from-csv); train builds its schedule by name: use "
+                          + forms)
+    if kind not in {k.value for k in TargetKind}:
+        raise ConfigError(f"--offload {spec!r}: {'empty' if not text else 'unknown'}; use "
+                          + forms)
+    try:
+        parse_target(spec)
+    except ConfigError as error:
+        raise ConfigError(f"--offload: {error}") from None
+    return text
+
+
 def build_plan(config: TrainConfig) -> OffloadPlan:
     """The schedule (offload planned in) and the planner's report. Recompute (``lgd`` /
     ``full``) happens inside each layer (training/model.py), so it mixes with any offload.
@@ -176,9 +243,10 @@ def build_plan(config: TrainConfig) -> OffloadPlan:
     options = {k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
                if v is not None}
     policy = OffloadPolicy(fetch_on_use=config.fetch_on_use)
-    if config.offload != RECOMPUTE_AND_OFFLOAD:
+    offload = train_offload(config.offload)
+    if offload != RECOMPUTE_AND_OFFLOAD:
         return plan_schedule(config.schedule, config.pp, config.num_microbatches,
-                             config.offload, policy=policy, **options)
+                             offload, policy=policy, **options)
     bare = plan_schedule(config.schedule, config.pp, config.num_microbatches, "none", **options)
     recomputed = add_recompute(bare.schedule, target="chunks:1").schedule
     return add_offload(recomputed, target="all", policy=policy)
@@ -193,10 +261,15 @@ def preflight(config: TrainConfig, processes: int) -> OffloadPlan:
                           "whose stages share weights (DualPipe's two copies), which train does "
                           "not tie or all-reduce; use dualpipev (one copy, the same order folded "
                           "into V placement)")
-    stage_layer_ranges(config.model.n_layers, plan.schedule.num_stages)
+    check_model(config, plan.schedule.num_stages)
     TextDataset.from_config(config.data, dp_size=config.dp)
-    if config.resume is not None:
-        manifest = ckpt.read_manifest(ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
+    if config.checkpoint_dir is not None:
+        check_root(config.checkpoint_dir)
+    if config.export_hf is not None:
+        check_export_folder(config.export_hf)
+    resume = resolve_resume(config.resume, config.checkpoint_dir)
+    if resume is not None:
+        manifest = ckpt.read_manifest(ckpt.find_checkpoint(resume, config.checkpoint_dir))
         ckpt.check_compatible(manifest, {**checkpoint_identity(config, plan.schedule),
                                          "processes": processes})
         ckpt.check_resume_step(manifest.step, manifest.folder, config.steps)
@@ -216,6 +289,11 @@ class StepLog:
     lr: float
     tokens_per_s: float
     peak_bytes: tuple[int, ...]
+    grad_norm: float | None = None  # before clipping, over the whole model
+    step_time_s: float = 0.0
+    host_pool_bytes: tuple[int, ...] = ()  # per pipeline rank of replica 0 (local: one)
+    start_step: int = 0  # where this run started (resumed runs: the checkpoint's step)
+    elapsed_s: float = 0.0  # since this run's first step began
 
 
 @dataclass(frozen=True)
@@ -240,6 +318,10 @@ class TrainResult:
     baseline_bytes: tuple[int, ...] | None
     checkpoint: str | None
     reporter: bool
+    stopped_by: int = 0  # the signal every rank agreed to stop on (0: ran to the end)
+    stop_reason: str = ""
+    eval_losses: tuple[tuple[int, float], ...] = ()  # (steps done, held-out loss)
+    export: str | None = None
 
     @property
     def predicted_bytes(self) -> tuple[float, ...] | None:
@@ -252,8 +334,19 @@ class TrainResult:
 
 
 def train(config: TrainConfig, topology: Topology,
-          on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
-    """Train from step 0 (or the checkpoint ``config.resume`` names) up to ``config.steps``."""
+          on_step: Callable[[StepLog], None] | None = None,
+          on_eval: Callable[[int, float], None] | None = None, *,
+          stop: StopRequest | None = None,
+          checkpoint_files: Mapping[str, bytes] | None = None) -> TrainResult:
+    """Train from step 0 (or the checkpoint ``config.resume`` names) up to ``config.steps``;
+    ``on_step`` and ``on_eval`` (steps done, held-out loss) are called on the reporting
+    process.
+
+    ``stop`` (training/signals.py): checked after every step; once any rank's is set, every
+    rank finishes that step, saves a checkpoint when ``checkpoint_dir`` is set and returns
+    with ``stopped_by`` (Note: [stopping on a signal]). ``checkpoint_files``: extra files
+    saved into every checkpoint (e.g. the command line's effective settings).
+    """
     if topology.tp != config.tp:
         raise ConfigError(f"--tp {config.tp} runs one process per tensor-parallel rank, but this "
                           f"topology has tp={topology.tp}; start pp*dp*tp processes (drop "
@@ -262,9 +355,12 @@ def train(config: TrainConfig, topology: Topology,
     schedule = plan.schedule
     last_rank = schedule.rank_of(schedule.num_stages - 1)
     reporter = not topology.distributed or topology.rank == topology.global_rank(last_rank, 0)
-    mine = sorted(s for r in topology.pipeline_ranks for s in schedule.stages_on_rank(r))
-    stages = build_stages(config, schedule.num_stages, mine, topology)
+    mine = topology.stages_of(schedule)
+    hf = build_hf(config, schedule.num_stages, mine, topology) if config.hf_model else None
+    stages = hf.stages if hf is not None else build_stages(config, schedule.num_stages, mine,
+                                                           topology)
     masters = MasterWeights(stages, mixed=config.dtype == "bf16")
+    ties = uncounted_masters(stages, masters)
     optimizers = {s: torch.optim.AdamW(masters.params[s], lr=config.lr, betas=config.betas,
                                        weight_decay=config.weight_decay)
                   for s in stages}
@@ -277,19 +373,42 @@ def train(config: TrainConfig, topology: Topology,
                     device=topology.device, meter=meter, channel_groups=topology.channel_groups)
     state = ckpt.TrainingState(stages, optimizers, dataset, masters.params)
     identity = checkpoint_identity(config, schedule)
-    if config.resume is not None:
-        resumed = ckpt.restore(state, config.resume, config.checkpoint_dir, identity, topology)
-        ckpt.check_resume_step(resumed, config.resume, config.steps)
+    if config.checkpoint_dir is not None:
+        check_root(config.checkpoint_dir)
+    resume = resolve_resume(config.resume, config.checkpoint_dir)
+    run = f"{random.SystemRandom().getrandbits(48):012x}"  # a fresh start's id (not seeded)
+    if resume is not None:
+        resumed = ckpt.restore(state, resume, config.checkpoint_dir, identity, topology)
+        ckpt.check_resume_step(resumed, resume, config.steps)
+        run = ckpt.run_id(ckpt.read_manifest(ckpt.find_checkpoint(resume, config.checkpoint_dir),
+                                             verify_files=False))
     elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
-                          "pass --resume to continue from them, or use an empty folder")
+                          "pass --resume to continue from them (--resume auto does so when "
+                          "there are some), or use an empty folder")
     start = dataset.step
+    with _peer_failures(topology, "agreeing on the start"):
+        identity["run"], stopped = agree_on_start(topology, start, run,
+                                                  stop.signum if stop is not None else 0)
     tokens = config.data.batch_size * config.data.seq_len
     losses: list[float] = []
     peaks = [0] * config.pp
     stage_bytes: tuple[int, ...] | None = None
     busy_s, saved = 0.0, None
-    for step in range(start, config.steps):
+    first_began = time.perf_counter()
+    evals = eval_steps(start, config.steps, config.eval_every, dataset.num_eval_batches > 0)
+    eval_losses: list[tuple[int, float]] = []
+
+    def validate(done: int) -> None:
+        with _peer_failures(topology, f"the held-out loss at step {done}"):
+            loss = held_out(pipe, stages, dataset, topology, config.eval_batches, last_rank)
+        eval_losses.append((done, loss))
+        if on_eval is not None and reporter:
+            on_eval(done, loss)
+
+    if start in evals and start < config.steps and not stopped:
+        validate(start)
+    for step in range(start if not stopped else config.steps, config.steps):
         began = time.perf_counter()
         inputs, target = next(dataset)
         lr = config.lr_at(step)
@@ -297,14 +416,23 @@ def train(config: TrainConfig, topology: Topology,
         with _peer_failures(topology, f"step {step + 1}"):
             loss = pipe.step(inputs, target=target)
             masters.take_grads()
-            sync_gradients(masters.params, topology, config.grad_clip)
+            sync_gradients(masters.params, topology)
+            grad_norm = None
+            if config.grad_clip is not None:
+                grad_norm = clip_gradients(
+                    [m for s in sorted(stages) for m in masters.params[s]], config.grad_clip,
+                    topology, ties)
             for optimizer in optimizers.values():
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             masters.write_back()
-            mean_loss, step_peaks = gather_step(topology, loss, meter, last_rank)
+            gathered = gather_step(topology, loss, meter, last_rank,
+                                   pool_bytes=pipe.stats().host_pool_bytes,
+                                   stop_signum=stop.signum if stop is not None else 0)
+        mean_loss, step_peaks = gathered.loss, gathered.peak_bytes
+        stopped = gathered.stop_signum
         elapsed = time.perf_counter() - began
         busy_s += elapsed
         if stage_bytes is None:
@@ -313,15 +441,28 @@ def train(config: TrainConfig, topology: Topology,
         losses.append(mean_loss)
         peaks = [max(a, b) for a, b in zip(peaks, step_peaks)]
         if on_step is not None and reporter:
-            on_step(StepLog(step + 1, config.steps, mean_loss, lr, tokens / elapsed, step_peaks))
+            on_step(StepLog(step + 1, config.steps, mean_loss, lr, tokens / elapsed, step_peaks,
+                            grad_norm, elapsed, gathered.pool_bytes, start,
+                            time.perf_counter() - first_began))
         done = step + 1
+        if done in evals:
+            validate(done)
         if config.checkpoint_dir is not None and (
-                done == config.steps or (config.checkpoint_every
-                                         and done % config.checkpoint_every == 0)):
+                done == config.steps or stopped or (config.checkpoint_every
+                                                    and done % config.checkpoint_every == 0)):
             with _peer_failures(topology, f"saving the checkpoint of step {done}"):
-                saved = str(ckpt.save(state, config.checkpoint_dir, done, identity, topology))
+                saved = str(ckpt.save(state, config.checkpoint_dir, done, identity, topology,
+                                      extra_files=checkpoint_files, keep_last=config.keep_last))
+        if stopped and done < config.steps:
+            break
+        stopped = 0  # a request during the last step: the run is complete anyway
+    end = start + len(losses)
+    reason = ""
+    if stopped:
+        reason = stop.reason if stop is not None and stop.signum == stopped else (
+            f"another rank received {signal_name(stopped)}")
     simulation = baseline_sim = baseline = None
-    if stage_bytes is not None:
+    if stage_bytes is not None and not stopped:  # stopping: no extra work before the exit
         costs = CostModel(stage_activation_bytes=stage_bytes)
         simulation = simulate(schedule, costs)
         if schedule.has_kind(Kind.OFFLOAD):
@@ -332,9 +473,14 @@ def train(config: TrainConfig, topology: Topology,
                 with _peer_failures(topology, "the step without offload"):
                     baseline = measure_without_offload(pipe, stages, dataset, topology, runtime,
                                                        last_rank)
-    return TrainResult(plan, start, config.steps, tuple(losses),
+    exported = None
+    if config.export_hf is not None and hf is not None and not stopped:
+        with _peer_failures(topology, f"exporting to {config.export_hf}"):
+            exported = str(export_run(config, hf, masters, topology))
+    return TrainResult(plan, start, end, tuple(losses),
                        tokens * len(losses) / busy_s if busy_s else 0.0, tuple(peaks),
-                       stage_bytes, simulation, baseline_sim, baseline, saved, reporter)
+                       stage_bytes, simulation, baseline_sim, baseline, saved, reporter,
+                       stopped, reason, eval_losses=tuple(eval_losses), export=exported)
 
 
 @contextmanager
@@ -369,9 +515,11 @@ def checkpoint_identity(config: TrainConfig, schedule: Any) -> dict[str, Any]:
     """What a checkpoint is only valid with (its manifest's ``info``, compared on resume):
     a checkpoint holds each tensor-parallel rank's shards, so another ``tp`` is refused (not
     resharded), and another ``dtype``, whose weights and optimizer state differ, too."""
+    model = (dataclasses.asdict(config.model) if config.hf_model is None
+             else {"hf_config": resolve_model(config.hf_model).config})
     return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "dtype": config.dtype,
             "schedule": schedule.name, "stage_to_rank": list(schedule.stage_to_rank),
-            "model": dataclasses.asdict(config.model)}
+            "model": model}
 
 
 def build_stages(config: TrainConfig, num_stages: int, mine: list[int],
@@ -385,60 +533,3 @@ def build_stages(config: TrainConfig, num_stages: int, mine: list[int],
             apply_tensor_parallel(module, topology.tp_mesh)  # type: ignore[arg-type]
         set_layer_recompute(module, config.recompute)
     return stages
-
-
-def _gather(topology: Topology, values: list[float]) -> list[list[float]]:
-    """Every process's ``values`` (same length everywhere), by global rank."""
-    if not topology.distributed:
-        return [values]
-    device = topology.device if dist.get_backend() == "nccl" else torch.device("cpu")
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [t.tolist() for t in everyone]
-
-
-def gather_step(topology: Topology, loss: torch.Tensor | None, meter: ActivationMeter,
-                last_rank: int) -> tuple[float, list[int]]:
-    """The step's loss (mean over replicas) and peak bytes per pipeline rank (replica 0)."""
-    if not topology.distributed:
-        assert loss is not None
-        return loss.item(), [meter.peak_bytes(r) for r in range(topology.pp)]
-    value = math.nan if loss is None else loss.item()
-    rows = _gather(topology, [value, float(meter.peak_bytes(topology.pp_rank))])
-    losses = [rows[topology.global_rank(last_rank, d)][0] for d in range(topology.dp)]
-    return sum(losses) / len(losses), [int(rows[topology.global_rank(p, 0)][1])
-                                       for p in range(topology.pp)]
-
-
-def stage_sizes(topology: Topology, meter: ActivationMeter,
-                num_stages: int) -> tuple[int, ...] | None:
-    """Per-stage activation bytes of one microbatch measured on the last step, from every
-    process; None if a stage's microbatches differed (the simulator takes one size)."""
-    seen: dict[int, set[int]] = {}
-    for (stage, _), nbytes in meter.scope_bytes.items():
-        seen.setdefault(stage, set()).add(nbytes)
-    # Per stage: its size, -1 if its microbatches differed, -2 if this process has none of it.
-    local = [float(next(iter(seen[s])) if len(seen[s]) == 1 else -1) if s in seen else -2.0
-             for s in range(num_stages)]
-    sizes = []
-    for values in zip(*_gather(topology, local)):
-        measured = {int(v) for v in values if v != -2}
-        sizes.append(measured.pop() if len(measured) == 1 else -1)
-    return None if min(sizes) < 0 else tuple(sizes)
-
-
-def measure_without_offload(pipe: Pipeline, stages: Mapping[int, nn.Module],
-                            dataset: TextDataset, topology: Topology, runtime: RuntimeConfig,
-                            last_rank: int) -> tuple[int, ...]:
-    """Peak bytes per pipeline rank of one forward/backward of the next batch with the same
-    schedule minus its transfers; gradients are dropped, the model and data position kept."""
-    meter = ActivationMeter()
-    bare = Pipeline(stages, pipe.schedule.without(*OFFLOAD_KINDS), lm_loss,
-                    group=topology.pp_group, config=runtime, device=topology.device,
-                    meter=meter, channel_groups=topology.channel_groups)
-    inputs, target = dataset.batch_at(dataset.step)
-    loss = bare.step(inputs, target=target)
-    for module in stages.values():
-        module.zero_grad(set_to_none=True)
-    return tuple(gather_step(topology, loss, meter, last_rank)[1])

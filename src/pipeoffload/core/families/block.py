@@ -1,6 +1,6 @@
 """The shared mechanism behind the schedule families: building blocks, slot order, tightening.
 
-Note: [building blocks] (paper-notes.md sections 3 and 6, after "Pipeline Parallelism with
+Note: [building blocks] (docs/method.md sections 3 and 6, after "Pipeline Parallelism with
 Controllable Memory", NeurIPS 2024). With T_F = T_I = T_W = 1 slot (a full backward B = 2), a
 family assigns every pass of microbatch 0 an ideal slot on its rank; microbatch j's passes sit
 ``j * period`` slots later. Each rank's order is its actions sorted by ideal slot. Running that

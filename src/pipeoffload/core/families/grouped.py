@@ -9,7 +9,7 @@ of one group (Note [building blocks], block.py), on rank d, with one F / I / W s
 - group G is shifted by 3gvG slots.
 Sorted by slot, rank d runs p - d + (v-1)g forwards before its first I, then one F, one I and
 one W in turn, so rank 0's peak is p + (v-1)g chunk activations, (p + (v-1)g)/v M_a, and the
-memory stays flat in time (what makes offloading the longest-lived chunk pay, paper-notes.md
+memory stays flat in time (what makes offloading the longest-lived chunk pay, docs/method.md
 section 4). g = p is Megatron's interleaving with p - d - 1 fewer warm-up forwards; smaller g
 shortens every lifespan. Splitting the backward lets the next rank's I start one slot earlier
 than a full B would, which is what keeps the bubble close to interleaved 1F1B's.

@@ -9,7 +9,7 @@ Note [building blocks], block.py):
   state); the whole block is shifted by p-1-r slots. Peak p M_a (2p chunk activations) and no
   bubble in the steady state.
 - V-Half and V-Min, from Qi et al., "Pipeline Parallelism with Controllable Memory" (NeurIPS
-  2024): the paper's slot formulas (paper-notes.md section 6) for F0, F1, I1, I0 and W passes in
+  2024): the paper's slot formulas (docs/method.md section 6) for F0, F1, I1, I0 and W passes in
   the first free slot after their I. Peaks about p/2 + 1 and p/3 + 1 M_a.
 Then, as those papers do for warm-up and cool-down, ``tighten`` (block.py) replays each order on
 the unit clock: ready I's go ahead of pending W's, W's fill waits, and forwards are pulled into

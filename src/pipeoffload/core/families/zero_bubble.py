@@ -15,7 +15,7 @@ passes, which nothing waits for, fill the bubbles. Both come out of building blo
   warm-up holds, so ZB-H2 rejects fewer (ZB-H1 is the schedule for small m).
 Where we differ: the paper derives the orders by hand from a figure; ours come from the slot
 formulas above. The paper's ZB-H2 also drops the optimizer-step synchronisation to gain more;
-we keep the synchronous step, so from time 0 ZB-H2's makespan equals ZB-H1's (paper-notes.md).
+we keep the synchronous step, so from time 0 ZB-H2's makespan equals ZB-H1's (docs/method.md).
 """
 
 from __future__ import annotations

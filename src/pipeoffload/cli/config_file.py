@@ -1,0 +1,188 @@
+"""``--config FILE.toml``: a subcommand's flags from a TOML file, and its effective settings back
+as TOML.
+
+The keys a file may hold are the subcommand's own long options, read off its argparse parser
+(``pp = 4``, ``checkpoint-dir = "ck"``; ``checkpoint_dir`` works too), so a flag added later is
+accepted with no code here. Each key becomes ``--key=value`` placed before the command line's
+own flags, so a flag given on the command line wins (argparse keeps the last); a switch
+(``no-png = true``) becomes ``--no-png``, and ``false`` leaves it out. Values are checked with
+the flag's own type and choices first, so an error names the file and the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pipeoffload.errors import ConfigError
+
+CONFIG_FLAG = "--config"
+_NOT_SETTINGS = {"help", "config", "worker-config"}
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
+    for action in parser._actions:  # argparse keeps subcommands in this one (public-ish) action
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
+
+
+def setting_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """{key: action} of every long option a settings file may hold."""
+    found = {}
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS:
+            continue
+        for option in action.option_strings:
+            if option.startswith("--") and option[2:] not in _NOT_SETTINGS:
+                found[option[2:]] = action
+    return found
+
+
+def _config_path(argv: Sequence[str], start: int) -> str | None:
+    paths = []
+    for i in range(start, len(argv)):
+        token = argv[i]
+        if token == "--":
+            break
+        if token == CONFIG_FLAG and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+        elif token.startswith(CONFIG_FLAG + "="):
+            paths.append(token[len(CONFIG_FLAG) + 1:])
+    if len(paths) > 1:
+        raise ConfigError(f"{CONFIG_FLAG} was given {len(paths)} times; give one file")
+    return paths[0] if paths else None
+
+
+def expand(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``argv`` with the settings of its ``--config FILE`` inserted right after the subcommand
+    (so the command line's flags override them); unchanged without ``--config``."""
+    argv = list(argv)
+    command = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
+    if command is None:
+        return argv
+    sub = _subparser(parser, argv[command])
+    if sub is None or CONFIG_FLAG not in sub._option_string_actions:
+        return argv
+    path = _config_path(argv, command + 1)
+    if path is None:
+        return argv
+    return argv[:command + 1] + config_tokens(sub, path) + argv[command + 1:]
+
+
+def config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The command-line tokens ``path``'s settings stand for (checked, see the module doc)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ConfigError(f"{CONFIG_FLAG} {path}: reading TOML needs Python 3.11 or later "
+                              "(tomllib), or `pip install tomli`") from None
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except OSError as error:
+        raise ConfigError(f"{CONFIG_FLAG} {path}: {error.strerror or error}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{CONFIG_FLAG} {path}: not valid TOML ({error})") from None
+    actions = setting_actions(parser)
+    tokens: list[str] = []
+    for key, value in values.items():
+        name = key.replace("_", "-")
+        action = actions.get(name)
+        where = f"{CONFIG_FLAG} {path}: {key}"
+        if isinstance(value, dict):
+            raise ConfigError(f"{where}: tables ([{key}]) are not used; write each setting "
+                              "as `key = value` at the top of the file")
+        if action is None:
+            close = difflib.get_close_matches(name, actions, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"{where} is not a setting of this command{hint}; the settings "
+                              "are its long options without the leading --")
+        tokens += _tokens(where, f"--{name}", action, value)
+    return tokens
+
+
+def _tokens(where: str, option: str, action: argparse.Action, value: Any) -> list[str]:
+    takes_value = action.nargs != 0
+    if isinstance(value, bool):
+        if not takes_value or action.nargs == "?":  # a switch, or --resume with no value
+            return [option] if value else []
+        raise ConfigError(f"{where} = {str(value).lower()}: expected a value, not true/false")
+    if not takes_value:
+        raise ConfigError(f"{where} = {value!r}: a switch, write true or false")
+    if isinstance(value, (dict, list)) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{where}: expected one value (a number or a string), got "
+                          f"{type(value).__name__}")
+    text = repr(value) if isinstance(value, float) else str(value)
+    try:
+        checked = action.type(text) if callable(action.type) else text
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as error:
+        raise ConfigError(f"{where} = {value!r}: {error}") from None
+    if action.choices is not None and checked not in action.choices:
+        raise ConfigError(f"{where} = {value!r}: choose one of "
+                          f"{', '.join(map(str, action.choices))}")
+    return [f"{option}={text}"]
+
+
+def toml_value(value: Any) -> str:
+    """``value`` (bool, int, float or str) as a TOML value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    # A JSON string is a TOML basic string, except that TOML wants DEL escaped too.
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def effective_settings(parser: argparse.ArgumentParser,
+                       args: argparse.Namespace) -> list[tuple[str, Any, bool]]:
+    """(key, value, differs from the default) for every setting of ``args``, as the TOML key a
+    ``--config`` file takes; unset optional values (None) are left out."""
+    rows = []
+    seen = set()
+    for key, action in setting_actions(parser).items():
+        dest = action.dest
+        if dest in seen:
+            continue
+        value = getattr(args, dest, None)
+        siblings = [(k, a) for k, a in setting_actions(parser).items() if a.dest == dest]
+        switch = next(((k, a) for k, a in siblings if a.nargs == 0 and value == a.const
+                       and value is not parser.get_default(dest)), None)
+        if switch is not None:  # e.g. --no-png (png None), or --inline (True)
+            rows.append((switch[0], True, True))
+        elif value is not None:
+            valued = next((k for k, a in siblings if a.nargs != 0), None)
+            if valued is not None:
+                rows.append((valued, value, value != parser.get_default(dest)))
+            elif isinstance(value, bool):
+                rows.append((key, value, value != parser.get_default(dest)))
+        seen.add(dest)
+    return rows
+
+
+def settings_toml(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                  header: str = "") -> str:
+    """Every effective setting as a TOML file that ``--config`` reads back."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    lines += [f"{key} = {toml_value(value)}" for key, value, _ in
+              effective_settings(parser, args)]
+    return "\n".join(lines) + "\n"
+
+
+def changed_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The settings that differ from the defaults, as command-line flags."""
+    parts = []
+    for key, value, changed in effective_settings(parser, args):
+        if not changed:
+            continue
+        if value is True and setting_actions(parser)[key].nargs == 0:
+            parts.append(f"--{key}")
+        else:
+            parts.append(f"--{key} {value}")
+    return " ".join(parts)

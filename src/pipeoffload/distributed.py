@@ -1,0 +1,119 @@
+"""What a training loop of your own needs around ``Pipeline``, the pieces `pipeoffload train`
+uses itself: joining a torchrun job, gradient averaging and clipping across stages and ranks,
+and per-stage checkpoints.
+
+    topo = pipeoffload.init_distributed(pp=2, tp=1, dp=1)        # under torchrun
+    mine = topo.stages_of(schedule)                              # this process's stages
+    stages = split_causal_lm(model, schedule, rank=topo.pp_rank) # or split_blocks(...)
+    pipe = Pipeline(stages, schedule, loss_fn, **topo.pipeline_options())
+    loss = pipe.step(x, target=y)
+    pipeoffload.average_gradients(stages, topo)                  # over data-parallel replicas
+    pipeoffload.clip_grad_norm_(stages, 1.0, topo)               # ties counted once
+    optimizer.step()
+    pipeoffload.save_checkpoint("ckpt", step, stages, {s: opt for s in stages}, topo)
+
+Without torch.distributed (one process runs every stage) pass ``topology=None``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeoffload.runtime.tied import TiedSpec
+from pipeoffload.training import checkpoint as ckpt
+from pipeoffload.training.gradients import clip_gradients, tie_copies, unique_params
+from pipeoffload.training.launch import Topology, connect
+from pipeoffload.training.precision import sync_gradients
+
+__all__ = ["Topology", "average_gradients", "clip_grad_norm_", "clip_gradients",
+           "init_distributed", "load_checkpoint", "save_checkpoint", "tie_copies"]
+
+
+def init_distributed(pp: int, tp: int = 1, dp: int = 1, *, device: str = "auto",
+                     timeout_s: float = 300.0) -> Topology:
+    """Join the job torchrun started (env:// variables RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT; WORLD_SIZE must be pp * dp * tp): the default process group (NCCL on CUDA,
+    bound to this process's GPU; gloo on CPU; ``timeout_s`` for every collective), the
+    (pp, dp, tp) device mesh and its groups (docs/training.md, rank layout), and one process
+    group per P2P channel of this process's pipeline, which NCCL needs for V-shaped and
+    interleaved schedules (docs/runtime.md). ``Pipeline(..., **topology.pipeline_options())``
+    takes them; ``topology.tp_mesh`` is the mesh to shard a stage over with torch DTensor."""
+    return connect(pp, dp, device, timeout_s, tp=tp)
+
+
+def _placement(topology: Topology | None, stages: Mapping[int, nn.Module]) -> Topology:
+    if topology is not None:
+        return topology
+    device = next((p.device for m in stages.values() for p in m.parameters()),
+                  torch.device("cpu"))
+    return Topology.local(1, device)
+
+
+def clip_grad_norm_(stages: Mapping[int, nn.Module], max_norm: float,
+                    topology: Topology | None = None, *, tied: TiedSpec | None = None) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` for a pipeline: the norm over every stage on every
+    rank (a collective: all ranks call it), tied parameters counted once (on their lowest
+    stage), DTensor shards summed over their tensor-parallel group. Returns the norm before
+    clipping."""
+    return clip_gradients(unique_params(stages), max_norm, topology, tie_copies(stages, tied))
+
+
+def average_gradients(stages: Mapping[int, nn.Module], topology: Topology | None) -> None:
+    """Average the stages' gradients over the data-parallel replicas (one all-reduce per
+    stage; nothing without data parallelism)."""
+    if topology is None or topology.dp == 1:
+        return
+    sync_gradients({s: [p for p in m.parameters() if p.grad is not None]
+                    for s, m in stages.items()}, topology)
+
+
+class _StepPosition:
+    """The data position a checkpoint records: the step (checkpoint.TrainingState's dataset)."""
+
+    def __init__(self, step: int = 0) -> None:
+        self.step = step
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+def save_checkpoint(root: str | Path, step: int, stages: Mapping[int, nn.Module],
+                    optimizers: Mapping[int, torch.optim.Optimizer],
+                    topology: Topology | None = None, *, info: dict[str, Any] | None = None,
+                    masters: Mapping[int, list[torch.Tensor]] | None = None) -> Path:
+    """Write ``root/step_<N>/`` as `pipeoffload train` does (docs/training.md, checkpoints):
+    one file per stage (and tensor-parallel rank) with its modules' and optimizer's state,
+    written by data-parallel replica 0, one per process with its RNG states, then a manifest
+    with every file's SHA-256 and ``info`` (JSON), which load_checkpoint requires to match
+    (``info["run"]``, if given, is the run id every file records). A
+    collective: every process calls it. Returns the folder."""
+    identity = dict(info or {})
+    # Every file records a run id (checkpoint_files.FileIdentity); without one in ``info`` it is
+    # a digest of ``info``, the same on every process and every save of the run.
+    identity.setdefault("run", hashlib.sha256(
+        json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12])
+    state = ckpt.TrainingState(stages, optimizers, _StepPosition(step), masters)  # type: ignore[arg-type]
+    return ckpt.save(state, root, step, identity, _placement(topology, stages))
+
+
+def load_checkpoint(path: str | Path, stages: Mapping[int, nn.Module],
+                    optimizers: Mapping[int, torch.optim.Optimizer],
+                    topology: Topology | None = None, *, info: dict[str, Any] | None = None,
+                    masters: Mapping[int, list[torch.Tensor]] | None = None) -> int:
+    """Load this process's part of the checkpoint ``path`` (a step folder, or a root whose
+    newest complete checkpoint is taken) into the stages and optimizers; returns its step.
+    Raises CheckpointError when it is missing, corrupt, or saved with another ``info`` or
+    number of processes."""
+    position = _StepPosition()
+    state = ckpt.TrainingState(stages, optimizers, position, masters)  # type: ignore[arg-type]
+    return ckpt.restore(state, path, None, dict(info or {}), _placement(topology, stages))

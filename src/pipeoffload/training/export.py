@@ -1,0 +1,201 @@
+"""Hugging Face exports: a folder that ``transformers.AutoModelForCausalLM.from_pretrained``
+loads, consolidated from every pipeline stage and tensor-parallel shard, in safetensors.
+
+Layout: ``config.json`` (the model's config, ``dtype`` set to the export's), and the weights
+by their full-model names: ``model.safetensors`` when one process writes them all (one
+pipeline rank, or ``pipeoffload export``), else one ``model-<r>-of-<pp>.safetensors`` per
+pipeline rank (its stages, written by its tensor-parallel rank 0 of replica 0 after the
+shards are gathered) and ``model.safetensors.index.json``. A tie is written once, from its
+lowest stage (training/gradients.py tie_copy_names), and the config's
+``tie_word_embeddings`` ties it again on loading. Every file is written atomically (Note:
+[atomic checkpoint]); config.json and the index come last, after every rank's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeoffload.errors import ConfigError
+from pipeoffload.runtime.shards import is_dtensor
+from pipeoffload.training import checkpoint as ckpt
+from pipeoffload.training.gradients import tie_copy_names
+from pipeoffload.training.precision import DTYPES
+
+EXPORT_DTYPES = ("fp32", "bf16")  # the command's; export_pretrained takes any dtype
+INDEX = "model.safetensors.index.json"
+
+
+def check_export_folder(folder: str | Path, flag: str = "--export-hf") -> None:
+    """An export goes to a new or empty folder, so nothing stale is mixed into it."""
+    path = Path(folder)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ConfigError(f"{flag} {folder}: the folder exists and is not empty; pass a new or "
+                          "empty folder (an export never mixes with older files)")
+
+
+def export_dtype(name: str) -> torch.dtype:
+    if name not in EXPORT_DTYPES:
+        raise ConfigError(f"export dtype {name!r}: choose one of {', '.join(EXPORT_DTYPES)}")
+    return DTYPES[name]
+
+
+def stage_tensors(model: nn.Module, stages: Mapping[int, nn.Module], dtype: torch.dtype,
+                  values: Mapping[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """{full-model name: tensor on the CPU in ``dtype``} of the stages' parameters, each tie
+    once; ``values`` replaces parameters by id (float32 master weights). DTensors are
+    gathered whole (a collective over their tensor-parallel group, in the same order on every
+    rank of it)."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    copies = tie_copy_names(stages)
+    tensors: dict[str, torch.Tensor] = {}
+    for s in sorted(stages):
+        for local, param in stages[s].named_parameters():
+            full = names[id(param)]
+            if (s, local) in copies or full in tensors:
+                continue
+            value = param if values is None else values.get(id(param), param)
+            if is_dtensor(value):
+                value = value.full_tensor()
+            tensors[full] = value.detach().to(device="cpu", dtype=dtype).contiguous()
+    return tensors
+
+
+def _safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save(dict(sorted(tensors.items())), metadata={"format": "pt"})
+
+
+def _write_config(folder: Path, config: Any, dtype: torch.dtype) -> None:
+    values = json.loads(config.to_json_string())
+    values["dtype"] = str(dtype).removeprefix("torch.")
+    values.pop("torch_dtype", None)
+    ckpt.write_atomic(folder / "config.json",
+                      (json.dumps(values, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_export(folder: str | Path, config: Any, parts: list[dict[str, torch.Tensor]],
+                 dtype: torch.dtype, tokenizer: str | None = None) -> Path:
+    """Write an export from one process: ``parts`` are the weight files' contents."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = _part_names(len(parts))
+    weight_map = {}
+    for name, tensors in zip(files, parts):
+        ckpt.write_atomic(folder / name, _safetensors_bytes(tensors))
+        weight_map.update({key: name for key in tensors})
+    _finish(folder, config, dtype, weight_map, sum(_nbytes(p) for p in parts), tokenizer)
+    return folder
+
+
+def _part_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _finish(folder: Path, config: Any, dtype: torch.dtype, weight_map: dict[str, str],
+            total_bytes: int, tokenizer: str | None) -> None:
+    if len(set(weight_map.values())) > 1:
+        index = {"metadata": {"total_size": total_bytes},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        ckpt.write_atomic(folder / INDEX, (json.dumps(index, indent=2) + "\n").encode())
+    if tokenizer is not None:
+        from pipeoffload.training.documents import tokenizer_file
+
+        shutil.copyfile(tokenizer_file(tokenizer), folder / "tokenizer.json")
+    _write_config(folder, config, dtype)
+
+
+def export_pretrained(folder: str | Path, model: nn.Module, stages: Mapping[int, nn.Module],
+                      topology: Any = None, *, dtype: torch.dtype = torch.float32,
+                      values: Mapping[int, torch.Tensor] | None = None,
+                      tokenizer: str | None = None) -> Path:
+    """Export the model ``stages`` were cut from (``model``: the ``*ForCausalLM`` whose
+    ``named_parameters`` name them; split_causal_lm's or train's). Under torch.distributed
+    (``topology``, a launch.Topology) every process calls it: tensor-parallel shards are
+    gathered, each pipeline rank writes its stages, global rank 0 the index and config last."""
+    folder = Path(folder)
+    tensors = stage_tensors(model, stages, dtype, values)
+    if topology is None or not topology.distributed:
+        return write_export(folder, model.config, [tensors], dtype, tokenizer)
+    writer = topology.dp_index == 0 and topology.tp_index == 0
+    name = _part_names(topology.pp)[topology.pp_rank]
+    if topology.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    mine: dict[str, Any] = {}
+    if writer:
+        ckpt.write_atomic(folder / name, _safetensors_bytes(tensors))
+        mine = {"names": sorted(tensors), "file": name, "bytes": _nbytes(tensors)}
+    everyone = ckpt._gather_json(mine)
+    if topology.rank == 0:
+        weight_map = {key: part["file"] for part in everyone if part for key in part["names"]}
+        total = sum(part["bytes"] for part in everyone if part)
+        _finish(folder, model.config, dtype, weight_map, total, tokenizer)
+    dist.barrier()
+    return folder
+
+
+def export_checkpoint(checkpoint: str | Path, folder: str | Path,
+                      dtype_name: str | None = None) -> tuple[Path, int]:
+    """``pipeoffload export``: the checkpoint of a Hugging Face model (a step folder, or a
+    checkpoint folder's newest) as an export, in one process; returns the folder and the step.
+    The model's config comes from the checkpoint's manifest; tensor-parallel shards are joined
+    along the dimension training/hf_tensor_parallel.py split them; a bf16 run exported in
+    fp32 writes its float32 master weights."""
+    from pipeoffload.integrations.hf import causal_lm_stages
+    from pipeoffload.training.hf_model import hf_config, meta_model
+    from pipeoffload.training.hf_tensor_parallel import shard_dim
+
+    manifest = ckpt.read_manifest(ckpt.find_checkpoint(checkpoint, None))
+    info = manifest.info
+    model_info = info.get("model")
+    config = model_info.get("hf_config") if isinstance(model_info, dict) else None
+    if not isinstance(config, dict):
+        raise ConfigError(f"checkpoint {manifest.folder} holds no Hugging Face config (the "
+                          "reference model's, or a save_checkpoint of your own); export writes "
+                          "models trained with `pipeoffload train --model PATH`")
+    run_dtype, tp = info.get("dtype", "fp32"), int(info.get("tp", 1))
+    name = dtype_name or ("bf16" if run_dtype == "bf16" else "fp32")
+    dtype = export_dtype(name)
+    model = meta_model(config)
+    num_stages = len(info["stage_to_rank"])
+    stages = causal_lm_stages(model, num_stages, range(num_stages))
+    names = {id(p): n for n, p in model.named_parameters()}
+    copies = tie_copy_names(stages)
+    tensors: dict[str, torch.Tensor] = {}
+    use_masters = run_dtype == "bf16" and name == "fp32"
+    for s, stage in sorted(stages.items()):
+        saved = [ckpt.load_object(manifest, ckpt.stage_file(s, t if tp > 1 else None))
+                 for t in range(tp)]
+        trainable = [n for n, p in stage.named_parameters() if p.requires_grad]
+        for local, param in stage.named_parameters():
+            full = names[id(param)]
+            if (s, local) in copies or full in tensors:
+                continue
+            if use_masters:
+                shards = [part["masters"][trainable.index(local)] for part in saved]
+            else:
+                shards = [part["model"][local] for part in saved]
+            dim = shard_dim(local) if tp > 1 else None
+            value = shards[0] if dim is None else torch.cat(shards, dim)
+            if tuple(value.shape) != tuple(param.shape):
+                raise ConfigError(f"{manifest.folder}: {full} has shape {list(value.shape)}, "
+                                  f"the config makes {list(param.shape)}")
+            tensors[full] = value.to(dtype).contiguous()
+    return write_export(folder, hf_config(config), [tensors], dtype), manifest.step

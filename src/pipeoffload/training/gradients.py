@@ -1,0 +1,95 @@
+"""Gradients across a pipeline: which parameters count once in a global norm (tied copies
+do not, Note: [tied parameters]), and clipping by the norm over every stage and rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Set
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeoffload.runtime.shards import is_dtensor, local_shard
+from pipeoffload.runtime.tied import TiedSpec, merge_ties
+
+
+def tie_copy_names(stages: Mapping[int, nn.Module],
+                   tied: TiedSpec | None = None) -> set[tuple[int, str]]:
+    """(stage, parameter name) of every copy of a tie held by a lower stage: after Pipeline's
+    step every copy holds the tie's whole gradient and value, so norms and exports take it
+    from its lowest stage only. Ties come from ``tied`` and the modules' ``tied_parameters``,
+    as Pipeline reads them."""
+    specs = [tied or {}, *(getattr(m, "tied_parameters", {}) for m in stages.values())]
+    named = [s for spec in specs for where in spec.values() for s in where]
+    copies = set()
+    for where in merge_ties(specs, max([*stages, *named], default=0) + 1).values():
+        owner = min(where)
+        copies.update((s, name) for s, name in where.items() if s != owner and s in stages)
+    return copies
+
+
+def tie_copies(stages: Mapping[int, nn.Module], tied: TiedSpec | None = None) -> set[int]:
+    """ids of the parameters tie_copy_names names (a Parameter this process shares with the
+    tie's lowest stage belongs to that stage and is not among them)."""
+    names = tie_copy_names(stages, tied)
+    copies, owned = set(), set()
+    for s, module in stages.items():
+        for name, p in module.named_parameters(remove_duplicate=False):
+            (copies if (s, name) in names else owned).add(id(p))
+    return copies - owned
+
+
+def unique_params(stages: Mapping[int, nn.Module]) -> list[torch.Tensor]:
+    """The stages' parameters in stage order, each once."""
+    seen: set[int] = set()
+    params = []
+    for s in sorted(stages):
+        for p in stages[s].parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+def clip_gradients(params: Iterable[torch.Tensor], max_norm: float | None, topology: Any,
+                   uncounted: Set[int] = frozenset()) -> float:
+    """Scale the gradients of ``params`` (this process's, each once) in place so that the
+    global norm over the pipeline and tensor-parallel ranks is at most ``max_norm`` (None: only
+    measure); returns that norm. Parameters whose id is in ``uncounted`` (tie copies) are
+    scaled but left out of the norm. ``topology`` is a launch.Topology (None: one process).
+    Squares are summed in float64: sharded DTensor gradients over the tensor-parallel group,
+    then everything over the pipeline group; replicated ones count once. Data-parallel
+    replicas must already hold the same (averaged) gradients."""
+    held = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in held]
+    counted = [p.grad for p in held if id(p) not in uncounted]
+    sharded = [g for g in counted if is_dtensor(g) and any(p.is_shard() for p in g.placements)]
+    whole = [g for g in counted if not any(g is h for h in sharded)]
+
+    def squares(group: list[torch.Tensor]) -> torch.Tensor:
+        values = [local_shard(g).double().pow(2).sum() for g in group]
+        return torch.stack(values).sum() if values else torch.zeros((), dtype=torch.float64)
+
+    distributed = topology is not None and topology.distributed
+    part = squares(sharded)
+    if distributed and topology.tp > 1 and sharded:
+        dist.all_reduce(part, group=topology.tp_mesh.get_group())
+    total = part + squares(whole)
+    if distributed and topology.pp > 1:
+        dist.all_reduce(total, group=topology.pp_group)
+    norm = total.sqrt().item()
+    scale = 1.0 if max_norm is None else max_norm / (norm + 1e-6)
+    if scale < 1:
+        for g in grads:
+            local_shard(g).mul_(scale)
+    return norm
+
+
+def uncounted_masters(stages: Mapping[int, nn.Module], masters: Any) -> set[int]:
+    """ids of the master weights (precision.MasterWeights) of tie copies (tie_copies): their
+    gradients are clipped with the others but left out of the norm."""
+    copies = tie_copies(stages)
+    return {id(master) for s in sorted(stages)
+            for p, master in zip([p for p in stages[s].parameters() if p.requires_grad],
+                                 masters.params[s]) if id(p) in copies}

@@ -1,0 +1,174 @@
+"""Per-step metrics of a training run: model FLOPs and MFU from the planner's count, a JSON-lines
+file, and TensorBoard scalars through the optional ``tensorboard`` extra.
+
+MFU (model FLOPs utilisation, PaLM's definition) = model FLOPs of a step / (step time x
+processes x peak FLOP/s of one device). The FLOPs are the planner's ``FlopCount.MODEL`` count
+(planner/transformer.py: every linear layer's forward and two backward matmuls, the full s x s
+attention core, the head; no recompute, no flash re-run), so recompute shows as lower MFU, as
+in Megatron and torchtitan. The peak is the caller's (``--peak-tflops``) or, for bf16 on a GPU
+this table knows, the datasheet dense bf16 rate; elsewhere MFU is not reported (None) and the
+achieved model FLOP/s is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from pipeoffload.planner.presets import load_model
+from pipeoffload.planner.transformer import (
+    FlopCount,
+    MlpKind,
+    TransformerSpec,
+    head_flops,
+    layer_flops,
+)
+
+# Dense bf16 tensor-core peaks, NVIDIA datasheets (A100 80GB SXM, H100 SXM, H200 SXM); the
+# hardware presets' ``gemm_ridge_flops_per_byte`` uses the same numbers. Matched against
+# torch.cuda.get_device_name() in this order (so "H100" does not match an "H200").
+DATASHEET_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
+
+
+def model_flops_per_step(model: Any, seq_len: int, batch_size: int) -> float:
+    """Model FLOPs of one optimizer step: ``batch_size`` sequences of ``seq_len`` through
+    ``model`` (a training.model.ModelConfig), forward and backward."""
+    spec = TransformerSpec(num_layers=model.n_layers, hidden=model.dim, heads=model.n_heads,
+                           kv_heads=model.n_kv_heads, ffn_hidden=model.ffn_hidden,
+                           vocab=model.vocab_size, seq_len=seq_len, mlp=MlpKind.SWIGLU)
+    return spec_flops_per_step(spec, batch_size)
+
+
+def hf_model_flops_per_step(path: str, seq_len: int, batch_size: int) -> float:
+    """The same for a Hugging Face model (`train --model PATH`), read as `plan --model PATH`
+    reads it."""
+    return spec_flops_per_step(load_model(path, seq_len=seq_len), batch_size)
+
+
+def spec_flops_per_step(spec: TransformerSpec, batch_size: int) -> float:
+    per_sequence = (spec.num_layers * layer_flops(spec, 1, count=FlopCount.MODEL).total
+                    + head_flops(spec, 1).total)
+    return per_sequence * batch_size
+
+
+def datasheet_peak_flops(device_name: str, dtype: str) -> float | None:
+    """The dense bf16 peak of a GPU this module knows, for a bf16 run; else None."""
+    if dtype != "bf16":
+        return None
+    for key, flops in DATASHEET_BF16_FLOPS:
+        if key in device_name.upper():
+            return flops
+    return None
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where metrics go (None: nowhere) and what MFU is measured against.
+
+    ``peak_flops_per_s`` is one device's; ``processes`` how many devices run the step.
+    """
+
+    jsonl: str | None = None
+    tensorboard: str | None = None
+    flops_per_step: float = 0.0
+    processes: int = 1
+    peak_flops_per_s: float | None = None
+
+
+def step_record(log: Any, config: MetricsConfig) -> dict[str, Any]:
+    """One JSON line for a train.StepLog."""
+    flops_per_s = config.flops_per_step / log.step_time_s if log.step_time_s > 0 else 0.0
+    mfu = (flops_per_s / (config.processes * config.peak_flops_per_s)
+           if config.peak_flops_per_s else None)
+    return {
+        "step": log.step, "loss": log.loss, "lr": log.lr, "grad_norm": log.grad_norm,
+        "tokens_per_s": log.tokens_per_s, "step_time_s": log.step_time_s,
+        "model_flops_per_s": flops_per_s, "mfu": mfu,
+        "peak_activation_bytes": list(log.peak_bytes),
+        "host_pool_bytes": list(log.host_pool_bytes),
+        "elapsed_s": log.elapsed_s, "time": time.time(),
+    }
+
+
+class MetricsWriter:
+    """Writes step records to ``config.jsonl`` (flushed per line) and to TensorBoard.
+
+    A run that resumed at step N (``start_step``) appends to an existing file after dropping
+    its lines of steps after N (written before a crash and trained again now); a fresh run
+    starts the file anew.
+    """
+
+    def __init__(self, config: MetricsConfig, start_step: int,
+                 tensorboard_writer: Any = None) -> None:
+        self.config = config
+        self._file: IO[str] | None = None
+        if config.jsonl is not None:
+            path = Path(config.jsonl)
+            if start_step > 0 and path.is_file():
+                _truncate_after(path, start_step)
+                self._file = path.open("a", encoding="utf-8")
+            else:
+                self._file = path.open("w", encoding="utf-8")
+        self._tensorboard = tensorboard_writer
+
+    def write(self, log: Any) -> dict[str, Any]:
+        record = step_record(log, self.config)
+        if self._file is not None:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.flush()
+        if self._tensorboard is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
+                        "model_flops_per_s", "mfu"):
+                if record[key] is not None:
+                    self._tensorboard.add_scalar(f"train/{key}", record[key], log.step)
+            for rank, nbytes in enumerate(log.peak_bytes):
+                self._tensorboard.add_scalar(f"peak_activation_bytes/rank{rank}", nbytes,
+                                             log.step)
+            for rank, nbytes in enumerate(log.host_pool_bytes):
+                self._tensorboard.add_scalar(f"host_pool_bytes/rank{rank}", nbytes, log.step)
+            self._tensorboard.flush()
+        return record
+
+    def write_eval(self, step: int, loss: float) -> None:
+        """A held-out loss after ``step`` steps: its own line, ``{"step", "eval_loss"}``."""
+        if self._file is not None:
+            self._file.write(json.dumps({"eval_loss": loss, "step": step}) + "\n")
+            self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.add_scalar("eval/loss", loss, step)
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the lines of ``path`` up to ``step`` (and any line that is not a record)."""
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            record_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            record_step = None
+        if not isinstance(record_step, int) or record_step <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def tensorboard_writer(log_dir: str) -> Any:
+    """A torch.utils.tensorboard SummaryWriter, or None when the ``tensorboard`` extra is not
+    installed (the caller says so in a note)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=log_dir)
