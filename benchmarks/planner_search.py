@@ -10,9 +10,11 @@ the model, GPUs, hardware and batch), one after the other; the table gives its w
 seconds (time.perf_counter / time.process_time), its best plan and step time, and next to them
 the exhaustive search's, recorded in planner_search_reference.json by ``--reference``:
 `plan --no-extrapolate --tolerance 0`, which simulates every candidate in full unless a tested
-lower bound shows it cannot win (planner/search.py, Note: [branch and bound]). The last
-columns run `plan --no-extrapolate` with the chosen plan's tp, pp, schedule, recompute, offload
-and microbatch size fixed (chunks and group size are left to it) and compare its step time.
+lower bound shows it cannot win (planner/search.py, Note: [branch and bound]). The times
+include the verdict line's second, narrower search (planner/verdict.py). The last columns run
+`plan --no-extrapolate` with every dimension of the chosen plan fixed (tp, pp, schedule,
+chunks, group size, recompute, offload, microbatch size; dp and m follow) and compare its step
+time.
 
 ``--reduced-error CASE`` evaluates every candidate of that search twice, reduced (the search's
 default) and with all microbatches, and prints the worst relative step-time and memory errors
@@ -81,11 +83,16 @@ def describe_plan(plan: Any) -> str:
 
 
 def fixed_flags(plan: dict[str, Any]) -> list[str]:
-    """The flags that pin a plan's dimensions that `plan` can fix."""
+    """The flags that pin every dimension of a plan (dp and m follow from the GPUs and the
+    global batch)."""
     schedule = "grouped-interleaved" if plan["schedule"] in ("po-h", "po-f") else plan["schedule"]
-    return ["--tp", str(plan["tp"]), "--pp", str(plan["pp"]), "--schedules", schedule,
-            "--recompute", plan["recompute"], "--offload", plan["offload"],
-            "--micro-batch-sizes", str(plan["microbatch_size"])]
+    flags = ["--tp", str(plan["tp"]), "--pp", str(plan["pp"]), "--schedules", schedule,
+             "--recompute", plan["recompute"], "--offload", plan["offload"],
+             "--micro-batch-sizes", str(plan["microbatch_size"]),
+             "--chunks", str(plan["chunks"])]
+    if plan["group_size"]:
+        flags += ["--group-sizes", "max" if plan["group_size"] == plan["pp"] else "min"]
+    return flags
 
 
 def load_reference() -> dict[str, Any]:
@@ -121,10 +128,12 @@ def reduced_error(name: str) -> None:
     from pipeoffload.planner.search import SearchConfig, configurations
 
     args = build_parser().parse_args(["plan", *CASES[name]])
-    spec, hw, space = _spec(args), load_hardware(args.hardware), _space(args)
+    spec, hw = _spec(args), load_hardware(args.hardware)
+    space = _space(args, spec)
     global_batch = args.global_batch if args.global_batch is not None else 4 * args.gpus
     config = SearchConfig(gpus=args.gpus, global_batch=global_batch)
-    evaluator = Evaluator(spec, hw, MemoryConfig(), hw.hbm_bytes)
+    evaluator = Evaluator(spec, hw, MemoryConfig(), hw.hbm_bytes,
+                          host_budget_bytes=hw.host_bytes_per_node)  # as the search prices
     started = time.process_time()
     rows = []
     best = None  # every candidate simulated in full: the exhaustive answer, for comparison
@@ -190,9 +199,9 @@ def compare(names: list[str]) -> None:
         fixed_step, vs_fixed = "-", "-"
         if best:
             fixed, _, _ = run_plan([*CASES[name], *fixed_flags(best), "--no-extrapolate"])
-            if fixed["feasible"]:
-                fixed_step = f"{fixed['best']['step_time']:.4f}"
-                vs_fixed = f"{best['step_time'] / fixed['best']['step_time'] - 1:+.3%}"
+            same = fixed["fixed"] and describe(fixed["best"]) == describe(best)
+            fixed_step = f"{fixed['best']['step_time']:.4f}" + ("" if same else " (other plan)")
+            vs_fixed = f"{best['step_time'] / fixed['best']['step_time'] - 1:+.3%}"
         print(f"| {name} | {wall:.1f} | {cpu:.1f} | {describe(best)} | "
               f"{best['step_time'] if best else math.nan:.4f} | "
               f"{ref['best'] if ref else '(not recorded)'} | "

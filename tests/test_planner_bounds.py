@@ -18,7 +18,12 @@ from pipeoffload.core.actions import Kind
 from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import add_offload
 from pipeoffload.offload.recompute import add_recompute
-from pipeoffload.planner.bounds import makespan_lower_bound
+from pipeoffload.planner.bounds import (
+    kept_activation_floor,
+    kept_floor,
+    makespan_lower_bound,
+    resident_counts,
+)
 from pipeoffload.planner.costing import DEFAULT_FRAMEWORK, GIB, Framework, MemoryConfig
 from pipeoffload.planner.evaluate import (
     CHUNKED,
@@ -94,6 +99,21 @@ def test_makespan_bound_holds_for_any_schedule_costs_and_offload(case, memory: s
         assert bound <= again <= planned.makespan * (1 + 1e-9)
     # What the search relies on besides the bound: planning memory never speeds compute up.
     assert planned.makespan >= bare * (1 - 1e-9)
+
+
+@slow
+@given(schedules_and_costs(), st.integers(0, 3), st.data())
+def test_kept_floor_from_resident_counts_equals_the_pass_over_the_order(
+        case, offloaded: int, data: st.DataObject) -> None:
+    """The search's cached form of the kept-activation bound (a few count vectors per rank)
+    gives the per-action pass's answer for any stage bytes and any number of chunks offloaded."""
+    schedule, _ = case
+    counts = resident_counts(schedule)
+    for _ in range(2):
+        sizes = data.draw(st.lists(st.floats(0.0, 1e9), min_size=schedule.num_stages,
+                                   max_size=schedule.num_stages))
+        assert kept_floor(counts, sizes, offloaded) == pytest.approx(
+            kept_activation_floor(schedule, sizes, offloaded), rel=1e-12, abs=1e-3)
 
 
 def test_whole_backward_families_are_the_ones_without_w() -> None:
@@ -182,6 +202,7 @@ def test_planner_bounds_stay_below_a_full_evaluation(case) -> None:
     else:
         free = full.evaluate(dataclasses.replace(candidate, offload="none"))
         assert plan.step_time >= free.step_time * (1 - 1e-9)
-    # The search bounds reduced evaluations by the smallest count's order.
+    # The search bounds reduced and full evaluations by the smallest count's order.
     reduced = evaluator(Extrapolation(min_factor=1))
     assert reduced.memory_bound(candidate) <= reduced.evaluate(candidate).memory.total
+    assert reduced.memory_bound(candidate) <= plan.memory.total

@@ -25,9 +25,14 @@ from pipeoffload.sim.simulator import simulate
 def test_counts_keep_the_residue_and_cost_less_than_m(pp: int, m: int, period: int,
                                                       factor: float) -> None:
     counts = Extrapolation(min_factor=factor).counts(m, pp, period)
+    first_look = Extrapolation(min_factor=factor).first_count(m, pp, period)
+    assert first_look is None or (first_look < m and first_look % period == m % period
+                                  and first_look >= max(factor * pp, period))
+    assert Extrapolation(enabled=False).first_count(m, pp, period) is None
     if len(counts) == 1:
         assert counts == (m,)
         return
+    assert first_look == counts[0]
     first, second, third = counts
     assert second - first == third - second == period
     assert first % period == m % period and first >= max(factor * pp, period)

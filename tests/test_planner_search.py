@@ -209,6 +209,24 @@ def test_plan_chunks_and_host_memory(capsys: pytest.CaptureFixture[str]) -> None
     assert "pinned host memory per node" in data["shortfall"]
 
 
+def test_plan_group_sizes_fix_grouped_interleaving(capsys: pytest.CaptureFixture[str]) -> None:
+    """--group-sizes narrows grouped-interleaved to g = pp (max) or ceil(pp/2) (min), so its
+    every dimension can be fixed; anything else is refused by name."""
+    flags = ["--model", "gpt3-2.7b", "--gpus", "8", "--seq", "4096", "--global-batch", "32",
+             "--schedules", "grouped-interleaved", "--pp", "4", "--tp", "1", "--chunks", "2",
+             "--recompute", "lgd", "--offload", "none", "--micro-batch-sizes", "1", "--json",
+             "--quiet"]
+    for sizes, group in (("max", 4), ("min", 2)):
+        code, out = _run_plan_cli([*flags, "--group-sizes", sizes], capsys)
+        data = json.loads(out)
+        assert data["fixed"] and data["best"]["group_size"] == group
+    code, out = _run_plan_cli(flags, capsys)
+    assert not json.loads(out)["fixed"]  # both group sizes searched
+    with pytest.raises(SystemExit):
+        _run_plan_cli([*flags, "--group-sizes", "3"], capsys)
+    assert "--group-sizes" in capsys.readouterr().err
+
+
 def test_plan_human_output_with_impossible_budget(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _run_plan_cli(["--model", "gpt3-13b", "--gpus", "8", "--memory", "10",
                                "--quiet", "--top", "2"], capsys)

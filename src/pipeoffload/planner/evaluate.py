@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.targets import TargetKind, parse_target
-from pipeoffload.planner.bounds import kept_activation_floor, makespan_lower_bound
+from pipeoffload.planner.bounds import kept_floor, makespan_lower_bound
 from pipeoffload.planner.costing import (
     DEFAULT_FRAMEWORK,
     GIB,
@@ -197,6 +197,8 @@ class Evaluator:
         self._pieces: dict[Layout, tuple[PieceCost, ...]] = {}
         self._costs: dict[Layout, CostModel] = {}
         self._bounds: dict[tuple, float] = {}
+        # Plans by (candidate, counts simulated): the verdict's second search asks again.
+        self._plans: dict[tuple[Candidate, tuple[int, ...]], Plan] = {}
         self.runner = Runner(self.extrapolation)
 
     @property
@@ -259,8 +261,9 @@ class Evaluator:
         count = self.extrapolation.counts(candidate.microbatches, candidate.pp,
                                           candidate.period())[0]
         schedule = self.schedule(candidate, count)
-        floors = kept_activation_floor(
-            schedule, [piece.activation_bytes for piece in self.pieces(candidate)], offloaded)
+        floors = kept_floor(self.runner.resident(schedule),
+                            [piece.activation_bytes for piece in self.pieces(candidate)],
+                            offloaded)
         states = rank_state(self.spec, self.pieces(candidate), schedule.stage_to_rank,
                             self.layout(candidate), self.memory)
         # The bound adds bytes in another order than the simulator: allow for rounding.
@@ -294,25 +297,34 @@ class Evaluator:
         return max(work.values())
 
     def first_count_memory(self, candidate: Candidate) -> float | None:
-        """The memory of ``candidate`` simulated at the smallest count of its reduced
-        simulation alone, or None when it has none: no more than the reduced simulation's (the
-        largest peak over its counts), so a quick look at whether a plan can fit."""
-        counts = self.extrapolation.counts(candidate.microbatches, candidate.pp,
-                                           candidate.period())
-        if len(counts) == 1:
+        """The memory of ``candidate`` simulated at the reduced simulation's smallest count
+        alone (``Extrapolation.first_count``), or None when there is none: a quick look at
+        whether a plan can fit (the zoo's schedules reach their peak within the first periods;
+        the offload planner's choices differ a little with m: ``memory_tolerance``)."""
+        count = self.extrapolation.first_count(candidate.microbatches, candidate.pp,
+                                               candidate.period())
+        if count is None:
             return None
-        return self.evaluate(candidate, counts=counts[:1]).memory.total
+        return self.evaluate(candidate, counts=(count,)).memory.total
 
     def evaluate(self, candidate: Candidate, full: bool = False,
                  counts: tuple[int, ...] | None = None) -> Plan:
         """Simulate ``candidate`` (all m microbatches with ``full``, else Note [reduced
-        simulation], or just ``counts``) and price its memory."""
-        pieces = self.pieces(candidate)
-        layout = self.layout(candidate)
+        simulation], or just ``counts``) and price its memory. Each plan is kept: the same
+        question again costs nothing."""
         m = candidate.microbatches
         if counts is None:
             counts = (m,) if full else self.extrapolation.counts(m, candidate.pp,
                                                                  candidate.period())
+        if (candidate, counts) not in self._plans:
+            plan = self._evaluate(candidate, m, counts)
+            self._plans[(candidate, counts)] = plan
+            self._plans.setdefault((candidate, plan.simulated_microbatches), plan)
+        return self._plans[(candidate, counts)]
+
+    def _evaluate(self, candidate: Candidate, m: int, counts: tuple[int, ...]) -> Plan:
+        pieces = self.pieces(candidate)
+        layout = self.layout(candidate)
         run = self.runner.simulate(
             lambda count: self.schedule(candidate, count), self.costs(candidate),
             candidate.offload, [piece.activation_bytes for piece in pieces], m, counts,

@@ -73,6 +73,16 @@ class Extrapolation:
             return (m,)
         return (first, first + period, first + 2 * period)
 
+    def first_count(self, microbatches: int, pp: int, period: int) -> int | None:
+        """The smallest count ``counts`` would start from (m's residue, at least ``min_factor``
+        p), when it is below m, even where the three counts would not be fewer than m: the
+        search's quick look at an offloaded plan's memory (``memory_tolerance``). None when
+        disabled or when there is none."""
+        m = microbatches
+        low = max(math.ceil(self.min_factor * pp), period)
+        first = m - ((m - low) // period) * period if m > low else m
+        return first if self.enabled and first < m else None
+
 
 def extrapolate(makespans: tuple[float, ...], counts: tuple[int, ...], microbatches: int,
                 busiest_work: float) -> float | None:

@@ -22,7 +22,7 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.plan import OffloadPlan, add_offload
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.targets import parse_target
-from pipeoffload.planner.bounds import kept_activation_floor
+from pipeoffload.planner.bounds import ResidentCounts, kept_activation_floor, resident_counts
 from pipeoffload.planner.host_memory import host_peak_bytes
 from pipeoffload.planner.reduced import Extrapolation, extrapolate
 from pipeoffload.sim.collector import cyclic_gc_paused
@@ -85,6 +85,7 @@ class Runner:
         self._schedules: dict[tuple, Schedule] = {}
         self._graphs: dict[Hashable, tuple[Schedule, ComputeGraph]] = {}
         self._bare: dict[Hashable, tuple[Schedule, SimResult]] = {}
+        self._resident: dict[Hashable, tuple[Schedule, ResidentCounts]] = {}
         self.simulations = 0
 
     def schedule(self, name: str, pp: int, microbatches: int, options: dict[str, int]
@@ -96,6 +97,10 @@ class Runner:
                 self._schedules[key] = registry.build_schedule(name, pp, microbatches,
                                                                **options)
         return self._schedules[key]
+
+    def resident(self, schedule: Schedule) -> ResidentCounts:
+        """``bounds.resident_counts`` of ``schedule``, kept for the next stage bytes."""
+        return _kept(self._resident, schedule, None, lambda: resident_counts(schedule))
 
     def run(self, schedule: Schedule, costs: CostModel, option: str,
             stage_bytes: list[float]) -> Run:

@@ -23,7 +23,10 @@ time key, and the search takes the smallest key first:
    the budget there by more than ``Extrapolation.memory_tolerance`` (how far that peak may
    exceed the full one, tested), it is taken as not fitting; else it is simulated in full at
    once (its time is its sibling's in most cases: a reduced run would only delay the full
-   one).
+   one). A plan without offload whose time no offloaded sibling needs (the verdict's search
+   of plans without offload, planner/verdict.py) is first bounded in memory by its order
+   (Note [kept activation]: exact without transfers, at the smallest count), as offloaded
+   ``chunks:K`` plans are.
 3. the search stops when the smallest key times (1 + ``SearchConfig.tolerance``) reaches the
    best full-simulated step time found: nothing left can beat it by more than the tolerance.
 So the plan returned is one simulated in full, and no other candidate is faster than it by more
@@ -163,6 +166,9 @@ class SearchResult:
     stats: SearchStats
     notes: tuple[str, ...] = field(default=())
     spec: TransformerSpec | None = None  # the model searched for (its shape goes in commands)
+    evaluator: Evaluator | None = field(default=None, compare=False, repr=False)
+    """What priced the plans, with its built schedules and plans: a further search of the
+    same model, hardware and config passes it on (``search(..., evaluator=)``)."""
 
     @property
     def best(self) -> Plan | None:
@@ -307,20 +313,33 @@ def _shape(candidate: Candidate) -> tuple:
 
 def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
            space: SearchSpace = SearchSpace(),
-           progress: Callable[[str], None] | None = None) -> SearchResult:
-    """Search (Note: [branch and bound]); ``progress`` gets a status line about once a second."""
+           progress: Callable[[str], None] | None = None,
+           evaluator: Evaluator | None = None) -> SearchResult:
+    """Search (Note: [branch and bound]); ``progress`` gets a status line about once a second.
+    ``evaluator``: an earlier search's (``SearchResult.evaluator``) for the same model,
+    hardware and config (``top_k`` and the space may differ): what it priced is reused."""
     started = time.monotonic()
     budget = config.budget_bytes if config.budget_bytes is not None else hw.hbm_bytes
     host_budget = (config.host_budget_bytes if config.host_budget_bytes is not None
                    else hw.host_bytes_per_node)
-    evaluator = Evaluator(spec, hw, config.memory, budget, config.extrapolation,
-                          host_budget_bytes=host_budget)
+    if evaluator is None:
+        evaluator = Evaluator(spec, hw, config.memory, budget, config.extrapolation,
+                              host_budget_bytes=host_budget)
+    elif (evaluator.spec, evaluator.hw, evaluator.memory, evaluator.budget_bytes,
+          evaluator.extrapolation, evaluator.host_budget_bytes) != (
+              spec, hw, config.memory, budget, config.extrapolation, host_budget):
+        raise ValueError("search: the evaluator passed in prices another model, hardware or "
+                         "config")
+    simulations_before = evaluator.simulations
     reduced_error = 1 + config.extrapolation.tolerance
     groups = configurations(spec, hw, config, space)
     stats = dict.fromkeys(("pruned_by_time", "pruned_by_memory", "dominated", "not_buildable",
                            "finalists"), 0)
     queue = _Queue()
     too_big: list[tuple[float, Candidate]] = []
+    # Plans without offload whose time bounds an offloaded sibling's (rule 1 of the Note).
+    floors_siblings = {replace(c, offload="none") for variants in groups for c in variants
+                       if c.offload != "none"}
     for variants in groups:
         for candidate in variants:
             floor = evaluator.state_and_floor(candidate)
@@ -361,8 +380,11 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                 continue
             try:
                 offloaded = candidate.offload != "none"
-                if offloaded and evaluator.memory_bound(candidate) > budget:
+                if (offloaded or candidate not in floors_siblings) and \
+                        evaluator.memory_bound(candidate) > budget:
                     stats["pruned_by_memory"] += 1
+                    if not offloaded:
+                        too_big.append((evaluator.memory_bound(candidate), candidate))
                     continue
                 memory = evaluator.first_count_memory(candidate) if offloaded else None
                 if memory is not None and memory > budget * (
@@ -415,8 +437,9 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
         budget_bytes=budget,
         candidates=ranked,
         stats=SearchStats(configurations=sum(len(g) for g in groups),
-                          simulated=evaluator.simulations,
+                          simulated=evaluator.simulations - simulations_before,
                           seconds=time.monotonic() - started, **stats),
         notes=tuple(notes),
         spec=spec,
+        evaluator=evaluator,
     )
