@@ -161,7 +161,7 @@ def planner_cases(draw: st.DrawFn):
         seq_len=draw(st.sampled_from([512, 2048, 8192])), mlp=draw(st.sampled_from(MlpKind)),
         flash_attention=draw(st.booleans()), dropout=draw(st.booleans()),
         bias=draw(st.booleans()), tied_embeddings=draw(st.booleans()))
-    microbatches = pp * draw(st.integers(1, 6)) + (0 if name == "interleaved-1f1b"
+    microbatches = pp * draw(st.integers(1, 9)) + (0 if name == "interleaved-1f1b"
                                                    else draw(st.integers(0, pp - 1)))
     group = None
     if name == "grouped-interleaved":

@@ -251,15 +251,17 @@ class Evaluator:
         return self._bounds[key]
 
     def memory_bound(self, candidate: Candidate) -> float:
-        """A lower bound of the memory ``evaluate`` prices, from the order of the (smallest)
-        schedule it simulates (planner/bounds.py, Note [kept activation]): exact for offload
-        none, the best choice of stages for chunks:K; the state floor for other targets."""
+        """A lower bound of the memory ``evaluate`` prices, from the order of the schedule at
+        the reduced simulation's smallest count (``Extrapolation.first_count``; past the
+        warm-up more microbatches add no resident activation, tested against full
+        evaluations) (planner/bounds.py, Note [kept activation]): exact for offload none, the
+        best choice of stages for chunks:K; the state floor for other targets."""
         target = parse_target(candidate.offload.split("+")[-1])
         if target.kind not in (TargetKind.NONE, TargetKind.CHUNKS) or "+" in candidate.offload:
             return self.state_and_floor(candidate)
         offloaded = int(target.value) if target.kind is TargetKind.CHUNKS else 0
-        count = self.extrapolation.counts(candidate.microbatches, candidate.pp,
-                                          candidate.period())[0]
+        count = self.extrapolation.first_count(candidate.microbatches, candidate.pp,
+                                               candidate.period()) or candidate.microbatches
         schedule = self.schedule(candidate, count)
         floors = kept_floor(self.runner.resident(schedule),
                             [piece.activation_bytes for piece in self.pieces(candidate)],
