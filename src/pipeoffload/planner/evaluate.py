@@ -299,15 +299,17 @@ class Evaluator:
         return max(work.values())
 
     def first_count_memory(self, candidate: Candidate) -> float | None:
-        """The memory of ``candidate`` simulated at the reduced simulation's smallest count
-        alone (``Extrapolation.first_count``), or None when there is none: a quick look at
-        whether a plan can fit (the zoo's schedules reach their peak within the first periods;
-        the offload planner's choices differ a little with m: ``memory_tolerance``)."""
-        count = self.extrapolation.first_count(candidate.microbatches, candidate.pp,
-                                               candidate.period())
-        if count is None:
+        """The memory of ``candidate`` simulated at the smallest count of its reduced
+        simulation alone, or None when it has none (a quick look at whether a plan can fit:
+        the offload planner's choices differ a little with m, ``memory_tolerance``). Only
+        where the reduced simulation itself would run: at fewer microbatches relative to m
+        (m = 4p looked at at 2p) its peak overshot the full one by up to 27% (measured by
+        benchmarks/planner_search.py --reduced-error)."""
+        counts = self.extrapolation.counts(candidate.microbatches, candidate.pp,
+                                           candidate.period())
+        if len(counts) == 1:
             return None
-        return self.evaluate(candidate, counts=(count,)).memory.total
+        return self.evaluate(candidate, counts=counts[:1]).memory.total
 
     def evaluate(self, candidate: Candidate, full: bool = False,
                  counts: tuple[int, ...] | None = None) -> Plan:

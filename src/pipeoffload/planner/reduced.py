@@ -75,8 +75,8 @@ class Extrapolation:
 
     def first_count(self, microbatches: int, pp: int, period: int) -> int | None:
         """The smallest count ``counts`` would start from (m's residue, at least ``min_factor``
-        p), when it is below m, even where the three counts would not be fewer than m: the
-        search's quick look at an offloaded plan's memory (``memory_tolerance``). None when
+        p), when it is below m, even where the three counts would not be fewer than m: where
+        the memory bounds read a schedule's order (``Evaluator.memory_bound``). None when
         disabled or when there is none."""
         m = microbatches
         low = max(math.ceil(self.min_factor * pp), period)
