@@ -42,6 +42,14 @@ from dataclasses import dataclass
 
 import torch
 from _common import best_time, format_table, intersection, machine_summary, union
+from _memory_checks import (
+    CUDA_FIXED_ALLOWANCE,
+    Check,
+    host_pool_check,
+    peak_check,
+    report,
+    reserved_check,
+)
 
 from pipeoffload.api import plan_schedule
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
@@ -88,6 +96,7 @@ class GpuBenchConfig:
     tiny: bool = False
     variants: tuple[str, ...] = VARIANTS
     max_pending_copy_bytes: int | None = None
+    predict_scale: float = 1.0  # != 1 feeds the checks a wrong prediction (they must fail)
 
     @property
     def cuda(self) -> bool:
@@ -381,10 +390,19 @@ def run_variant(cfg: GpuBenchConfig, size: Size, name: str, plan: OffloadPlan,
         torch.cuda.reset_peak_memory_stats(cfg.device)
         replay.step(executor, offloader)
         _sync(cfg)
-        row["alloc_peak"] = torch.cuda.max_memory_allocated(cfg.device) - base
+        row["base_bytes"] = base
+        row["alloc_peak_abs"] = torch.cuda.max_memory_allocated(cfg.device)
+        row["alloc_peak"] = row["alloc_peak_abs"] - base
+        row["reserved_peak"] = torch.cuda.max_memory_reserved(cfg.device)
         if offloader is not None:
             row.update(profile_copies(replay, executor, offloader))
             row["max_pending_bytes"] = offloader.max_pending_bytes_seen
+    if offloader is not None:
+        row["pool_bytes"] = offloader.host_pool_bytes
+        row["pool_need_bytes"] = offloader.host_pool_need_bytes
+        if cfg.cuda:
+            stats = torch.cuda.host_memory_stats()
+            row["torch_pinned_bytes"] = stats.get("allocated_bytes.all.current", 0)
     del executor, offloader
     _release(cfg)  # one pinned pool at a time: the metered replay builds its own
     meter = ActivationMeter()
@@ -392,7 +410,39 @@ def run_variant(cfg: GpuBenchConfig, size: Size, name: str, plan: OffloadPlan,
     replay.step(metered, metered_offloader)
     _sync(cfg)
     row["meter_peak"] = meter.peak_bytes(0)
+    # Saved tensors the offloader keeps on the device (at most min_offload_elements each): the
+    # meter counts them, the simulator, which moves whole activations, does not.
+    row["kept_small_bytes"] = (metered_offloader.kept_bytes.get("small", 0)
+                               if metered_offloader is not None else 0)
+    if not cfg.cuda:
+        row["base_bytes"] = sum(t.numel() * t.element_size() for m in modules.values()
+                                for p in m.parameters()
+                                for t in (p, p.grad) if t is not None)
     return row
+
+
+def memory_checks(cfg: GpuBenchConfig, name: str, row: dict, sim_peak: float,
+                  stage_bytes: int) -> list[Check]:
+    """The comparisons of benchmarks/_memory_checks.py for one variant's row: the peak against
+    the simulator's (times ``cfg.predict_scale``) plus what was allocated before the step, the
+    allocator's reserved bytes, the host pool against its need and torch's pinned bytes."""
+    predicted = cfg.predict_scale * sim_peak + row["base_bytes"]
+    if cfg.cuda:
+        allowance = row["kept_small_bytes"] + stage_bytes + CUDA_FIXED_ALLOWANCE
+        checks = [
+            peak_check(f"{name} allocator peak", row["alloc_peak_abs"], predicted, allowance,
+                       "small saved tensors kept on the device, one stage's activation of "
+                       "temporaries in a backward, workspaces and allocator rounding"),
+            reserved_check(f"{name} reserved", row["reserved_peak"], row["alloc_peak_abs"])]
+    else:
+        checks = [peak_check(f"{name} meter peak", row["meter_peak"] + row["base_bytes"],
+                             predicted, row["kept_small_bytes"],
+                             "on CPU the meter equals the simulator but for the small saved "
+                             "tensors the offloader keeps on the device")]
+    if "pool_bytes" in row and row["pool_need_bytes"]:
+        checks.append(host_pool_check(f"{name} host pool", row["pool_bytes"],
+                                      row["pool_need_bytes"], row.get("torch_pinned_bytes")))
+    return checks
 
 
 def _fits(cfg: GpuBenchConfig, plan: OffloadPlan) -> str | None:
@@ -405,9 +455,9 @@ def _fits(cfg: GpuBenchConfig, plan: OffloadPlan) -> str | None:
         if 1.25 * peak > cfg.memory_fraction * free:
             return f"needs ~{1.25 * peak / GIB:.0f} GiB of {free / GIB:.0f} free"
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    # At most the unoffloaded peak is on the host at once; torch's pinned-memory cache may
-    # round each buffer up to a power of two, hence the factor 2.
-    moved = 2 * (plan.report.peak_bytes_before[0] if plan.report.peak_bytes_before else 0.0)
+    # At most the unoffloaded peak is on the host at once; the pool registers exactly its
+    # segments and keeps at most 1.5 times its need (runtime/pool.py Note: [host pool]).
+    moved = 1.5 * (plan.report.peak_bytes_before[0] if plan.report.peak_bytes_before else 0.0)
     if plan.report.offloaded and moved > cfg.memory_fraction * host:
         return f"host buffers up to ~{moved / GIB:.0f} GiB > {host / GIB:.0f} GiB available"
     return None
@@ -448,6 +498,10 @@ def bench_size(cfg: GpuBenchConfig, size: Size, links: Links,
         _release(cfg)
         if name == "none":
             base = (row["step_s"], sim_busy, sim.makespan)
+        checks = memory_checks(cfg, f"{label} {name}", row,
+                               sim.peak_bytes[0] if sim.peak_bytes else 0.0,
+                               max(chunk.stage0_bytes, chunk.chunk_bytes))
+        row["checks"] = [dataclasses.asdict(c) for c in checks]
         records.append({"size": dataclasses.asdict(size), "variant": name, **row,
                         "offloaded_fraction": plan.report.offloaded_fraction,
                         "sim_peak_bytes": sim.peak_bytes[0] if sim.peak_bytes else None,
@@ -515,6 +569,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[GpuBenchConfig, str | Non
                         help="OffloadConfig.max_pending_copy_bytes, in MiB (default: no cap)")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the raw numbers (bytes, seconds) as JSON")
+    parser.add_argument("--predict-scale", type=float, default=1.0,
+                        help="multiply the simulator's predicted peaks in the memory checks "
+                        "(to see them fail; default 1)")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else None)
     if device is None:
@@ -540,7 +597,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[GpuBenchConfig, str | Non
     cfg = GpuBenchConfig(device=device, sizes=sizes, steps=args.steps, warmup=args.warmup,
                          microbatches_per_rank=args.microbatches_per_rank,
                          time_budget_s=args.time_budget_s, tiny=args.tiny, variants=variants,
-                         max_pending_copy_bytes=cap, **tiny)
+                         max_pending_copy_bytes=cap, predict_scale=args.predict_scale, **tiny)
     if args.layers_per_chunk is not None:
         cfg = dataclasses.replace(cfg, layers_per_chunk=args.layers_per_chunk)
     return cfg, args.json
@@ -591,11 +648,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory columns in {cfg.unit[1]}; copy columns need CUDA (profiler trace)")
     print(format_table(HEADERS, rows))
     print(f"total {time.perf_counter() - started:.0f} s")
-    print("RESULT: " + summary(records))
+    checks = [Check(**c) for r in records for c in r.get("checks", ())]
+    passed = report(checks)
+    print("RESULT: " + ("" if passed else "memory checks FAILED; ") + summary(records)
+          + f"; {sum(c.ok for c in checks)}/{len(checks)} memory checks ok")
     if json_path:
         with open(json_path, "w") as out:
             json.dump({"links": dataclasses.asdict(links), "rows": records}, out, indent=1)
-    return 0
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from functools import partial
 
 import torch
 from _common import format_table
+from _memory_checks import Check, report, reserved_check
 from torch import nn
 
 from pipeoffload.api import build_schedule
@@ -82,7 +83,13 @@ def offloaded(schedule, back: Kind):
     return schedule.with_ranks(rows, name=f"{schedule.name}+{back.value}")
 
 
-def run(args: argparse.Namespace, back: Kind | None, cap: int | None) -> dict:
+RELEASES = {"host time": {"pending_copy_activations": None},  # release when a poll sees it
+            "default": {},  # OffloadConfig's: at most one activation waits, then stream order
+            }
+
+
+def run(args: argparse.Namespace, back: Kind | None, cap: int | None,
+        release: str = "default") -> dict:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     base = build_schedule("zbv", pp=2, microbatches=args.microbatches)
@@ -96,7 +103,8 @@ def run(args: argparse.Namespace, back: Kind | None, cap: int | None) -> dict:
     try:
         meter = ActivationMeter()
         config = RuntimeConfig(offload=OffloadConfig(min_offload_elements=0,
-                                                     max_pending_copy_bytes=cap))
+                                                     max_pending_copy_bytes=cap,
+                                                     **RELEASES.get(release, {})))
         pipe = pipeline_module.Pipeline(stages, sched, lambda out: out.float().square().mean(),
                                         config=config, device=device, meter=meter)
     finally:
@@ -115,6 +123,8 @@ def run(args: argparse.Namespace, back: Kind | None, cap: int | None) -> dict:
         if cuda:
             torch.cuda.synchronize()
             row["alloc_peak"] = torch.cuda.max_memory_allocated() - base_bytes
+            row["alloc_peak_abs"] = torch.cuda.max_memory_allocated()
+            row["reserved_peak"] = torch.cuda.max_memory_reserved()
     try:
         sizes = meter.stage_activation_bytes(sched.num_stages)
         row["plan_peak"] = simulate(sched, CostModel(stage_activation_bytes=sizes)).peak_bytes
@@ -123,6 +133,7 @@ def run(args: argparse.Namespace, back: Kind | None, cap: int | None) -> dict:
         row["plan_peak"] = ()
     row["meter_peak"] = tuple(meter.peak_bytes(r) for r in range(2))
     row["pending"] = pipe.offloader.max_pending_bytes_seen if pipe.offloader else 0
+    row["largest"] = max(sizes) if row["plan_peak"] else 0
     row["grads"] = [p.grad.cpu() for m in stages.values() for p in m.parameters()]
     return row
 
@@ -135,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--sleep-cycles", type=int, default=2_000_000)
     parser.add_argument("--cap-mib", type=float, default=64.0)
+    parser.add_argument("--predict-scale", type=float, default=1.0,
+                        help="multiply the plan's peaks in the memory checks (to see them fail)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("no CUDA device; pass --device cpu")
@@ -144,29 +157,58 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True, warn_only=True)
     cap = int(args.cap_mib * MIB)
     reference = run(args, None, None)
-    rows, verdicts, worst_pending = [], [], 0
+    rows, verdicts, checks = [], [], []
     for back in (Kind.RELOAD, Kind.FETCH):
-        for limit in (None, cap):
-            row = run(args, back, limit)
+        for release, limit in (("host time", None), ("default", None), (f"cap {args.cap_mib:g} MiB",
+                                                                          cap)):
+            row = run(args, back, limit, release)
             same = all(torch.equal(a, b) for a, b in zip(reference["grads"], row["grads"]))
             verdicts.append(same)
-            if limit is not None:
-                worst_pending = max(worst_pending, row["pending"])
-            rows.append([back.value, "none" if limit is None else f"{limit / MIB:g} MiB",
-                         "yes" if same else "NO", f"{row['pending'] / MIB:.1f}",
+            checks += release_checks(f"{back.value} {release}", row, limit, release,
+                                     args.predict_scale)
+            rows.append([back.value, release, "yes" if same else "NO",
+                         f"{row['pending'] / MIB:.1f}",
                          f"{row['alloc_peak'] / MIB:.1f}" if "alloc_peak" in row else "n/a",
                          " / ".join(f"{b / MIB:.2f}" for b in row["meter_peak"]),
                          " / ".join(f"{b / MIB:.2f}" for b in row["plan_peak"]) or "n/a"])
     print(f"zbv p=2 m={args.microbatches} local mode on {args.device}, width {args.width}, "
           f"seq {args.seq}; no-offload allocator peak "
           + (f"{reference['alloc_peak'] / MIB:.1f} MiB" if "alloc_peak" in reference else "n/a"))
-    print(format_table(["back", "cap", "bitwise = no offload", "max pending MiB",
+    print(format_table(["back", "release", "bitwise = no offload", "max pending MiB",
                         "alloc peak MiB (+temporaries)", "meter peak MiB r0 / r1",
                         "plan peak MiB r0 / r1"], rows))
-    ok = all(verdicts) and worst_pending <= cap
+    passed = report(checks)
+    ok = all(verdicts) and passed
     print(f"RESULT: {'ok' if ok else 'FAILED'}: RELOAD and FETCH bitwise {all(verdicts)}; "
-          f"max pending under the cap {worst_pending / MIB:.1f} <= {cap / MIB:g} MiB")
+          f"{sum(c.ok for c in checks)}/{len(checks)} memory checks ok")
     return 0 if ok else 1
+
+
+def release_checks(name: str, row: dict, cap: int | None, release: str,
+                   scale: float) -> list[Check]:
+    """Memory above the plan is what waits for its copy to host: the meter's peak per rank is
+    the plan's (times ``scale``, to see the check fail) plus at most the most bytes seen
+    waiting, which the cap (or by default the largest activation) bounds. Released in host
+    time nothing bounds it (on a GPU behind the host, activations stay: reported, not
+    checked beyond the plan as a floor). On CUDA the allocator's reserved bytes too."""
+    if not row["plan_peak"]:
+        return [Check(f"{name} plan", False, "no plan peak (microbatches differed)")]
+    bound = {"default": row["largest"]}.get(release, cap)
+    checks = []
+    for rank, (meter, plan) in enumerate(zip(row["meter_peak"], row["plan_peak"])):
+        predicted = scale * plan
+        if bound is None:
+            ok = meter >= predicted
+            detail = f"meter {meter / MIB:.3f} MiB >= plan {predicted / MIB:.3f} MiB"
+        else:
+            ok = predicted <= meter <= predicted + row["pending"] and row["pending"] <= bound
+            detail = (f"meter {meter / MIB:.3f} MiB within plan {predicted / MIB:.3f} MiB + "
+                      f"waiting {row['pending'] / MIB:.3f} MiB <= {bound / MIB:.3f} MiB")
+        checks.append(Check(f"{name} rank {rank}", ok, detail))
+    if "reserved_peak" in row:
+        checks.append(reserved_check(f"{name} reserved", row["reserved_peak"],
+                                     row["alloc_peak_abs"]))
+    return checks
 
 
 if __name__ == "__main__":

@@ -5,10 +5,9 @@ planner's, and the fit of the one constant calibrated on its unchecked rows; (2)
 run of planner/published.py, measured MFU against the planner's prediction, the issue's rows
 first (the 3-point bar) and the held-out ones after (not used to choose anything); (3) with
 ``--terms``, where the predicted step time of each run goes; (4) with ``--ablation``, every
-run's error with each of issue 21's second-round terms taken out (the one fitted constant
-refitted without it, as calibrate_hbm_efficiency fits it) and with all three out: the first
-round's model but for the head's blocking all-reduce in Megatron 2021, a fix of round 2 that
-no configuration undoes (docs/planner-model.md gives round 1's own numbers too).
+run's error with each term of rounds 2 and 3 taken out (the one fitted constant refitted
+without it, as calibrate_hbm_efficiency fits it; docs/planner-model.md gives each round's own
+numbers).
 
     python benchmarks/planner_published.py              # (1) and (2), about 8 s of CPU
     python benchmarks/planner_published.py --terms      # and (3)
@@ -22,6 +21,7 @@ import dataclasses
 from collections.abc import Callable
 
 from pipeoffload.planner.hardware import HBM_EFFICIENCY, Hardware, hardware_preset
+from pipeoffload.planner.layer_work import NormKernel
 from pipeoffload.planner.published import (
     PUBLISHED,
     TABLE4,
@@ -111,12 +111,38 @@ def _without_one_gpu_nic_share(hw: Hardware) -> Hardware:
                                inter_node_one_gpu_busbw_fraction=0.0)
 
 
-#: Each second-round term and how to take it out: (name, hardware change, untie embeddings).
-ABLATIONS: tuple[tuple[str, Callable[[Hardware], Hardware], bool], ...] = (
-    ("no SM sharing", _without_sm_sharing, False),
-    ("NICs at 0.9", _without_one_gpu_nic_share, False),
-    ("untied", lambda hw: hw, True),
-    ("all three out", lambda hw: _without_one_gpu_nic_share(_without_sm_sharing(hw)), True),
+def _persistent_norms(run: PublishedRun) -> PublishedRun:
+    """Megatron 2021 priced with the persistent LayerNorm of the 2022 code."""
+    framework = dataclasses.replace(run.framework, norm_kernel=NormKernel.PERSISTENT)
+    return dataclasses.replace(run, framework=framework)
+
+
+def _without_dp_copies(run: PublishedRun) -> PublishedRun:
+    return dataclasses.replace(run, optimizer=dataclasses.replace(run.optimizer,
+                                                                  dp_copy_bytes=0.0))
+
+
+def _untied(run: PublishedRun) -> PublishedRun:
+    return dataclasses.replace(run, spec=dataclasses.replace(run.spec, tied_embeddings=False))
+
+
+def _same_hw(hw: Hardware) -> Hardware:
+    return hw
+
+
+def _same_run(run: PublishedRun) -> PublishedRun:
+    return run
+
+
+#: Each term of rounds 2 and 3 and how to take it out: (name, hardware change, run change).
+ABLATIONS: tuple[tuple[str, Callable[[Hardware], Hardware],
+                       Callable[[PublishedRun], PublishedRun]], ...] = (
+    ("2021 norms as 2022", _same_hw, _persistent_norms),
+    ("no DP copies", _same_hw, _without_dp_copies),
+    ("both round-3 out", _same_hw, lambda run: _without_dp_copies(_persistent_norms(run))),
+    ("no SM sharing", _without_sm_sharing, _same_run),
+    ("NICs at 0.9", _without_one_gpu_nic_share, _same_run),
+    ("untied", _same_hw, _untied),
 )
 
 
@@ -135,15 +161,15 @@ def _refitted(change: Callable[[Hardware], Hardware]) -> dict[str, Hardware]:
 
 def ablation() -> str:
     names = [name for name, _, _ in ABLATIONS]
-    lines = ["(4) Error (MFU points) with each second-round term taken out", "",
+    lines = ["(4) Error (MFU points) with each term of rounds 2 and 3 taken out", "",
              "| run | now | " + " | ".join(names) + " |",
              "|---|---|" + "---|" * len(names)]
-    variants = [(_refitted(change), untie) for _, change, untie in ABLATIONS]
+    variants = [(_refitted(change), alter) for _, change, alter in ABLATIONS]
     for run in PUBLISHED:
         cells = [100 * (predict(run).mfu - run.measured_mfu)]
-        for presets, untie in variants:
-            spec = dataclasses.replace(run.spec, tied_embeddings=False) if untie else None
-            plan = predict(run, presets[run.hardware], spec)
+        for presets, alter in variants:
+            changed = alter(run)
+            plan = predict(changed, presets[run.hardware])
             cells.append(100 * (plan.mfu - run.measured_mfu))
         held = " (held out)" if run.held_out else ""
         lines.append(f"| {run.label}{held} | " + " | ".join(f"{c:+.1f}" for c in cells) + " |")
@@ -154,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--terms", action="store_true", help="also print each step's parts")
     parser.add_argument("--ablation", action="store_true",
-                        help="also print each run's error with each second-round term out")
+                        help="also print each run's error with each round-2 and round-3 term out")
     args = parser.parse_args()
     print(table4(), end="\n\n")
     print(runs())

@@ -19,7 +19,7 @@ Pipeline with its own schedule of the same name. ``po-f`` is pipeoffload's PipeO
 (grouped interleaved, full offload) on its own modules; it is compared with torch's 1F1B (time
 and memory) and with the same schedule without offload (what the offload itself costs).
 Ours runs as ``train`` does, one process group per message channel
-(runtime/p2p.new_channel_groups); ``--transport-baseline`` adds our runtime with every message
+(runtime/groups.new_channel_groups); ``--transport-baseline`` adds our runtime with every message
 on one group and receives posted 2 compute actions ahead (the layout before issue 15), so the
 gain from channels and earlier receives is measured in the same run.
 All variants run in one process group, alternated (A, B, ..., then reversed) in every
@@ -54,8 +54,8 @@ from _common import format_table, free_port, machine_summary, mib, spread
 from pipeoffload import build_schedule, plan_schedule, simulate
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
+from pipeoffload.runtime.groups import new_channel_groups
 from pipeoffload.runtime.meter import ActivationMeter
-from pipeoffload.runtime.p2p import new_channel_groups
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.training.model import MODEL_PRESETS, ModelConfig, lm_loss, model_preset
@@ -189,7 +189,7 @@ def _our_variant(name: str, sched: Schedule, modules: dict[int, torch.nn.Module]
     # (OffloadConfig's docstring); the default 1024 keeps tiny tensors on the device.
     runtime = RuntimeConfig(p2p_timeout_s=cfg.timeout_s,
                             offload=OffloadConfig(min_offload_elements=cfg.min_offload_elements))
-    # As `train` runs: one group per channel (p2p.new_channel_groups). The baseline: every
+    # As `train` runs: one group per channel (groups.new_channel_groups). The baseline: every
     # message on the default group, receives posted 2 compute actions ahead.
     channels = None
     if baseline:

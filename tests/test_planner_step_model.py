@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from pipeoffload.errors import ConfigError
 from pipeoffload.planner.costing import (
     Framework,
     Layout,
@@ -24,6 +25,7 @@ from pipeoffload.planner.host_memory import host_peak_bytes, node_host_bytes
 from pipeoffload.planner.layer_time import RunConfig, collective_s
 from pipeoffload.planner.layer_work import layer_memory_work
 from pipeoffload.planner.optimizer import (
+    DP_COPY_BYTES,
     OptimizerSpec,
     dp_bytes_per_s,
     dp_traffic,
@@ -59,7 +61,7 @@ def test_memory_bound_bytes_list_megatrons_kernels(tp: int, sequence_parallel: b
                2 * e * scores, (2 * e + 1) * scores,  # softmax, attention dropout
                2 * e * ctx,  # context permute
                2 * e * mlp]  # bias-GeLU
-    backward = [5 * e * rows, 5 * e * rows, (2 * e + 1) * rows, (2 * e + 1) * rows,
+    backward = [3 * e * rows, 3 * e * rows, (2 * e + 1) * rows, (2 * e + 1) * rows,
                 3 * e * rows, 3 * e * rows,  # residual joins
                 3 * e * scores, (2 * e + 1) * scores, 2 * e * ctx, 3 * e * mlp]
     weight = [e * qkv, e * mlp, e * rows, e * rows]  # bias gradients
@@ -69,6 +71,12 @@ def test_memory_bound_bytes_list_megatrons_kernels(tp: int, sequence_parallel: b
     assert work.w.nbytes == pytest.approx(sum(weight))
     assert (work.f.kernels, work.i.kernels, work.w.kernels) == (
         len(forward), len(backward) + 2, len(weight))  # each norm backward is 2 kernels
+    # Megatron 2021's FusedLayerNorm: the persistent kernel's bytes at apex PR #1037's measured
+    # time ratios (forward 0.0751 / 0.0535 ms, backward 0.1762 / 0.0866 ms), 3 backward kernels
+    old = layer_memory_work(GPT, B, tp, sequence_parallel=sequence_parallel, norm_kernel="apex")
+    assert old.f.nbytes - work.f.nbytes == pytest.approx(2 * 2 * e * rows * (0.0751 / 0.0535 - 1))
+    assert old.i.nbytes - work.i.nbytes == pytest.approx(2 * 3 * e * rows * (0.1762 / 0.0866 - 1))
+    assert (old.f.kernels, old.i.kernels) == (work.f.kernels, work.i.kernels + 2)
     full = layer_memory_work(GPT, B, tp, sequence_parallel=sequence_parallel,
                              recompute=Recompute.FULL)
     assert full.i.nbytes == pytest.approx(sum(backward) + sum(forward))
@@ -83,7 +91,7 @@ def test_flash_swiglu_layer_has_no_score_traffic() -> None:
     work = layer_memory_work(llama, B, 2)
     rows, mlp = B * S * H / 2, B * S * F / 2
     assert work.f.nbytes == pytest.approx(2 * 4 * rows + 2 * 6 * rows + 6 * mlp)
-    assert work.i.nbytes == pytest.approx(2 * 10 * rows + 2 * 6 * rows + 10 * mlp)
+    assert work.i.nbytes == pytest.approx(2 * 6 * rows + 2 * 6 * rows + 10 * mlp)
     assert work.w.nbytes == 0
     assert layer_memory_work(llama, B, 2, recompute=Recompute.SELECTIVE) == work
 
@@ -117,6 +125,21 @@ def test_selective_recompute_reruns_the_attention_core_only_without_flash() -> N
 def test_optimizer_step_bytes(grad_bytes: int, sharded: bool, dp: int, per_param: float) -> None:
     spec = OptimizerSpec(grad_bytes=grad_bytes, sharded=sharded)
     assert optimizer_step_bytes(1e6, spec, dp=dp) == pytest.approx(1e6 * per_param)
+    # the DP implementation's copies (DP_COPY_BYTES) run on every parameter the rank holds
+    for name, copies in DP_COPY_BYTES.items():
+        with_copies = dataclasses.replace(spec, dp_copy_bytes=copies)
+        assert optimizer_step_bytes(1e6, with_copies, dp=dp) - \
+            optimizer_step_bytes(1e6, spec, dp=dp) == pytest.approx(1e6 * copies), name
+
+
+def test_dp_copy_bytes_follow_each_implementations_copies() -> None:
+    """PyTorch DDP copies 16-bit gradients into buckets and back (2 x 4 bytes); Megatron 2021's
+    local DDP flattens, divides and copies back (3 x 4); Megatron 2022 divides its fp32 buffer in
+    place (4 + 4)."""
+    assert DP_COPY_BYTES == {"torch-ddp-fp16": 2 * (2 + 2), "megatron-local-2021": 3 * (2 + 2),
+                             "megatron-local-2022": 4 + 4}
+    with pytest.raises(ConfigError, match="dp_copy_bytes"):
+        OptimizerSpec(dp_copy_bytes=-1)
 
 
 def test_dp_exchange_runs_at_the_nics_of_its_nodes_and_overlaps_when_asked() -> None:

@@ -1,6 +1,8 @@
-"""The step-time terms of issue 21's second round, one test each, checked against an independent
-count: collectives holding SMs while a matmul runs beside them, NCCL's share of a NIC with one
-GPU per node, and the all-reduce of tied embeddings between the two ends of a pipeline."""
+"""The step-time terms of issue 21's second and third rounds, one test each, checked against an
+independent count: collectives holding SMs while a matmul runs beside them, NCCL's share of a
+NIC with one GPU per node, the all-reduce of tied embeddings between the two ends of a pipeline,
+and the LayerNorm kernels of Megatron 2021 against 2022's (the DP implementations' copies are
+in test_planner_step_model.py, beside the optimizer step's other bytes)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.costing import (
+    Framework,
     Layout,
     MemoryConfig,
     dp_seconds,
@@ -20,6 +23,7 @@ from pipeoffload.planner.costing import (
 from pipeoffload.planner.gemm import layer_gemms
 from pipeoffload.planner.hardware import Hardware, hardware_preset
 from pipeoffload.planner.layer_time import RunConfig, collective_s, layer_seconds
+from pipeoffload.planner.layer_work import NormKernel
 from pipeoffload.planner.optimizer import OptimizerSpec, dp_bytes_per_s
 from pipeoffload.planner.ratio import p2p_s
 from pipeoffload.planner.transformer import MlpKind, Recompute, TransformerSpec, model_params
@@ -127,3 +131,22 @@ def test_the_heads_backward_all_reduce_blocks_without_overlap() -> None:
     assert blocked.f_s == pytest.approx(hidden.f_s)
     assert blocked.i_s - hidden.i_s == pytest.approx(2 * one)
     assert hidden.w_s - blocked.w_s == pytest.approx(2 * one * 24 / 108)  # hid, holding SMs
+
+
+def test_megatron_2021_norm_kernels_slow_the_layer_by_their_measured_ratio() -> None:
+    """Round 3: Megatron 2021 ran apex's FusedLayerNorm, 2022 the persistent kernel (Note [norm
+    kernels]); the layer's F and I grow by exactly the norms' extra time at apex PR #1037's
+    measured ratios, and a Framework hands its kernel to every RunConfig it makes."""
+    run = Framework(sequence_parallel=False, tp_overlap=False).run(4, 8, Recompute.NONE)
+    old = Framework(sequence_parallel=False, tp_overlap=False, norm_kernel="apex").run(
+        4, 8, Recompute.NONE)
+    assert (run.norm_kernel, old.norm_kernel) == (NormKernel.PERSISTENT, NormKernel.APEX)
+    new_s, old_s = layer_seconds(GPT_22B, A100, run), layer_seconds(GPT_22B, A100, old)
+    rows = 4 * 2048 * 6144  # residual stream, whole on every GPU without sequence parallelism
+    assert old_s.f_s - new_s.f_s == pytest.approx(
+        A100.memory_s(2 * 4 * rows * (0.0751 / 0.0535 - 1)))
+    assert old_s.i_s - new_s.i_s == pytest.approx(
+        A100.memory_s(2 * 6 * rows * (0.1762 / 0.0866 - 1), 2))
+    assert old_s.w_s == new_s.w_s
+    with pytest.raises(ConfigError, match="norm kernel"):
+        RunConfig(norm_kernel="triton")

@@ -25,8 +25,8 @@ from test_runtime_support import (
 
 from pipeoffload.api import build_schedule
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
+from pipeoffload.runtime.groups import new_channel_groups
 from pipeoffload.runtime.meter import ActivationMeter
-from pipeoffload.runtime.p2p import new_channel_groups
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import simulate
@@ -130,24 +130,44 @@ def test_a_peer_killed_mid_step_makes_every_other_rank_raise(tmp_path) -> None:
         assert "waited for" in results[rank]["error"]
 
 
-def _silent_peer(rank: int, world: int, result_dir: str) -> str:
-    if rank == 1:  # alive, but never runs its schedule: it stays until rank 0 has reported,
-        # so that however slowly rank 0 starts, it times out on a live peer (a peer that had
-        # exited would end its wait with a closed connection instead)
+def _silent_peer(rank: int, world: int, result_dir: str, connects: bool = True) -> str:
+    sched = build_schedule("1f1b", pp=world, microbatches=2)
+    stages = transformer_stages(world)
+    config = RuntimeConfig(p2p_timeout_s=1)
+    if rank == 1:  # alive, but never runs its schedule (with ``connects``, after setting up its
+        # connections): it stays until rank 0 has reported, so that however slowly rank 0
+        # starts, it times out on a live peer (a peer that had exited would end its wait with
+        # a closed connection instead)
+        pipe = Pipeline({1: stages[1]}, sched, token_loss,
+                        config=RuntimeConfig(p2p_timeout_s=PATIENCE_S))
+        dist.barrier()  # both ranks start their setup together, however slowly they started
+        if connects:
+            pipe.connect_peers()
         done = os.path.join(result_dir, "rank0.pt")
         give_up = time.monotonic() + PATIENCE_S
         while not os.path.exists(done) and time.monotonic() < give_up:
             time.sleep(0.05)
         return "waited"
-    sched = build_schedule("1f1b", pp=world, microbatches=2)
-    stages = transformer_stages(world)
     ids, target = token_batch()
-    pipe = Pipeline({0: stages[0]}, sched, token_loss, config=RuntimeConfig(p2p_timeout_s=1))
+    pipe = Pipeline({0: stages[0]}, sched, token_loss, config=config)
+    dist.barrier()
     pipe.step(ids, target=target)
     return "finished"
+
+
+def _silent_from_the_start(rank: int, world: int, result_dir: str) -> str:
+    return _silent_peer(rank, world, result_dir, connects=False)
 
 
 def test_a_silent_peer_times_out_naming_the_action(tmp_path) -> None:
     results = launch(_silent_peer, 2, tmp_path, str(tmp_path))
     assert results[0].get("type") == "PipelineRuntimeError", results[0]
     assert "rank 0: 0RECV_B0 waited for" in results[0]["error"]
+
+
+def test_a_peer_that_never_connects_times_out_at_the_connection_setup(tmp_path) -> None:
+    """Pipeline.connect_peers (the first thing a first step does) names the connection."""
+    results = launch(_silent_from_the_start, 2, tmp_path, str(tmp_path))
+    assert results[0].get("type") == "PipelineRuntimeError", results[0]
+    assert ("rank 0: connection setup (F_UP, rank 0 -> rank 1) waited for the connection"
+            in results[0]["error"])

@@ -14,10 +14,18 @@ from test_runtime_support import token_loss, transformer_stages
 from pipeoffload.api import build_schedule
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.errors import ConfigError
-from pipeoffload.runtime.lowering import Channel, channel_of, message_of, peer_of, with_comms
+from pipeoffload.runtime import groups
+from pipeoffload.runtime.lowering import (
+    Channel,
+    channel_of,
+    message_of,
+    peer_connections,
+    peer_of,
+    with_comms,
+)
 from pipeoffload.runtime.p2p import DistTransport, _encode
 from pipeoffload.runtime.pipeline import Pipeline
-from pipeoffload.runtime.rendezvous import host_program, posts_of
+from pipeoffload.runtime.rendezvous import host_program, posts_of, warm_up_program
 from pipeoffload.training import launch
 
 
@@ -80,6 +88,7 @@ class FakeDist:
 
 
 CHANNELS = {c: f"group {c.value}" for c in Channel}
+CUDA = torch.device("cuda", 0)
 META = (((2, 3), torch.float64),)
 
 
@@ -153,22 +162,63 @@ def test_sends_are_dropped_once_complete_and_nccl_finish_waits_for_none(monkeypa
     assert transport.sends_in_flight == 1
 
 
-def _fake_nccl_world(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
+def _fake_nccl_world(monkeypatch: pytest.MonkeyPatch, rank: int, world: int,
+                     backend: str = "nccl", bound: torch.device | None = CUDA) -> None:
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(groups, "default_bound_device", lambda: bound)
+
+
+def _rank_stages(schedule, rank: int) -> dict:
+    all_stages = transformer_stages(schedule.num_stages)
+    return {s: all_stages[s] for s in schedule.stages_on_rank(rank)}
 
 
 def test_pipeline_on_nccl_refuses_communicators_that_deadlock(monkeypatch) -> None:
     _fake_nccl_world(monkeypatch, rank=0, world=2)
     schedule = build_schedule("zbv", pp=2, microbatches=4)
-    all_stages = transformer_stages(schedule.num_stages)
-    stages = {s: all_stages[s] for s in schedule.stages_on_rank(0)}
-    with pytest.raises(ConfigError, match="deadlock.*channel_groups"):
+    stages = _rank_stages(schedule, 0)
+    with pytest.raises(ConfigError, match="deadlock.*channel_groups.*device_id"):
         Pipeline(stages, schedule, token_loss, backward_group="the B group")
     pipe = Pipeline(stages, schedule, token_loss, channel_groups=CHANNELS)
     assert pipe.distributed
+
+
+def test_lazy_nccl_groups_are_refused_saying_how_to_bind_the_device(monkeypatch) -> None:
+    _fake_nccl_world(monkeypatch, rank=0, world=2, bound=None)
+    schedule = build_schedule("1f1b", pp=2, microbatches=4)
+    with pytest.raises(ConfigError, match=r"lazily.*device_id=torch.device\('cuda'"):
+        Pipeline(_rank_stages(schedule, 0), schedule, token_loss, channel_groups=CHANNELS)
+
+
+@pytest.mark.parametrize(("backend", "device", "nccl"), [
+    ("cpu:gloo,cuda:nccl", "cuda", True), ("cpu:gloo,cuda:nccl", "cpu", False),
+    ("cuda:nccl,cpu:gloo", "cuda", True), ("nccl", "cuda", True), ("gloo", "cpu", False),
+    ("cpu:gloo", "cuda", False),
+])
+def test_nccl_is_told_by_the_device_a_group_serves(monkeypatch, backend: str, device: str,
+                                                     nccl: bool) -> None:
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    assert groups.uses_nccl("a group", torch.device(device)) is nccl
+    assert DistTransport(None, torch.device(device), 5.0, 4, 2,
+                         channel_groups=CHANNELS)._nccl is nccl
+
+
+def test_a_compound_backend_serving_cuda_gets_the_nccl_rules(monkeypatch) -> None:
+    """"cpu:gloo,cuda:nccl" on a CUDA pipeline: the layout is checked, receives are posted in
+    place (no lookahead) and waited for by the stream; on a CPU pipeline gloo's rules hold."""
+    _fake_nccl_world(monkeypatch, rank=0, world=2, backend="cpu:gloo,cuda:nccl")
+    schedule = build_schedule("zbv", pp=2, microbatches=4)
+    stages = _rank_stages(schedule, 0)
+    with pytest.raises(ConfigError, match="deadlock"):
+        Pipeline(stages, schedule, token_loss, device="cuda:0", backward_group="the B group")
+    on_cuda = Pipeline(stages, schedule, token_loss, device="cuda:0", channel_groups=CHANNELS)
+    assert on_cuda._transport._nccl and on_cuda._executors[0]._early == {}
+    on_cpu = Pipeline(stages, schedule, token_loss, backward_group="the B group")
+    assert not on_cpu._transport._nccl and on_cpu._executors[0]._early
 
 
 def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> None:
@@ -201,21 +251,31 @@ def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> N
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(groups, "default_bound_device", lambda: torch.device("cuda", 1))
+    splits: list[list[list[int]]] = []
+
+    def split_group(split_ranks: list[list[int]], **kw: object) -> object:
+        splits.append(split_ranks)
+        return object()
+
+    monkeypatch.setattr(dist, "split_group", split_group)
     from pipeoffload.training import job
 
     store = object()  # the ranks' meeting (training/job.py) is tested in test_job.py
     monkeypatch.setattr(job, "join_store", lambda env, timeout_s, agree: store)
-    topology = launch.connect(pp=2, dp=1, device="cuda",
-                              env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+    topology = launch.connect(pp=2, dp=2, device="cuda",
+                              env={"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
     init = calls["init"]
     assert init["backend"] == "nccl" and init["device_id"] == torch.device("cuda", 1)
-    assert init["store"] is store and (init["rank"], init["world_size"]) == (0, 2)
-    assert calls["mesh"]["device_type"] == "cuda" and calls["mesh"]["shape"] == (2, 1, 1)
+    assert init["store"] is store and (init["rank"], init["world_size"]) == (0, 4)
+    assert calls["mesh"]["device_type"] == "cuda" and calls["mesh"]["shape"] == (2, 2, 1)
     assert topology.pp_group == "the pp group"
     assert set(topology.channel_groups) == set(Channel)
     assert len({id(g) for g in topology.channel_groups.values()}) == 4
-    assert made == [[0, 1]] * 4  # the pipeline's four channels
+    # One split of the default group per channel over both pipelines, no new_group per pipeline
+    # (groups.py Note: [NCCL groups]).
+    assert splits == [[[0, 2], [1, 3]]] * 4 and made == []
 
 
 @pytest.mark.parametrize(("pp", "dp", "expected"), [
@@ -263,13 +323,18 @@ def _consumed(action: Action) -> tuple[str, int, int] | None:
 def test_the_transport_posts_what_the_rendezvous_model_runs(monkeypatch, name: str,
                                                              pp: int) -> None:
     """Drive the real DistTransport as the executor does, rank by rank, over a whole lowered
-    schedule (first step and a later one): its batches are the model's posts, in order, on
-    the model's channels."""
+    schedule (the connection warm-up, the first step and a later one): its batches are the
+    model's posts, in order, on the model's channels."""
     lowered = with_comms(build_schedule(name, pp=pp, microbatches=2 * pp))
     for rank in range(pp):
         fake = FakeDist(monkeypatch, rank)
         transport = DistTransport(None, torch.device("cpu"), 5.0, lowered.num_stages,
                                   lowered.microbatches, channel_groups=CHANNELS, nccl=True)
+        transport.connect_peers(peer_connections(lowered))
+        warm = [(b[0].op is dist.isend, b[0].group, b[0].peer) for b in fake.batches]
+        assert warm == [(s.op.send, CHANNELS[channel_of(lowered, s.op.message)], s.op.peer)
+                        for s in warm_up_program(lowered, rank) if s.op is not None]
+        assert all(w.waits for w in fake.works)  # each connection completed before the next
         for first_step in (True, False):
             transport.begin_step()
             fake.batches.clear()

@@ -36,6 +36,10 @@ class Event:
     def query(self) -> bool:
         return self.done
 
+    def synchronize(self) -> None:
+        """The host waits until the copy has run (a fake GPU then has run it)."""
+        self.done = True
+
 
 class SlowCopies:
     """Copies that take effect at once (so values are right) but whose events complete only
@@ -64,14 +68,15 @@ class SlowCopies:
         self.retired.append(tensor.untyped_storage().nbytes())
 
 
-def _run(sched, monkeypatch, copies=None, cap=None, meter=None):
+def _run(sched, monkeypatch, copies=None, cap=None, meter=None, auto=None):
     if copies is not None:
         monkeypatch.setattr(pipeline_module, "ActivationOffloader",
                             partial(ActivationOffloader, copies=copies))
     stages = transformer_stages(sched.num_stages)
     ids, target = token_batch()
     config = RuntimeConfig(offload=OffloadConfig(min_offload_elements=0,
-                                                 max_pending_copy_bytes=cap))
+                                                 max_pending_copy_bytes=cap,
+                                                 pending_copy_activations=auto))
     pipe = pipeline_module.Pipeline(dict(enumerate(stages)), sched, token_loss, config=config,
                                     meter=meter)
     pipe.step(ids, target=target)
@@ -93,7 +98,8 @@ def test_late_copies_keep_memory_and_the_cap_releases_it_in_stream_order(monkeyp
     planned = simulate(sched, CostModel(stage_activation_bytes=sizes)).peak_bytes
     unoffloaded = simulate(sched.without(Kind.OFFLOAD, Kind.RELOAD),
                            CostModel(stage_activation_bytes=sizes)).peak_bytes
-    # No copy is ever seen complete: without a cap nothing offloaded leaves the device.
+    # No copy is ever seen complete: without a cap (host-time release only,
+    # pending_copy_activations=None) nothing offloaded leaves the device.
     assert peaks[0] == unoffloaded and peaks[0] > planned
     assert engines[0].compute_waits == []
     assert engines[0].retired  # freed by the backward while its copy may still read it
@@ -109,11 +115,28 @@ def test_late_copies_keep_memory_and_the_cap_releases_it_in_stream_order(monkeyp
     assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
 
 
+def test_by_default_at_most_one_activation_waits_for_its_copy(monkeypatch) -> None:
+    """The default (OffloadConfig.pending_copy_activations=1): with copies that never finish
+    on their own, memory is released in stream order once more than the largest activation
+    waits, so the peak stays within one activation of the plan, gradients unchanged."""
+    sched = with_offload(build_schedule("1f1b", pp=2, microbatches=4))
+    meter, engine = ActivationMeter(), SlowCopies()
+    pipe, grads = _run(sched, monkeypatch, engine, meter=meter, auto=1.0)
+    _, host_timed = _run(sched, monkeypatch, SlowCopies(), meter=ActivationMeter())
+    sizes = meter.stage_activation_bytes(sched.num_stages)
+    planned = simulate(sched, CostModel(stage_activation_bytes=sizes)).peak_bytes
+    largest = max(sizes)
+    assert 0 < pipe.offloader.max_pending_bytes_seen <= largest
+    assert engine.compute_waits
+    assert all(meter.peak_bytes(r) <= planned[r] + largest for r in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(grads, host_timed))
+
+
 def test_poll_releases_completed_copies_in_queue_order(monkeypatch) -> None:
     engine = SlowCopies()
     meter = ActivationMeter()
-    offloader = ActivationOffloader(torch.device("cpu"), OffloadConfig(min_offload_elements=0),
-                                    [], meter, copies=engine)
+    config = OffloadConfig(min_offload_elements=0, pending_copy_activations=None)
+    offloader = ActivationOffloader(torch.device("cpu"), config, [], meter, copies=engine)
     x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
     for key in range(3):
         with offloader.scope(key, 0):

@@ -1,6 +1,7 @@
 """The NCCL rendezvous model (runtime/rendezvous.py) over the real lowering: with the runtime's
-four channels no zoo schedule deadlocks, with or without offload, on the first step or later;
-the layouts that do deadlock on NCCL deadlock in the model too, so the model can fail."""
+four channels and its connection warm-up no zoo schedule deadlocks, with or without offload, on
+the first step or later; the layouts, the lazy connection set-up and the device-wide syncs that
+do deadlock on NCCL deadlock in the model too, so the model can fail."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pipeoffload.runtime.lowering import (
     two_groups,
     with_comms,
 )
-from pipeoffload.runtime.rendezvous import posts_of, simulate
+from pipeoffload.runtime.rendezvous import posts_of, simulate, sync_deadlocks, sync_positions
 
 ZOO = [*FAMILIES, "po-h", "po-f"]
 
@@ -36,9 +37,75 @@ def test_no_zoo_schedule_deadlocks_on_four_channels(name: str, offload: str | No
         assert schedule.has_kind(Kind.OFFLOAD)
     for first_step in (True, False):
         for per_pair in (False, True):
-            outcome = simulate(schedule, channel_of, per_pair=per_pair, first_step=first_step)
-            assert outcome.ok, "\n".join(outcome.deadlock)
+            for warm_up in (False, True):
+                outcome = simulate(schedule, channel_of, per_pair=per_pair,
+                                   first_step=first_step, warm_up=warm_up)
+                assert outcome.ok, "\n".join(outcome.deadlock)
     assert order_conflicts(with_comms(schedule), lane=channel_of) == []
+
+
+# Issue 20: with NCCL's connection set-up on the first post per connection (and no warm-up),
+# these deadlock on their first step, with and without offload.
+FIRST_STEP_DEADLOCKS = {
+    ("interleaved-1f1b", 4), ("interleaved-1f1b", 8), ("zb-h2", 4), ("zb-h2", 8), ("zbv", 4),
+    ("zbv", 8), ("v-half", 4), ("v-half", 8), ("dualpipev", 4), ("dualpipev", 8),
+    ("v-min", 8), ("dualpipe", 2), ("dualpipe", 4), ("dualpipe", 8)}
+
+
+def test_lazy_connection_setup_deadlocks_the_first_step_where_predicted() -> None:
+    """Without ``Pipeline.connect_peers`` 28 of the 78 first steps deadlock (the code before
+    issue 20); with it none does, on the first step or later ones."""
+    stuck = set()
+    for name in ZOO:
+        for pp in (2, 4, 8):
+            for offload in (None, "all"):
+                schedule = _build(name, pp, offload)
+                outcome = simulate(schedule, lazy_connect=True, first_step=True)
+                if not outcome.ok:
+                    stuck.add((name, pp, offload))
+                    assert any("set up the connection" in line for line in outcome.deadlock)
+                for first_step in (True, False):
+                    assert simulate(schedule, warm_up=True, first_step=first_step).ok
+    assert len(stuck) == 28
+    assert stuck == {(n, p, o) for n, p in FIRST_STEP_DEADLOCKS for o in (None, "all")}
+
+
+def test_zb_h2_first_step_waits_for_a_connection_that_needs_metadata() -> None:
+    """The issue's example: rank 0 blocks setting up its first receive on the backward channel
+    towards it while rank 1 sends there only after a forward that needs metadata from rank 0."""
+    outcome = simulate(_build("zb-h2", 4, None), lazy_connect=True, first_step=True)
+    assert any(line.startswith("rank 0") and "set up the connection 1 -> 0" in line
+               for line in outcome.deadlock), outcome.deadlock
+
+
+# One device-wide sync (allocator OOM retry, empty_cache, a pinned allocation) at one compute
+# action of one rank, p = 4, m = 8, later steps: how many positions deadlock.
+SYNC_DEADLOCKS = {"zbv": (15, 192), "v-half": (7, 192), "dualpipev": (9, 150), "v-min": (2, 192),
+                  "1f1b": (0, 64), "interleaved-1f1b": (0, 128), "zb-h2": (0, 96),
+                  "po-h": (0, 192)}
+
+
+@pytest.mark.parametrize("name", sorted(SYNC_DEADLOCKS))
+def test_a_device_wide_sync_inside_a_step_deadlocks_only_some_schedules(name: str) -> None:
+    schedule = _build(name, 4, None)
+    positions = sync_positions(schedule)
+    stuck = sync_deadlocks(schedule)
+    assert (len(stuck), len(positions)) == SYNC_DEADLOCKS[name]
+    for at in [*stuck[:2], *positions[::40]]:  # the one-off entry point agrees
+        outcome = simulate(schedule, warm_up=True, sync_at=at)
+        assert outcome.ok is (at not in stuck)
+        assert outcome.ok or any("device-wide sync" in line for line in outcome.deadlock)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_a_device_wide_sync_between_steps_never_deadlocks(pp: int) -> None:
+    """What the host pool does when it rebuilds after a step (runtime/pool.py)."""
+    for name in ZOO:
+        schedule = _build(name, pp, "all")
+        lowered = with_comms(schedule)
+        for rank in range(pp):
+            end = (rank, len(lowered.ranks[rank]))
+            assert simulate(schedule, warm_up=True, sync_at=end).ok, (name, rank)
 
 
 @pytest.mark.parametrize(("name", "pp", "lane"), [

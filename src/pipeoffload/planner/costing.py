@@ -28,6 +28,7 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.planner.comm_bytes import ring_collective_bytes
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.layer_time import collective_s
+from pipeoffload.planner.layer_work import NormKernel
 from pipeoffload.planner.optimizer import (
     OptimizerSpec,
     StateBytes,
@@ -84,12 +85,14 @@ class Framework:
     2022). ``tp_overlap``: backward TP collectives overlap their matmuls (Megatron's
     asynchronous communication, 2022 on). ``grad_accumulation_bytes``: bytes per parameter per
     microbatch of accumulating weight gradients beyond the GEMM's output (layer_time.py).
-    ``p2p_blocking``: stages wait for their pipeline transfers (Note [blocking P2P])."""
+    ``p2p_blocking``: stages wait for their pipeline transfers (Note [blocking P2P]).
+    ``norm_kernel``: the LayerNorm kernels (layer_work.py, Note [norm kernels])."""
 
     sequence_parallel: bool = True
     tp_overlap: bool = True
     grad_accumulation_bytes: float = 6.0
     p2p_blocking: bool = False
+    norm_kernel: NormKernel = NormKernel.PERSISTENT
 
     def run(self, micro_batch: int, tp: int, recompute: Recompute, *,
             w_deferred: bool = False) -> RunConfig:
@@ -97,7 +100,8 @@ class Framework:
         return RunConfig(micro_batch=micro_batch, tp=tp, recompute=recompute,
                          sequence_parallel=self.sequence_parallel, tp_overlap=self.tp_overlap,
                          w_deferred=w_deferred, p2p_blocking=self.p2p_blocking,
-                         grad_accumulation_bytes=self.grad_accumulation_bytes)
+                         grad_accumulation_bytes=self.grad_accumulation_bytes,
+                         norm_kernel=self.norm_kernel)
 
 
 #: What ``pipeoffload train`` and current Megatron do (Framework's defaults).
@@ -112,6 +116,14 @@ class MemoryConfig:
     context (~0.5 GiB), NCCL communicators and buffers (~1 GiB), cuBLAS / flash-attention
     workspaces and the backward's temporary buffers, and caching-allocator fragmentation
     (together ~2.5 GiB on large models). 4 GiB; raise it for safety, lower it to squeeze.
+    Of the NCCL part, the pipeline's channel communicators (runtime/groups.py) hold, per
+    connection a rank receives on and per P2P channel, NCCL's LL, LL128 and SIMPLE buffers:
+    512 KiB + 4.69 MiB + 4 MiB = 9.19 MiB by default (NVIDIA/nccl src/init.cc
+    ``computeBuffSizes``, src/transport/p2p.cc), times ``p2pnChannelsPerPeer`` (set from the
+    topology, e.g. 2), for at most four receiving connections: ~74 MiB per rank at 2 channels
+    per peer. The headroom that keeps the allocator off its out-of-memory path (whose cudaFree
+    synchronises the device and can deadlock NCCL) is in the reserve too (docs/runtime.md,
+    GPU rules).
     ``optimizer``: bytes per parameter of mixed-precision Adam; ``sharded=True`` is ZeRO-1.
     """
 

@@ -313,7 +313,7 @@ _TB = 1e12
 #   H100 cluster).
 # - GEMM ridge: datasheet dense bf16 over HBM bandwidth (A100 80GB 312 TFLOP/s / 2.039 TB/s,
 #   H100 SXM 989 / 3.35, H200 989 / 4.8), NVIDIA's ops:byte ratio.
-HBM_EFFICIENCY = 0.72
+HBM_EFFICIENCY = 0.70
 A100_HBM_BYTES_PER_S = 2.039 * _TB
 _PRESETS: dict[str, Hardware] = {
     "a100-80gb": _preset(

@@ -56,7 +56,9 @@ from pipeoffload.planner.comm_bytes import ring_collective_bytes
 from pipeoffload.planner.gemm import Gemm, head_gemm, layer_gemms
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.layer_work import (
+    NormKernel,
     PassWork,
+    as_norm_kernel,
     embedding_memory_work,
     head_memory_work,
     layer_memory_work,
@@ -94,6 +96,7 @@ class RunConfig:
     gradients (read the new one, read and write the sum: 2 + 2 + 2; Megatron 2021's
     main_grad.add_, PyTorch's .grad accumulation) and for Megatron's gradient-accumulation
     fusion (the GEMM reads and writes an fp32 sum instead of writing 16 bits: 4 + 4 - 2).
+    ``norm_kernel``: which LayerNorm kernels run (layer_work.py, Note [norm kernels]).
     """
 
     micro_batch: int = 1
@@ -105,9 +108,11 @@ class RunConfig:
     w_deferred: bool = False
     p2p_blocking: bool = False
     grad_accumulation_bytes: float = 6.0
+    norm_kernel: NormKernel = NormKernel.PERSISTENT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", as_recompute(self.recompute))
+        object.__setattr__(self, "norm_kernel", as_norm_kernel(self.norm_kernel))
         object.__setattr__(self, "flop_count", as_flop_count(self.flop_count))
         for field in ("micro_batch", "tp"):
             value = getattr(self, field)
@@ -222,7 +227,7 @@ def layer_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSe
     hardware = run.flop_count is FlopCount.HARDWARE
     recompute = run.recompute if hardware else Recompute.NONE
     memory = _memory(hw, layer_memory_work(spec, b, tp, sequence_parallel=run.sequence_parallel,
-                                           recompute=recompute))
+                                           recompute=recompute, norm_kernel=run.norm_kernel))
     comm = _tp_seconds(spec, hw, run)
     seconds = compute + memory + comm
     if recompute is Recompute.FULL:
@@ -258,7 +263,7 @@ def head_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSec
     f, i, w = (hw.gemm_s(g) for g in (gemm, gemm.input_gradient(), gemm.weight_gradient()))
     launch = hw.kernel_launch_s if hw.hbm_bytes_per_s else 0.0
     work = head_memory_work(spec, run.micro_batch, run.tp,
-                            sequence_parallel=run.sequence_parallel)
+                            sequence_parallel=run.sequence_parallel, norm_kernel=run.norm_kernel)
     gather = one if run.sequence_parallel else 0.0
     if not run.tp_overlap:
         comm = PassSeconds(gather, 2 * one, 0.0)

@@ -18,7 +18,7 @@ e = the activation element size (2), masks 1 byte:
 
 | work | elements | forward | backward (I) |
 |---|---|---|---|
-| each of 2 norms | R | read + write: 2e | dx (read x, dy, write): 3e; gamma/beta: 2e |
+| each of 2 norms | R | read + write: 2e | read x and dy once, write dx: 3e (Note [norm kernels]) |
 | each of 2 residual joins, dropout | R | x, residual, out, mask: 3e + 1 | 2e + 1; join: 3e |
 | the same without dropout | R | 3e | join (sum the two gradients): 3e |
 | QKV bias add (biases) | Q | 2e | (its gradient is W work) |
@@ -34,12 +34,28 @@ M = b s f / t, S = b (a / t) s^2. W: bias gradients read their output gradient o
 2 R elements). Recompute adds to I what it re-runs: FULL the whole forward, SELECTIVE the
 softmax and attention dropout (unfused attention only), LGD the norms, the activation function
 and the dropouts.
+
+Note [norm kernels]: which LayerNorm kernels run is framework behaviour (``NormKernel``).
+Megatron-LM's default since October 2021 (commit a2fdcdf061, with PyTorch >= 1.11; the code of
+Korthikanti et al. 2022's Table 4, on which ``HBM_EFFICIENCY`` is fitted) is apex's persistent
+FastLayerNorm, whose backward reads x and dy once and writes dx (2 kernels: the second
+finalizes the gamma / beta gradients from per-block partial sums); forward 2e, backward 3e per
+element. Before it (the code of Narayanan et al. 2021) Megatron ran its mixed-precision copy of
+apex's FusedLayerNorm, whose backward reads x and dy twice (the gamma / beta partial sums, then
+dx: 3 kernels). apex PR #1037 (NVIDIA/apex, January 2021) timed both on an A100 for 32 x 512
+rows of 1024 fp16 elements: forward 0.0751 ms (FusedLayerNorm) against 0.0535 ms (persistent),
+backward 0.1762 ms against 0.0866 ms. ``NormKernel.APEX`` takes the persistent kernel's time
+scaled by those measured ratios, 1.40 and 2.03 [their hidden size 1024 carried to ours: an
+assumption; Megatron's copy differs from apex's in its types only, per Megatron's maintainer in
+bigscience-workshop/Megatron-DeepSpeed issue #136].
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
+from pipeoffload.errors import ConfigError
 from pipeoffload.planner.transformer import (
     LOSS_BYTES,
     MASK_BYTES,
@@ -57,6 +73,26 @@ from pipeoffload.planner.transformer import (
 LOSS_FORWARD_BYTES = 4 + 4 + 8 + 8 + 4 + 8
 LOSS_BACKWARD_BYTES = 8 + LOSS_BYTES
 LOSS_KERNELS = (6, 2)
+
+#: apex PR #1037's times of FusedLayerNorm over its persistent kernel (Note [norm kernels]).
+APEX_NORM_FORWARD_SCALE = 0.0751 / 0.0535
+APEX_NORM_BACKWARD_SCALE = 0.1762 / 0.0866
+
+
+class NormKernel(str, Enum):
+    """The LayerNorm kernels a framework runs (Note [norm kernels])."""
+
+    PERSISTENT = "persistent"  # apex FastLayerNorm: Megatron-LM from October 2021
+    APEX = "apex"  # apex FusedLayerNorm / Megatron's fused_mix_prec_layer_norm_cuda, 2021
+
+
+def as_norm_kernel(value: NormKernel | str) -> NormKernel:
+    """``value`` as a NormKernel, or ConfigError naming the choices."""
+    try:
+        return NormKernel(value.value if isinstance(value, NormKernel) else value)
+    except ValueError:
+        choices = ", ".join(kernel.value for kernel in NormKernel)
+        raise ConfigError(f"unknown norm kernel {value!r} (choose from {choices})") from None
 
 
 @dataclass(frozen=True)
@@ -103,8 +139,16 @@ def _elements(spec: TransformerSpec, micro_batch: int, tp: int,
     )
 
 
-def _norms(spec: TransformerSpec, n: _Elements) -> MemoryWork:
-    return MemoryWork(2 * 2 * spec.activation_bytes * n.residual, 2)
+def norm_work(spec: TransformerSpec, rows_elements: float,
+              kernel: NormKernel = NormKernel.PERSISTENT) -> PassWork:
+    """One LayerNorm over ``rows_elements`` elements: forward and backward (Note [norm
+    kernels]); bytes at the memory-bound rate, scaled for the older kernel by its measured
+    time."""
+    e = spec.activation_bytes
+    if as_norm_kernel(kernel) is NormKernel.APEX:
+        return PassWork(MemoryWork(APEX_NORM_FORWARD_SCALE * 2 * e * rows_elements, 1),
+                        MemoryWork(APEX_NORM_BACKWARD_SCALE * 3 * e * rows_elements, 3))
+    return PassWork(MemoryWork(2 * e * rows_elements, 1), MemoryWork(3 * e * rows_elements, 2))
 
 
 def _activation(spec: TransformerSpec, n: _Elements) -> MemoryWork:
@@ -130,14 +174,16 @@ def _softmax_and_dropout(spec: TransformerSpec, n: _Elements) -> MemoryWork:
 
 def layer_memory_work(spec: TransformerSpec, micro_batch: int, tp: int, *,
                       sequence_parallel: bool = True,
-                      recompute: Recompute | str = Recompute.NONE) -> PassWork:
+                      recompute: Recompute | str = Recompute.NONE,
+                      norm_kernel: NormKernel | str = NormKernel.PERSISTENT) -> PassWork:
     """Memory-bound work of one layer for ``micro_batch`` sequences on one of ``tp`` GPUs
     (Note [memory-bound work])."""
     check_run(micro_batch, tp)
     recompute = as_recompute(recompute)
     e = spec.activation_bytes
     n = _elements(spec, micro_batch, tp, sequence_parallel)
-    norms, activation = _norms(spec, n), _activation(spec, n)
+    norm = norm_work(spec, n.residual, norm_kernel)
+    norms, activation = norm.f + norm.f, _activation(spec, n)
     residuals, attention = _residuals(spec, n), _softmax_and_dropout(spec, n)
     forward = norms + activation + residuals + attention
     if spec.bias:
@@ -145,7 +191,7 @@ def layer_memory_work(spec: TransformerSpec, micro_batch: int, tp: int, *,
     if n.scores:
         forward += MemoryWork(2 * e * n.context, 1)  # context permute
     mlp_backward = (5 if spec.mlp is MlpKind.SWIGLU else 3) * e * n.mlp
-    backward = MemoryWork(2 * 5 * e * n.residual, 4) + MemoryWork(mlp_backward, 1)
+    backward = norm.i + norm.i + MemoryWork(mlp_backward, 1)
     backward += MemoryWork(2 * 3 * e * n.residual, 2)  # the two residual joins
     if spec.dropout:
         backward += MemoryWork(2 * (2 * e + MASK_BYTES) * n.residual, 2)
@@ -169,15 +215,17 @@ def layer_memory_work(spec: TransformerSpec, micro_batch: int, tp: int, *,
 
 
 def head_memory_work(spec: TransformerSpec, micro_batch: int, tp: int, *,
-                     sequence_parallel: bool = True) -> PassWork:
+                     sequence_parallel: bool = True,
+                     norm_kernel: NormKernel | str = NormKernel.PERSISTENT) -> PassWork:
     """The final norm and the vocabulary-parallel cross entropy over b s V / t logits."""
     check_run(micro_batch, tp)
     e, tokens = spec.activation_bytes, micro_batch * spec.seq_len
     residual = tokens * spec.hidden / (tp if sequence_parallel else 1)
     logits = tokens * spec.vocab / tp
+    norm = norm_work(spec, residual, norm_kernel)
     return PassWork(
-        MemoryWork(2 * e * residual + (LOSS_FORWARD_BYTES + e) * logits, 1 + LOSS_KERNELS[0]),
-        MemoryWork(5 * e * residual + LOSS_BACKWARD_BYTES * logits, 2 + LOSS_KERNELS[1]),
+        norm.f + MemoryWork((LOSS_FORWARD_BYTES + e) * logits, LOSS_KERNELS[0]),
+        norm.i + MemoryWork(LOSS_BACKWARD_BYTES * logits, LOSS_KERNELS[1]),
     )
 
 

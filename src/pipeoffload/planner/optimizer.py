@@ -8,7 +8,8 @@ or, where the framework reduces gradients while the last backward runs (PyTorch 
 Megatron's overlapped gradient reduction; ``OptimizerSpec.overlap_grad_reduce``), only what sticks
 out of that backward is. The optimizer step is memory-bound (a few bytes read and written per
 parameter, no matmul): ``optimizer_step_bytes`` lists them for Megatron's mixed-precision
-optimizer with apex's fused multi-tensor Adam.
+optimizer with apex's fused multi-tensor Adam, plus the copies the DP implementation makes
+around its exchange (``DP_COPY_BYTES``; timed with the step, as they run on the same GPU).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class OptimizerSpec:
     ``sharded``: ZeRO-1 / Megatron's distributed optimizer splits master weights and moments
     over the data-parallel group. ``overlap_grad_reduce``: DP reduces gradients while the last
     microbatch's backward runs (Note [step outside the pipeline]); False: after the pipeline
-    drains, as ``pipeoffload train`` does.
+    drains, as ``pipeoffload train`` does. ``dp_copy_bytes``: device-memory bytes per parameter
+    per step that the data-parallel implementation moves around its exchange (``DP_COPY_BYTES``).
     """
 
     grad_bytes: int = 4
@@ -40,6 +42,12 @@ class OptimizerSpec:
     state_bytes: int = 8
     sharded: bool = False
     overlap_grad_reduce: bool = False
+    dp_copy_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        value = self.dp_copy_bytes
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ConfigError(f"OptimizerSpec.dp_copy_bytes must be >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,19 @@ def dp_bytes_per_s(hw: Hardware, *, cross_node: bool, gpus_per_node: int = 1) ->
 #: Zeroing the gradient buffer writes it once (``grad_bytes``).
 UNSCALE_BYTES, NORM_BYTES, ADAM_BYTES, COPY_BACK_BYTES, TO_FP32_BYTES = 8, 4, 28, 6, 6
 
+#: Bytes per parameter per step the data-parallel implementations copy around the exchange
+#: (``OptimizerSpec.dp_copy_bytes``), from their code:
+#: - PyTorch DDP without ``gradient_as_bucket_view`` (its default): each 16-bit gradient is
+#:   copied into its bucket (dividing by the group size as it copies) and back out after the
+#:   all-reduce, 2 x (2 + 2) (PyTorch's DistributedDataParallel documentation: bucket views
+#:   avoid "the overhead of copying between gradients and allreduce communication buckets");
+#: - Megatron-LM 2021's local DDP without contiguous buffers (``allreduce_gradients``):
+#:   flatten the 16-bit gradients, divide in place, copy each back, 3 x (2 + 2);
+#: - Megatron-LM 2022's local DDP with contiguous fp32 buffers: divide the buffer in place,
+#:   4 + 4, also at data parallelism 1 (``train_step`` calls it whatever the group's size).
+DP_COPY_BYTES = {"torch-ddp-fp16": 8.0, "megatron-local-2021": 12.0,
+                 "megatron-local-2022": 8.0}
+
 
 def optimizer_step_bytes(params: float, optimizer: OptimizerSpec, *, dp: int = 1) -> float:
     """Device-memory bytes the optimizer step of one GPU holding ``params`` parameters moves
@@ -136,7 +157,7 @@ def optimizer_step_bytes(params: float, optimizer: OptimizerSpec, *, dp: int = 1
     updated = params / (dp if optimizer.sharded else 1)
     to_fp32 = TO_FP32_BYTES if optimizer.grad_bytes < 4 else 0
     per_update = to_fp32 + UNSCALE_BYTES + NORM_BYTES + ADAM_BYTES + COPY_BACK_BYTES
-    return updated * per_update + params * optimizer.grad_bytes
+    return updated * per_update + params * (optimizer.grad_bytes + optimizer.dp_copy_bytes)
 
 
 def optimizer_step_s(params: float, optimizer: OptimizerSpec, hw: Hardware, *,

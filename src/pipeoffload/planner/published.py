@@ -25,7 +25,8 @@ from pipeoffload.planner.costing import Framework, MemoryConfig
 from pipeoffload.planner.evaluate import Candidate, Evaluator, Plan
 from pipeoffload.planner.hardware import A100_HBM_BYTES_PER_S, Hardware, hardware_preset
 from pipeoffload.planner.layer_time import RunConfig, layer_seconds
-from pipeoffload.planner.optimizer import OptimizerSpec
+from pipeoffload.planner.layer_work import NormKernel
+from pipeoffload.planner.optimizer import DP_COPY_BYTES, OptimizerSpec
 from pipeoffload.planner.transformer import MlpKind, Recompute, TransformerSpec
 
 #: Megatron's GPT runs use GPT-2's BPE padded to 51200 at TP8 (Megatron-LM's README of these
@@ -112,10 +113,13 @@ def predict(run: PublishedRun, hw: Hardware | None = None,
 # examples/sc21/run_table_1.sh (DDP=torch up to 18B: PyTorch DDP overlaps the gradient
 # all-reduce with the backward; DDP=local beyond: after the pipeline), --fp16, full recompute
 # (--checkpoint-activations), no sequence parallelism (2022), blocking TP all-reduces in the
-# backward and blocking pipeline transfers.
-_NARAYANAN_FRAMEWORK = Framework(sequence_parallel=False, tp_overlap=False, p2p_blocking=True)
-_TORCH_DDP = OptimizerSpec(grad_bytes=2, overlap_grad_reduce=True)
-_LOCAL_DDP = OptimizerSpec(grad_bytes=2)
+# backward and blocking pipeline transfers, Megatron's copy of apex's FusedLayerNorm (the
+# persistent kernel came in October 2021; layer_work.py, Note [norm kernels]).
+_NARAYANAN_FRAMEWORK = Framework(sequence_parallel=False, tp_overlap=False, p2p_blocking=True,
+                                 norm_kernel=NormKernel.APEX)
+_TORCH_DDP = OptimizerSpec(grad_bytes=2, overlap_grad_reduce=True,
+                           dp_copy_bytes=DP_COPY_BYTES["torch-ddp-fp16"])
+_LOCAL_DDP = OptimizerSpec(grad_bytes=2, dp_copy_bytes=DP_COPY_BYTES["megatron-local-2021"])
 
 
 def _narayanan(row: str, layers: int, hidden: int, heads: int, tp: int, pp: int, dp: int,
@@ -153,7 +157,8 @@ NARAYANAN_2021: tuple[PublishedRun, ...] = (
 # sequence parallelism; the baseline = full recompute without it. Megatron-LM 2022: --fp16,
 # asynchronous TP communication, blocking pipeline transfers, gradient-accumulation fusion
 # into fp32 main grads, the gradient all-reduce after the pipeline.
-_KORTHIKANTI_OPTIMIZER = OptimizerSpec(grad_bytes=4)
+_KORTHIKANTI_OPTIMIZER = OptimizerSpec(grad_bytes=4,
+                                       dp_copy_bytes=DP_COPY_BYTES["megatron-local-2022"])
 
 
 def _korthikanti(row: str, layers: int, hidden: int, heads: int, pp: int, dp: int,

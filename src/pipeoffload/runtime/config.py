@@ -24,12 +24,19 @@ class OffloadConfig:
       memory is released in stream order (offloader.py Note: [release order]). None: released
       only once a poll between actions sees the copy done, which can be late when the host runs
       ahead of the GPU. Copies on CPU are synchronous and never wait.
+    - ``pending_copy_activations``: with ``max_pending_copy_bytes`` None and asynchronous copies
+      (CUDA), the cap is this many times the largest (stage, microbatch) activation seen so far:
+      memory is released in stream order by default, so that a host far ahead of the GPU cannot
+      keep offloaded activations on the device past the plan (one activation still copying, as
+      the simulator's streaming copy allows). None: release only when a poll sees the copy done
+      (host time). A reasoned default: no GPU has measured what it costs in step time yet.
     """
 
     min_offload_elements: int = 1024
     pin_memory: bool = True
     stream: bool = True
     max_pending_copy_bytes: int | None = None
+    pending_copy_activations: float | None = 1.0
 
     def __post_init__(self) -> None:
         if self.min_offload_elements < 0:
@@ -39,6 +46,9 @@ class OffloadConfig:
         if self.max_pending_copy_bytes is not None and self.max_pending_copy_bytes < 0:
             raise ConfigError("OffloadConfig.max_pending_copy_bytes must be >= 0 or None, got "
                               f"{self.max_pending_copy_bytes}")
+        if self.pending_copy_activations is not None and not self.pending_copy_activations >= 0:
+            raise ConfigError("OffloadConfig.pending_copy_activations must be >= 0 or None, got "
+                              f"{self.pending_copy_activations}")
 
 
 @dataclass(frozen=True)

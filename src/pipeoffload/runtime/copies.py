@@ -10,6 +10,7 @@ CUDA streams would give.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -79,6 +80,27 @@ class CudaCopies:
         copied.record(self.d2h)
         return copied
 
+    def copy_in(self, hosts: Sequence[torch.Tensor],
+                after: object | None = None) -> tuple[list[torch.Tensor], object]:
+        """Device copies of host byte buffers (RELOAD, FETCH) and the event of their completion,
+        which the compute stream must wait for before using them. They are allocated on the
+        compute stream, which uses and frees them, so no ``record_stream`` ties their reuse to
+        the host; the copy stream first waits for the compute stream's queued work (it may still
+        use the blocks' previous tenants) and for ``after`` (the buffers' copy out)."""
+        compute = torch.cuda.current_stream(self._device)
+        targets = [torch.empty(h.numel(), dtype=torch.uint8, device=self._device) for h in hosts]
+        allowed = torch.cuda.Event()
+        allowed.record(compute)
+        self.h2d.wait_event(allowed)
+        if after is not None:
+            self.h2d.wait_event(after)  # type: ignore[arg-type]
+        with torch.cuda.stream(self.h2d):
+            for target, host in zip(targets, hosts):
+                target.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.h2d)
+        return targets, done
+
     def done(self, event: object) -> bool:
         return event.query()  # type: ignore[attr-defined]
 
@@ -95,14 +117,18 @@ class CopyQueue:
     Items are the offloader's storages (``nbytes``, ``pending``); ``release(item)`` drops an
     item's device memory. Copies complete in the order they were queued (one copy stream), so
     ``poll`` pops completed ones from the head, and waiting for one copy covers all before it.
-    ``cap_bytes``: beyond it, ``add`` releases the oldest copies in stream order.
+    ``cap_bytes``: beyond it, ``add`` releases the oldest copies in stream order (settable:
+    the offloader's default cap follows the largest activation seen).
     """
 
     def __init__(self, engine: CopyEngine, cap_bytes: int | None,
                  release: Callable[[Any], None]) -> None:
         self._engine = engine
-        self._cap = cap_bytes
-        self._release = release
+        self.cap_bytes = cap_bytes
+        # Weak when a bound method: the offloader owns this queue, and a strong reference back
+        # would make the pair a cycle that outlives a dropped Pipeline until a full GC.
+        self._release = (weakref.WeakMethod(release) if hasattr(release, "__self__")
+                         else lambda: release)
         self._queue: deque[tuple[object, list[Any]]] = deque()
         self.waiting_bytes = 0
         self.max_waiting_bytes = 0  # the most seen after the cap applied
@@ -112,11 +138,11 @@ class CopyQueue:
             item.pending = True
             self.waiting_bytes += item.nbytes
         self._queue.append((event, items))
-        if self._cap is not None and self.waiting_bytes > self._cap:
+        if self.cap_bytes is not None and self.waiting_bytes > self.cap_bytes:
             self.poll()
             count, waiting = 0, self.waiting_bytes
             for _, queued in self._queue:
-                if waiting <= self._cap:
+                if waiting <= self.cap_bytes:
                     break
                 count += 1
                 waiting -= sum(i.nbytes for i in queued if i.pending)
@@ -162,4 +188,4 @@ class CopyQueue:
     def _done(self, items: list[Any]) -> None:
         for item in items:
             if item.pending:  # else it stopped waiting meanwhile (reloaded or discarded)
-                self._release(item)
+                self._release()(item)  # type: ignore[misc]

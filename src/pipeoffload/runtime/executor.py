@@ -7,7 +7,6 @@ tensors, tensors waiting to be sent, losses).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 
@@ -32,6 +31,16 @@ class StepData:
     inputs: list[TensorTuple | None]
     targets: list[TensorTuple | None]
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+# Handlers by kind, as method names: a table of bound methods would make each executor a
+# reference cycle, which keeps a dropped Pipeline (and its host buffers) until a full GC.
+_HANDLERS: dict[Kind, str] = {
+    Kind.F: "_forward", Kind.I: "_backward", Kind.B: "_backward", Kind.W: "_weight",
+    Kind.SEND_F: "_send", Kind.SEND_B: "_send", Kind.RECV_F: "_recv", Kind.RECV_B: "_recv",
+    Kind.OFFLOAD: "_offload", Kind.RELOAD: "_reload", Kind.FETCH: "_fetch",
+    Kind.OFFLOAD_WAIT: "_offload_wait", Kind.RECOMPUTE: "_recompute",
+}
 
 
 class RankExecutor:
@@ -69,21 +78,6 @@ class RankExecutor:
         self._early = (early_receives(list(schedule.ranks[rank]), recv_lookahead)
                        if recv_lookahead else {})
         self._posted_early = frozenset(r for recvs in self._early.values() for r in recvs)
-        self._handlers: dict[Kind, Callable[[Action, StepData], None]] = {
-            Kind.F: self._forward,
-            Kind.I: self._backward,
-            Kind.B: self._backward,
-            Kind.W: self._weight,
-            Kind.SEND_F: self._send,
-            Kind.SEND_B: self._send,
-            Kind.RECV_F: self._recv,
-            Kind.RECV_B: self._recv,
-            Kind.OFFLOAD: self._offload,
-            Kind.RELOAD: self._reload,
-            Kind.FETCH: self._fetch,
-            Kind.OFFLOAD_WAIT: self._offload_wait,
-            Kind.RECOMPUTE: self._recompute,
-        }
         self._reset()
 
     def _reset(self) -> None:
@@ -101,7 +95,7 @@ class RankExecutor:
             if early is not None:
                 for recv in early:
                     self._post_recv(recv)
-            self._handlers[action.kind](action, step)
+            getattr(self, _HANDLERS[action.kind])(action, step)
         except PipelineRuntimeError:
             raise
         except Exception as error:

@@ -119,6 +119,26 @@ def channel_of(schedule: Schedule, message: tuple[str, int, int]) -> Channel:
     return channel_between(message[0], *sender_and_receiver(schedule, message))
 
 
+_CHANNEL_ORDER = {channel: index for index, channel in enumerate(Channel)}
+
+
+def peer_connections(schedule: Schedule
+                     ) -> list[tuple[Channel, int, int, tuple[str, int, int]]]:
+    """Every (channel, sender, receiver) that carries a message of ``schedule`` (lowered with
+    ``with_comms``), with its first message, in one fixed order (channel, then sender, then
+    receiver) that every rank computes alike: the order in which ``Pipeline.connect_peers`` sets
+    up NCCL's connections before the first step (rendezvous.py Note: [rendezvous model])."""
+    first: dict[tuple[Channel, int, int], tuple[str, int, int]] = {}
+    for _, _, action in schedule.actions:
+        if action.kind in (Kind.SEND_F, Kind.SEND_B):
+            message = message_of(action)
+            sender, receiver = sender_and_receiver(schedule, message)
+            key = (channel_between(message[0], sender, receiver), sender, receiver)
+            first.setdefault(key, message)
+    ordered = sorted(first, key=lambda k: (_CHANNEL_ORDER[k[0]], k[1], k[2]))
+    return [(*key, first[key]) for key in ordered]
+
+
 def two_groups(schedule: Schedule, message: tuple[str, int, int]) -> Hashable:
     """The older layout, one communicator per direction F / B (deadlocks on NCCL for V-shaped
     schedules; kept to show that and for callers that pass only ``backward_group``)."""

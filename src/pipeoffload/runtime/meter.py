@@ -151,7 +151,11 @@ class ActivationMeter:
 
     @contextmanager
     def scope(self, owner: Hashable, key: Hashable) -> Iterator[None]:
-        """Attribute storages saved inside this block to ``key`` (e.g. (stage, mb))."""
+        """Attribute storages saved inside this block to ``key`` (e.g. (stage, mb)). Entering
+        ``key`` again (the next step's forward, or a RECOMPUTE) starts its size afresh: a
+        scope's size is one forward's activation, not a sum over steps."""
+        self._scope_bytes.pop(key, None)
+        self._scope_storages.pop(key, None)
         previous, self._scope = self._scope, (owner, key)
         try:
             yield
@@ -196,7 +200,8 @@ class ActivationMeter:
 
     @property
     def scope_bytes(self) -> dict[Hashable, int]:
-        """Bytes of the distinct storages saved inside each scope since the last reset."""
+        """Bytes of the distinct storages saved inside each scope's last forward (since the
+        last reset)."""
         return dict(self._scope_bytes)
 
     def stage_activation_bytes(self, num_stages: int) -> tuple[int, ...]:

@@ -58,7 +58,8 @@ import torch
 from pipeoffload.errors import PipelineRuntimeError
 from pipeoffload.runtime.config import OffloadConfig
 from pipeoffload.runtime.copies import CopyEngine, CopyQueue, CudaCopies, HostCopies
-from pipeoffload.runtime.meter import ActivationMeter, ResidentToken, is_plain, storage_key
+from pipeoffload.runtime.keep import KeepRule
+from pipeoffload.runtime.meter import ActivationMeter, ResidentToken, storage_key
 from pipeoffload.runtime.pool import HostBufferPool
 from pipeoffload.runtime.shards import (
     SavedShard,
@@ -109,15 +110,6 @@ class _Saved:
     offset: int
 
 
-_VIEW_NODES = frozenset({"TBackward0", "ViewBackward0", "TransposeBackward0",
-                         "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0"})
-
-
-def _only_next(node: object) -> object | None:
-    nexts = [n for n, _ in node.next_functions if n is not None]  # type: ignore[attr-defined]
-    return nexts[0] if len(nexts) == 1 else None
-
-
 class ActivationOffloader:
     """Offloads the saved activations of scopes (keys such as (stage, microbatch))."""
 
@@ -128,9 +120,12 @@ class ActivationOffloader:
         parameters: list[torch.Tensor],
         meter: ActivationMeter | None = None,
         copies: CopyEngine | None = None,
+        pool: HostBufferPool | None = None,
     ) -> None:
         """``copies``: how copies to host run (default: CUDA side streams on a CUDA device,
-        plain copies elsewhere; tests give engines whose copies finish late)."""
+        plain copies elsewhere; tests give engines whose copies finish late). ``pool``: the host
+        buffers (default: pinned on CUDA; Pipeline makes a strict one on NCCL, runtime/pool.py
+        Note: [host pool])."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device.type == "cuda" and not config.pin_memory:
@@ -140,25 +135,43 @@ class ActivationOffloader:
         self._device = device
         self._config = config
         self._meter = meter
-        self._params = {storage_key(p) for p in local_shards(parameters)
-                        if p.untyped_storage().nbytes()}
+        self._keep = KeepRule(device, parameters, config.min_offload_elements)
         self._kept: dict[str, int] = {}
-        self._param_ids = {id(p) for p in parameters}
         self._scopes: dict[Hashable, _Scope] = {}
         self._cuda = device.type == "cuda"
-        self._pool = HostBufferPool(pin_memory=self._cuda and config.pin_memory)
+        self._pool = pool or HostBufferPool(pin_memory=self._cuda and config.pin_memory)
         self._fetched_bytes = 0
+        self._kept_stale = False  # kept_bytes describe the last step: cleared as the next begins
         if copies is None:
             copies = CudaCopies(device) if self._cuda else HostCopies()
         self._copies = copies
         self._waiting = CopyQueue(copies, config.max_pending_copy_bytes, self._release_device)
-        if isinstance(copies, CudaCopies):
-            self._d2h, self._h2d = copies.d2h, copies.h2d
+        # Note: [release order], default cap: asynchronous copies without an explicit cap wait
+        # for at most this many times the largest activation seen before stream-order release.
+        self._auto_cap = (config.pending_copy_activations
+                          if config.max_pending_copy_bytes is None and not copies.synchronous
+                          else None)
+        self._largest_scope = 0
+        self._cuda_copies = copies if isinstance(copies, CudaCopies) else None  # copy_in
 
     @property
     def host_pool_bytes(self) -> int:
-        """Bytes of host buffers allocated so far (they are reused, not freed)."""
+        """Bytes of host memory the pool holds now (pinned bytes on CUDA; runtime/pool.py Note:
+        [host pool])."""
         return self._pool.allocated_bytes
+
+    @property
+    def host_pool_need_bytes(self) -> int:
+        """The most host bytes the last finished step had in use at once."""
+        return self._pool.last_step_need
+
+    @property
+    def host_pool(self) -> HostBufferPool:
+        return self._pool
+
+    def reserve_host(self, nbytes: int) -> None:
+        """Allocate ``nbytes`` of host buffers now, before the first step (Note: [host pool])."""
+        self._pool.reserve(nbytes)
 
     @property
     def fetched_bytes(self) -> int:
@@ -196,6 +209,8 @@ class ActivationOffloader:
         its copy to host starts right away (see Note: [streaming offload]). Saved tensors sharing
         a storage with one of ``keep`` stay on the device, like parameters: buffers that live on
         anyway (torch.distributed.pipelining's receive buffers), whose copy would free nothing."""
+        if self._kept_stale:
+            self._kept, self._kept_stale = {}, False
         if key in self._scopes:
             raise PipelineRuntimeError(f"offload scope {key} is already open; each (stage, "
                                        "microbatch) runs its forward once per step")
@@ -225,7 +240,7 @@ class ActivationOffloader:
             return SavedShard(self._pack(scope, shard), ShardLayout.of(tensor))
         if is_pending_collective(tensor):
             return self._pack(scope, local_shards([tensor])[0])
-        reason = self._keep_reason(scope, tensor)
+        reason = self._keep.reason(tensor, scope.keep)
         if reason is not None:
             [local] = local_shards([tensor])
             self._kept[reason] = self._kept.get(reason, 0) + local.numel() * local.element_size()
@@ -246,6 +261,7 @@ class ActivationOffloader:
             alias = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(raw)
             storage = _Storage(raw.nbytes(), tensor.device, alias, weakref.ref(raw))
             scope.storages[key] = storage
+            self._note_scope_size(scope)
             if scope.stream:
                 self._stream_out(scope, storage)
             elif self._meter is not None:
@@ -253,23 +269,14 @@ class ActivationOffloader:
         return _Saved(scope, storage, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                       tensor.storage_offset())
 
-    def _keep_reason(self, scope: _Scope, tensor: torch.Tensor) -> str | None:
-        """Why a saved tensor stays on the device (Note: [kept on device]), None to move it."""
-        if (isinstance(tensor, torch.nn.Parameter)
-                # a view of a parameter made in the step (FSDP's unsharded parameters)
-                or isinstance(tensor._base, torch.nn.Parameter)
-                or (is_plain(tensor) and storage_key(tensor) in self._params)
-                or self._derived_from_parameter(tensor)):
-            return "parameter"
-        if not is_plain(tensor):
-            return "not dense"
-        if storage_key(tensor) in scope.keep:
-            return "kept by the caller"
-        if tensor.device.type != self._device.type or tensor.device.index != self._device.index:
-            return "other device"
-        if tensor.numel() <= self._config.min_offload_elements:
-            return "small"
-        return None
+    def _note_scope_size(self, scope: _Scope) -> None:
+        """Track the largest activation, which sets the default cap (Note: [release order])."""
+        if self._auto_cap is None:
+            return
+        size = sum(s.nbytes for s in scope.storages.values())
+        if size > self._largest_scope:
+            self._largest_scope = size
+            self._waiting.cap_bytes = int(self._auto_cap * size)
 
     def _unpack(self, packed: object) -> torch.Tensor:
         if isinstance(packed, SavedShard):
@@ -299,20 +306,12 @@ class ActivationOffloader:
             return alive
         host = storage.host
         assert host is not None
-        if not self._cuda:
+        if self._cuda_copies is None:
             target = host.clone()
         else:
-            compute = torch.cuda.current_stream(self._device)
-            with torch.cuda.stream(self._h2d):
-                if storage.copied is not None:
-                    self._h2d.wait_event(storage.copied)  # type: ignore[arg-type]
-                target = torch.empty(storage.nbytes, dtype=torch.uint8, device=self._device)
-                target.copy_(host, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._h2d)
-            compute.wait_event(done)
-            # Freed when autograd drops it, so the allocator must wait for the compute stream.
-            target.record_stream(compute)
+            # On the stream autograd runs the node on (compute), as RELOAD's (copies.py).
+            [target], done = self._cuda_copies.copy_in([host], storage.copied)
+            self._cuda_copies.compute_wait(done)
             storage.read = done
         self._fetched_bytes += storage.nbytes
         raw = target.untyped_storage()
@@ -331,18 +330,6 @@ class ActivationOffloader:
         if self._meter is not None:
             storage.token = self._meter.track(storage.on_device, scope.owner)  # type: ignore[arg-type]
         self._copy_out([storage])
-
-    def _derived_from_parameter(self, tensor: torch.Tensor) -> bool:
-        """A cast of a parameter, or a view of one (autocast's cached low-precision weight): it is
-        not an activation, and offloading it would copy the weight out and back per
-        microbatch. Only casts and views count: an embedding lookup is an activation."""
-        node = tensor.grad_fn
-        while node is not None and type(node).__name__ in _VIEW_NODES:
-            node = _only_next(node)
-        if node is None or type(node).__name__ != "ToCopyBackward0":
-            return False
-        source = _only_next(node)
-        return id(getattr(source, "variable", None)) in self._param_ids
 
     def _copy_out(self, storages: list[_Storage]) -> None:
         """Queue copies to host after the compute stream's work (Note: [release order])."""
@@ -381,7 +368,7 @@ class ActivationOffloader:
         if not scope.offloaded:
             raise PipelineRuntimeError(f"RELOAD of {key} without an OFFLOAD before it")
         scope.offloaded = False
-        if not self._cuda:
+        if self._cuda_copies is None:
             for storage in scope.storages.values():
                 if storage.on_device is None:
                     self._to_device(scope, storage, storage.host.clone())  # type: ignore[union-attr]
@@ -389,28 +376,23 @@ class ActivationOffloader:
                 self._pool.give_back(storage.host)  # type: ignore[arg-type]
                 storage.host = None
             return
-        compute = torch.cuda.current_stream(self._device)
-        allowed = torch.cuda.Event()
-        allowed.record(compute)
-        self._h2d.wait_event(allowed)
+        assert self._cuda_copies is not None
+        back = []
         for storage in scope.storages.values():
             if storage.on_device is not None:
                 # The D2H copy has not been seen to finish: the device bytes are still there.
                 self._waiting.stop_waiting(storage)
                 self._pool.give_back(storage.host, storage.copied)  # type: ignore[arg-type]
                 storage.host = None
-                continue
-            target = torch.empty(storage.nbytes, dtype=torch.uint8, device=self._device)
-            with torch.cuda.stream(self._h2d):
-                target.copy_(storage.host, non_blocking=True)  # type: ignore[arg-type]
-            target.record_stream(self._h2d)
+            else:
+                back.append(storage)
+        # The compute stream waits for ``done`` before the backward uses them (wait_reloaded,
+        # or discard if the backward never ran).
+        targets, done = self._cuda_copies.copy_in([s.host for s in back])  # type: ignore[misc]
+        for storage, target in zip(back, targets):
             self._to_device(scope, storage, target)
-        done = torch.cuda.Event()
-        done.record(self._h2d)
-        for storage in scope.storages.values():
-            if storage.host is not None:
-                self._pool.give_back(storage.host, done)
-                storage.host = None
+            self._pool.give_back(storage.host, done)  # type: ignore[arg-type]
+            storage.host = None
         scope.reload_event = done
 
     def fetch_on_use(self, key: Hashable) -> None:
@@ -438,12 +420,15 @@ class ActivationOffloader:
         if scope is None or scope.reload_event is None:
             return
         torch.cuda.current_stream(self._device).wait_event(scope.reload_event)  # type: ignore[arg-type]
+        scope.reload_event = None
 
     def discard(self, key: Hashable) -> None:
         """Forget ``key`` after its backward: its storages are no longer needed."""
         scope = self._scopes.pop(key, None)
         if scope is None:
             return
+        if scope.reload_event is not None:  # reloaded, never used: its copies may still write
+            self._copies.compute_wait(scope.reload_event)
         for storage in scope.storages.values():
             if storage.host is not None:
                 # A read waited for the copy out, so the last read is the buffer's last use.
@@ -468,16 +453,20 @@ class ActivationOffloader:
         events, so nothing here waits for them.
         """
         self._waiting.forget()
+        self._kept_stale = True
         if self._scopes:
             left = ", ".join(str(k) for k in self._scopes)
-            self._scopes.clear()
+            self.abandon()
             raise PipelineRuntimeError(f"activations of {left} were never freed by a backward")
+        self._pool.end_step()
 
     def abandon(self) -> None:
         """Forget a failed step's scopes; host buffers return to the pool when their copies end."""
         for key in list(self._scopes):
             self.discard(key)
         self._waiting.forget()
+        self._kept_stale = True
+        self._pool.end_step()
 
     def _release_device(self, storage: _Storage) -> None:
         """Drop the device reference: its bytes return to the allocator (Note: [release

@@ -12,7 +12,14 @@ Note: [NCCL posting] what makes the same code right on NCCL, where gloo forgives
   different communicators (unbatched and batched P2P do without ``device_id``).
 - Messages travel on four communicators, forward / backward x towards a higher / lower rank
   (lowering.py Note: [NCCL channels]); runtime/rendezvous.py checks that no schedule deadlocks.
-  ``new_channel_groups`` makes them; gloo gains from them too (see its docstring).
+  ``groups.channel_groups`` makes them; gloo gains from them too (``groups.new_channel_groups``).
+- Connections before the first step: NCCL sets up a (communicator, sender -> receiver) pair
+  in the host on its first post, a blocking meeting with the peer's first post on it
+  (rendezvous.py Note: [rendezvous model]); ``connect_peers`` sends one tiny message per
+  connection in one order on every rank, so that no step meets a set-up.
+- Nothing allocates pinned memory inside a step: the first step's metadata leaves from a
+  pinned staging area made by ``connect_peers`` (a pinned allocation synchronises the device,
+  which can deadlock NCCL mid-step; docs/runtime.md "GPU rules").
 - No host wait on NCCL: a receive is waited for with ``work.wait()``, which makes the compute
   stream wait; a timeout there would busy-wait the host. Hangs are bounded by the process
   group's own timeout (``init_process_group(timeout=)``, NCCL's watchdog). Only the first
@@ -20,7 +27,9 @@ Note: [NCCL posting] what makes the same code right on NCCL, where gloo forgives
   ``is_completed`` against ``timeout_s``. On gloo the host waits with ``timeout_s``.
 - A send's tensors are dropped as soon as its work is seen completed (checked whenever a
   message is posted), not at the end of the step; on NCCL the process group keeps them safe
-  from the allocator until the send has run, so the end of a step waits for nothing there.
+  from the allocator until the send has run (PyTorch >= 2.7 stashes the tensors of a work
+  until it is waited for or seen complete, instead of ``record_stream``: pytorch/pytorch#148590),
+  so the end of a step waits for nothing there.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import torch.distributed as dist
 
 from pipeoffload.core.actions import Action
 from pipeoffload.errors import PipelineRuntimeError
+from pipeoffload.runtime.groups import uses_nccl
 from pipeoffload.runtime.lowering import Channel, channel_between
 
 TensorTuple = tuple[torch.Tensor, ...]
@@ -44,21 +54,6 @@ Message = tuple[str, int, int]  # (direction "F" / "B", receiving stage, microba
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool)
 _META_LEN = 64
-
-
-def new_channel_groups(ranks: list[int], timeout: datetime.timedelta | None = None
-                       ) -> dict[Channel, dist.ProcessGroup]:
-    """One process group over ``ranks`` (global ranks, one pipeline) per ``Channel``, for
-    ``Pipeline(channel_groups=)``. Collective: every process of the default group calls it
-    with the same arguments, in the same order as its other ``new_group`` calls.
-
-    NCCL needs them (Note: [NCCL posting]). On gloo each group is its own set of sockets, so a
-    pair of ranks no longer pushes both directions' messages and receive notices through one
-    socket: a send does not queue behind the other direction's traffic. Measured on 2 CPU
-    ranks, together with receives posted 8 ahead (RuntimeConfig.recv_lookahead): interleaved
-    1F1B and ZB-V steps 10-14 % faster than on one group with receives 2 ahead
-    (benchmarks/vs_torch.py --transport-baseline, docs/benchmarks.md)."""
-    return {channel: dist.new_group(ranks, timeout=timeout) for channel in Channel}
 
 
 def meta_of(tensors: TensorTuple) -> Meta:
@@ -125,7 +120,8 @@ class DistTransport:
 
     ``channel_groups``: one process group over the same ranks per Channel (Note: [NCCL
     posting]); without it forward messages use ``group`` and gradients ``backward_group`` (or
-    ``group``). ``nccl``: whether the backend is NCCL (default: asked of ``group``).
+    ``group``). ``nccl``: whether NCCL carries this device's tensors (default: asked of
+    ``group``, groups.uses_nccl).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
@@ -139,7 +135,7 @@ class DistTransport:
         if channel_groups is not None:
             self._groups.update(channel_groups)
         self._rank = dist.get_rank(group)
-        self._nccl = dist.get_backend(group) == "nccl" if nccl is None else nccl
+        self._nccl = uses_nccl(group, device) if nccl is None else nccl
         self._device = device
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._stages = num_stages
@@ -147,6 +143,30 @@ class DistTransport:
         self._learnt: dict[tuple[str, int], Meta] = {}  # (direction, receiving stage) -> meta
         self._sends: list[_Sent] = []
         self._step = 0
+        self._staging: torch.Tensor | None = None  # pinned rows for the first step's metadata
+        self._staged = 0
+
+    def connect_peers(self, connections: list[tuple[Channel, int, int, object]],
+                      metadata_sends: int = 0) -> None:
+        """Before the first step: set up every connection of ``connections`` (sender and
+        receiver ranks of this group per channel, ``lowering.peer_connections``: the same list
+        in the same order on every rank) with a one-element message each, waiting for each on
+        the host with the timeout; and make the pinned staging rows of the first step's
+        ``metadata_sends`` shape messages (Note: [NCCL posting])."""
+        if self._device.type == "cuda" and metadata_sends:
+            self._staging = torch.empty((metadata_sends, _META_LEN), dtype=torch.int64,
+                                        pin_memory=True)
+        token = torch.zeros(1, dtype=torch.int64, device=self._device)
+        for channel, sender, receiver, _ in connections:
+            if self._rank not in (sender, receiver):
+                continue
+            send = self._rank == sender
+            peer = receiver if send else sender
+            what = f"connection setup ({channel.value}, rank {sender} -> rank {receiver})"
+            op = dist.P2POp(dist.isend if send else dist.irecv, token, self._global(peer),
+                            self._groups[channel], self._warm_tag(channel))
+            self._host_wait(self._post([op], what, peer, "the connection"), what, peer,
+                            "the connection")
 
     def begin_step(self) -> None:
         self._step += 1
@@ -162,6 +182,10 @@ class DistTransport:
 
     def _global(self, peer: int) -> int:
         return peer if self._group is None else dist.get_global_rank(self._group, peer)
+
+    def _warm_tag(self, channel: Channel) -> int:
+        """Tags above every message's and metadata's (``_tag``): gloo matches by tag."""
+        return 4 * self._stages * self._microbatches + list(Channel).index(channel)
 
     def _tag(self, message: Message, meta: bool = False) -> int:
         direction, stage, mb = message
@@ -244,10 +268,18 @@ class DistTransport:
                        if not all(w.is_completed() for w in s.works)]  # type: ignore[attr-defined]
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the device, without a pageable synchronous copy."""
+        """A small host tensor on the device, from a pinned staging row made before the first
+        step (no pinned allocation inside a step), without a pageable synchronous copy."""
         if self._device.type != "cuda":
             return host
-        return host.pin_memory().to(self._device, non_blocking=True)
+        if self._staging is None or self._staged >= len(self._staging):
+            raise PipelineRuntimeError(
+                f"rank {self._rank}: no pinned staging row left for shape metadata; "
+                "Pipeline.connect_peers makes one per forward message of the first step")
+        row = self._staging[self._staged]
+        self._staged += 1
+        row.copy_(host)
+        return row.to(self._device, non_blocking=True)
 
     def _op(self, send: bool, tensor: torch.Tensor, peer: int, message: Message,
             meta: bool = False) -> dist.P2POp:
@@ -256,7 +288,8 @@ class DistTransport:
         return dist.P2POp(dist.isend if send else dist.irecv, tensor, self._global(peer),
                           self._groups[channel], self._tag(message, meta))
 
-    def _post(self, ops: list[dist.P2POp], action: Action, peer: int, what: str) -> list[object]:
+    def _post(self, ops: list[dist.P2POp], action: Action | str, peer: int,
+              what: str) -> list[object]:
         if not ops:
             return []
         try:
@@ -264,14 +297,15 @@ class DistTransport:
         except Exception as error:
             raise self._failure(action, peer, what, repr(error)) from error
 
-    def _stream_wait(self, works: list[object], action: Action, peer: int) -> None:
+    def _stream_wait(self, works: list[object], action: Action | str, peer: int) -> None:
         for work in works:
             try:
                 work.wait()  # type: ignore[attr-defined]
             except Exception as error:
                 raise self._failure(action, peer, "tensors", repr(error)) from error
 
-    def _host_wait(self, works: list[object], action: Action, peer: int, what: str) -> None:
+    def _host_wait(self, works: list[object], action: Action | str, peer: int,
+                   what: str) -> None:
         """Block the host until ``works`` complete, at most ``timeout_s``."""
         if self._nccl:
             deadline = time.monotonic() + self._timeout.total_seconds()
@@ -289,7 +323,8 @@ class DistTransport:
             if completed is False:
                 raise self._failure(action, peer, what, "timed out")
 
-    def _failure(self, action: Action, peer: int, what: str, why: str) -> PipelineRuntimeError:
+    def _failure(self, action: Action | str, peer: int, what: str,
+                 why: str) -> PipelineRuntimeError:
         return PipelineRuntimeError(
             f"rank {self._rank}: {action} waited for {what} from/to rank {peer} and failed after "
             f"at most {self._timeout.total_seconds():g} s ({why}). The peer died, failed, or runs "

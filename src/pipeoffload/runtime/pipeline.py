@@ -3,7 +3,8 @@ or in one process (local mode)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,22 +16,27 @@ from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError
-from pipeoffload.runtime import rendezvous
 from pipeoffload.runtime.config import RuntimeConfig
 from pipeoffload.runtime.executor import RankExecutor, StepData
+from pipeoffload.runtime.groups import (
+    backend_for,
+    check_nccl_layout,
+    require_bound_device,
+    uses_nccl,
+)
 from pipeoffload.runtime.inputs import StageCall, check_form, positional, wrap_stages
 from pipeoffload.runtime.lowering import (
     Channel,
-    channel_of,
     forward_only,
     interleave,
-    order_conflicts,
+    peer_connections,
     with_comms,
 )
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.microbatch import as_tuple, check_same, signature, split
 from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.p2p import DistTransport, LocalTransport
+from pipeoffload.runtime.pool import HostBufferPool, plan_need
 from pipeoffload.runtime.stage import StageRunner
 from pipeoffload.runtime.tied import TiedGradients, TiedSpec, merge_ties
 
@@ -44,12 +50,14 @@ class PipelineStats:
     - ``peak_bytes``: per rank of this process, the peak resident activation bytes the meter saw
       since its last reset (empty without a meter).
     - ``stage_bytes``: per stage of this process, the largest activation one microbatch saved
-      (from the meter; empty without one).
-    - ``host_pool_bytes``: host buffers the offloader allocated (reused across steps).
+      in its last forward (from the meter, since its last reset; empty without one).
+    - ``host_pool_bytes``: host memory the offloader's pool holds now (pinned bytes on CUDA),
+      reused across steps and kept near what a step needs (runtime/pool.py Note: [host pool]).
+    - ``host_pool_need_bytes``: the most of it the last step had in use at once.
     - ``fetched_bytes``: bytes FETCH read back to the device so far.
     - ``tied``: ties whose gradients are summed across stages (Note: [tied parameters]).
-    - ``kept_bytes``: saved bytes the offloader left on the device, by reason (parameter,
-      small, ...; ``ActivationOffloader.kept_bytes``); empty when nothing is offloaded.
+    - ``kept_bytes``: saved bytes the offloader left on the device in the last step, by reason
+      (parameter, small, ...; ``ActivationOffloader.kept_bytes``); empty without offload.
     """
 
     peak_bytes: dict[int, int]
@@ -58,6 +66,7 @@ class PipelineStats:
     fetched_bytes: int
     tied: tuple[str, ...]
     kept_bytes: dict[str, int]
+    host_pool_need_bytes: int = 0
 
 
 class Pipeline:
@@ -84,7 +93,7 @@ class Pipeline:
       (V-shaped schedules interleave the two directions between a pair of ranks differently on
       the two sides). Gloo matches by tag and needs none.
     - ``channel_groups``: one process group over the same ranks per ``lowering.Channel``
-      (forward / backward x towards a higher / lower rank; ``p2p.new_channel_groups`` makes
+      (forward / backward x towards a higher / lower rank; ``groups.new_channel_groups`` makes
       them). NCCL needs them: with one F and one B communicator some schedules deadlock (Note:
       [NCCL channels]); on NCCL the constructor runs runtime/rendezvous.py's model over this
       rank's view of the schedule and refuses a layout that would deadlock or pair the wrong
@@ -96,6 +105,10 @@ class Pipeline:
       stages, whose gradients are summed (Note: [tied parameters], runtime/tied.py); a stage
       module's ``tied_parameters`` attribute in the same form counts too.
     - torch's UNSHARD / RESHARD / REDUCE_GRAD markers in the schedule are skipped (no FSDP here).
+    - Before the first step: ``connect_peers()`` sets up every P2P connection (the first
+      ``step`` calls it), and ``reserve_host_memory(stage_bytes)`` allocates the offloader's
+      host buffers from the plan (docs/runtime.md, "GPU rules": on NCCL neither may happen
+      inside a step).
     """
 
     def __init__(
@@ -134,8 +147,11 @@ class Pipeline:
         else:
             self.ranks = tuple(range(schedule.num_ranks))
         self._check_stages(stages)
-        nccl = self.distributed and dist.get_backend(group) == "nccl"
-        self.device = torch.device(device) if device is not None else _device_of(stages, nccl)
+        self.device = (torch.device(device) if device is not None else _device_of(
+            stages, self.distributed and backend_for(group, "cuda") == "nccl"))
+        nccl = self.distributed and uses_nccl(group, self.device)
+        if nccl:
+            require_bound_device()
         modules = wrap_stages(stages, stage_kwargs or {}, schedule.num_stages,
                               schedule.is_first_stage)
         self._runners = {
@@ -148,12 +164,17 @@ class Pipeline:
             meter.exclude(params)
         self._offloader = None
         if schedule.has_kind(Kind.OFFLOAD):
-            self._offloader = ActivationOffloader(self.device, self.config.offload, params, meter)
+            # On NCCL the pool warns when it must allocate inside a step (Note: [host pool]).
+            pool = HostBufferPool(self.device.type == "cuda" and self.config.offload.pin_memory,
+                                  strict=nccl)
+            self._offloader = ActivationOffloader(self.device, self.config.offload, params, meter,
+                                                  pool=pool)
         self._lowered = with_comms(schedule)
+        self._connected = not self.distributed
         self._nccl_groups = (group, backward_group, channel_groups) if nccl else None
         if self.distributed:
             if nccl:
-                self._check_nccl_layout(group, backward_group, channel_groups)
+                check_nccl_layout(self._lowered, group, backward_group, channel_groups)
             self._transport: LocalTransport | DistTransport = DistTransport(
                 group, self.device, self.config.p2p_timeout_s, schedule.num_stages,
                 schedule.microbatches, backward_group, channel_groups, nccl)
@@ -188,6 +209,36 @@ class Pipeline:
         """The activation offloader, when the schedule has OFFLOAD actions."""
         return self._offloader
 
+    def connect_peers(self) -> None:
+        """Set up every P2P connection of this rank before the first step, in one order on
+        every rank (p2p.py Note: [NCCL posting]); ``step`` calls it on its first run. Under
+        torch.distributed every rank of the pipeline must call it (or step) together."""
+        if self._connected:
+            return
+        assert isinstance(self._transport, DistTransport)
+        metadata = sum(1 for rank in self.ranks for a in self._lowered.ranks[rank]
+                       if a.kind is Kind.SEND_F)
+        self._transport.connect_peers(peer_connections(self._lowered), metadata)
+        self._connected = True
+
+    def reserve_host_memory(self, stage_bytes: Mapping[int, int]) -> int:
+        """Allocate the offloader's host buffers before the first step (pinned on CUDA), sized
+        by this plan: the most bytes its offloaded activations hold at once on this process's
+        ranks, given each stage's activation bytes of one microbatch (e.g. measured, or
+        ``ActivationMeter.stage_activation_bytes``). Returns that need in bytes (0 without
+        offload). On NCCL, pinned memory allocated inside a step can deadlock (docs/runtime.md,
+        GPU rules), so reserve before the first step there."""
+        if self._offloader is None:
+            return 0
+        missing = sorted({a.stage for _, a in self._order if a.kind is Kind.OFFLOAD}
+                         - set(stage_bytes))
+        if missing:
+            raise ConfigError(f"reserve_host_memory: no activation bytes for offloaded stages "
+                              f"{missing}; pass {{stage: bytes of one microbatch}} for each")
+        need = plan_need(self._order, stage_bytes)
+        self._offloader.reserve_host(need)
+        return need
+
     def _abandon_step(self) -> None:
         """Drop what a failed step left behind, so that a later step starts clean (in local mode;
         under torch.distributed the peers of a failed step are in an unknown state)."""
@@ -201,37 +252,6 @@ class Pipeline:
         if self._offloader is not None:
             self._offloader.abandon()
         self._tied.abandon()
-
-    def _check_nccl_layout(self, group: dist.ProcessGroup | None,
-                           backward_group: dist.ProcessGroup | None,
-                           channel_groups: Mapping[Channel, dist.ProcessGroup] | None,
-                           lowered: Schedule | None = None) -> None:
-        """Refuse communicators on which NCCL would pair the wrong messages or deadlock
-        (running ``lowered``, by default the step's schedule)."""
-        lowered = self._lowered if lowered is None else lowered
-        backward = group if backward_group is None else backward_group
-        groups = {c: backward if c.value.startswith("B") else group for c in Channel}
-        groups.update(channel_groups or {})
-        ids = {c: id(g) for c, g in groups.items()}
-
-        def lane(schedule: Schedule, message: tuple[str, int, int]) -> Hashable:
-            return ids[channel_of(schedule, message)]
-
-        fix = ("pass channel_groups={c: dist.new_group(<the same ranks>) for c in "
-               "pipeoffload.runtime.lowering.Channel} (pipeoffload.training.launch.connect does)")
-        problems = order_conflicts(lowered, lane=lane)
-        if problems:
-            raise ConfigError(
-                "NCCL matches messages between two ranks in the order they are posted, and this "
-                "schedule receives some in another order than it sends them: "
-                + "; ".join(problems[:3]) + f"; {fix}")
-        for first_step in (True, False):
-            outcome = rendezvous.simulate(lowered, lane, first_step=first_step)
-            if not outcome.ok:
-                raise ConfigError(
-                    "on these communicators NCCL would deadlock (runtime/rendezvous.py's model, "
-                    f"{'first' if first_step else 'later'} steps): "
-                    + "; ".join(outcome.deadlock[:4]) + f"; {fix}")
 
     def _check_stages(self, stages: Mapping[int, nn.Module]) -> None:
         expected = sorted(s for r in self.ranks for s in self.schedule.stages_on_rank(r))
@@ -265,7 +285,8 @@ class Pipeline:
                              offloader.host_pool_bytes if offloader is not None else 0,
                              offloader.fetched_bytes if offloader is not None else 0,
                              tuple(self._tied.names),
-                             offloader.kept_bytes if offloader is not None else {})
+                             offloader.kept_bytes if offloader is not None else {},
+                             offloader.host_pool_need_bytes if offloader is not None else 0)
 
     def _prepare(self, inputs: Tensors | Mapping[str, torch.Tensor] | None,
                  target: Tensors | None) -> StepData:
@@ -314,25 +335,7 @@ class Pipeline:
              target: Tensors | None = None) -> torch.Tensor | None:
         """Run one training step's forward and backward; see the class docstring. A dict of
         ``inputs`` goes to the first stage(s) as keyword arguments (Note: [stage contract])."""
-        learnt = self._input_sig is None  # shapes learnt by a step are forgotten if it fails
-        data = self._prepare(inputs, target)
-        self._transport.begin_step()
-        self._tied.begin_step()
-        try:
-            for rank, action in self._order:
-                self._executors[rank].run(action, data)
-            self._transport.finish()
-            for executor in self._executors.values():
-                executor.finish()
-            if self._offloader is not None:
-                self._offloader.finish()
-            self._tied.finish_step()
-        except BaseException:
-            self._abandon_step()
-            if learnt:
-                self._input_sig = self._input_names = None
-            raise
-        return self._mean_loss(data)
+        return self._run(self._order, self._executors, inputs, target, training=True)
 
     def evaluate(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
                  target: Tensors | None = None) -> torch.Tensor | None:
@@ -342,16 +345,30 @@ class Pipeline:
         in the schedule's order, so every rank of the pipeline calls it together. Modules keep
         their mode: call ``.eval()`` on them first to switch dropout off."""
         order, executors = self._forward_only_program()
+        return self._run(order, executors, inputs, target, training=False)
+
+    def _run(self, order: list[tuple[int, Action]], executors: Mapping[int, RankExecutor],
+             inputs: Tensors | Mapping[str, torch.Tensor] | None, target: Tensors | None, *,
+             training: bool) -> torch.Tensor | None:
+        """One pass of ``order``: a training step, or (not ``training``) forward only with no
+        autograd graph, offload or tied-gradient exchange."""
         learnt = self._input_sig is None  # shapes learnt by a step are forgotten if it fails
         data = self._prepare(inputs, target)
+        self.connect_peers()  # for evaluate: the step's connections, a superset of its own
         self._transport.begin_step()
+        if training:
+            self._tied.begin_step()
         try:
-            with torch.no_grad():
+            with contextlib.nullcontext() if training else torch.no_grad():
                 for rank, action in order:
                     executors[rank].run(action, data)
             self._transport.finish()
             for executor in executors.values():
                 executor.finish()
+            if training:
+                if self._offloader is not None:
+                    self._offloader.finish()
+                self._tied.finish_step()
         except BaseException:
             self._abandon_step()
             if learnt:
@@ -365,7 +382,7 @@ class Pipeline:
         if self._forward_only is None:
             lowered = forward_only(self._lowered)
             if self._nccl_groups is not None:
-                self._check_nccl_layout(*self._nccl_groups, lowered=lowered)
+                check_nccl_layout(lowered, *self._nccl_groups)
             executors = {
                 rank: RankExecutor(rank, lowered,
                                    {s: r for s, r in self._runners.items()

@@ -12,7 +12,8 @@ first and last stage of a V schedule). A tie across ranks has the gradient each 
 in this step all-reduced (sum) over the pipeline group, ranks without the tie adding zeros
 (every rank joins: each knows the tie's ranks from the mapping), with the P2P timeout; earlier
 accumulated gradients are kept as they were (no double counting). The copies stay equal if they
-start equal and the optimizer is the same on every rank.
+start equal and the optimizer is the same on every rank. Every tensor posted lives on the
+pipeline's device (NCCL refuses host tensors; tests/test_device_collectives.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class TiedGradients:
                     param = _parameter(stages[stage], name, stage, param_name)
                     if all(p is not param for p in params):
                         params.append(param)
-            if any(p.shape != params[0].shape or p.dtype != params[0].dtype for p in params):
+            if any(p.shape != params[0].shape or _grad_dtype(p) != _grad_dtype(params[0])
+                   for p in params):
                 raise ConfigError(f"tie {name!r} joins parameters of different shapes or dtypes "
                                   f"{[(list(p.shape), p.dtype) for p in params]}")
             ranks = {schedule.rank_of(s) for s in where}
@@ -123,14 +125,16 @@ class TiedGradients:
             return self._meta[name]
         params = self._params[name]
         numel = params[0].numel() if params else 0
-        code = _DTYPES.index(params[0].dtype) if params else 0
+        code = _DTYPES.index(_grad_dtype(params[0])) if params else 0
         if name not in self._across:
-            self._meta[name] = numel, params[0].dtype
+            self._meta[name] = numel, _grad_dtype(params[0])
             return self._meta[name]
         # max and (negated) min of the holders' numel and dtype in one all-reduce
         big = 1 << 62
+        # On the pipeline's device: an NCCL group takes device tensors only.
         mine = torch.tensor([numel if params else -1, -numel if params else -big,
-                             code if params else -1, -code if params else -big])
+                             code if params else -1, -code if params else -big],
+                            device=self._device)
         self._all_reduce(mine, f"the size of tied parameter {name!r}", dist.ReduceOp.MAX)
         top_numel, low_numel, top_code, low_code = mine.tolist()
         if top_numel != -low_numel or top_code != -low_code:
@@ -150,6 +154,12 @@ class TiedGradients:
                 f"rank {dist.get_rank()}: summing {what} over the pipeline's ranks did not "
                 f"finish within {self._timeout.total_seconds():g} s ({error}); every rank must "
                 "run step() with the same tied parameters declared") from error
+
+
+def _grad_dtype(param: nn.Parameter) -> torch.dtype:
+    """The dtype of ``param``'s gradient: float32 for bf16 weights whose gradients accumulate
+    in float32 (training/precision.py Note: [mixed precision])."""
+    return getattr(param, "grad_dtype", None) or param.dtype
 
 
 def _parameter(module: nn.Module, name: str, stage: int, param_name: str) -> nn.Parameter:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeoffload.runtime.groups import collective_device
 from pipeoffload.training.checkpoint_files import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -366,7 +367,7 @@ def _gather_json(value: Any) -> list[Any]:
     """Every process's JSON-able ``value``, by rank: byte tensors of one padded length, so no
     pickling (torch's ``all_gather_object`` needs numpy, which torch does not install)."""
     data = json.dumps(value).encode()
-    backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    backend_device = collective_device(torch.device("cuda")).type  # NCCL: device tensors
     length = torch.tensor([len(data)], dtype=torch.int64, device=backend_device)
     lengths = [torch.empty_like(length) for _ in range(dist.get_world_size())]
     dist.all_gather(lengths, length)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from pipeoffload.runtime.groups import collective_device
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.training.checkpoint_files import CheckpointError
 from pipeoffload.training.launch import Topology
@@ -20,7 +21,7 @@ def gather_floats(topology: Topology, values: list[float]) -> list[list[float]]:
     """Every process's ``values`` (same length everywhere), by global rank."""
     if not topology.distributed:
         return [values]
-    device = topology.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device(topology.device or torch.device("cpu"))  # NCCL: device tensors
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)

@@ -67,9 +67,13 @@ def clip_gradients(params: Iterable[torch.Tensor], max_norm: float | None, topol
     sharded = [g for g in counted if is_dtensor(g) and any(p.is_shard() for p in g.placements)]
     whole = [g for g in counted if not any(g is h for h in sharded)]
 
+    # On the training device: NCCL takes device tensors only, a rank without gradients too.
+    device = getattr(topology, "device", None) or torch.device("cpu")
+
     def squares(group: list[torch.Tensor]) -> torch.Tensor:
         values = [local_shard(g).double().pow(2).sum() for g in group]
-        return torch.stack(values).sum() if values else torch.zeros((), dtype=torch.float64)
+        return (torch.stack(values).sum() if values
+                else torch.zeros((), dtype=torch.float64, device=device))
 
     distributed = topology is not None and topology.distributed
     part = squares(sharded)

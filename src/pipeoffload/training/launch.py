@@ -354,9 +354,9 @@ def mesh_topology(pp: int, dp: int, tp: int, where: torch.device,
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipeoffload.runtime.p2p import new_channel_groups
+    from pipeoffload.runtime.groups import backend_for, channel_groups
 
-    rank, backend = dist.get_rank(), dist.get_backend()
+    rank, backend = dist.get_rank(), backend_for(None, where.type) or dist.get_backend()
     timeout = datetime.timedelta(seconds=timeout_s)
     names = ("pp", "dp", "tp")
     mesh = init_device_mesh(where.type, (pp, dp, tp), mesh_dim_names=names,
@@ -366,14 +366,10 @@ def mesh_topology(pp: int, dp: int, tp: int, where: torch.device,
                     pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
                     tp_mesh=mesh["tp"] if tp > 1 else None)
     # One communicator per channel and pipeline: NCCL runs each one's P2P in posting order, and
-    # on gloo separate sockets per direction make sends faster (p2p.new_channel_groups).
-    channels = None
-    for d in range(dp if pp > 1 else 0):  # one stage: nothing to send
-        for t in range(tp):
-            members = [topo.global_rank(p, d, t) for p in range(pp)]
-            groups = new_channel_groups(members, timeout)
-            if (d, t) == (topo.dp_index, topo.tp_index):
-                channels = groups
+    # on gloo separate sockets per direction make sends faster (groups.channel_groups).
+    pipelines = [[topo.global_rank(p, d, t) for p in range(pp)]
+                 for d in range(dp) for t in range(tp)] if pp > 1 else []  # one stage: no P2P
+    channels = channel_groups(pipelines, rank, timeout) if pipelines else None
     return dataclasses.replace(topo, channel_groups=channels)
 
 

@@ -46,6 +46,7 @@ from pipeoffload.training.gather import agree_on_start, gather_step, stage_sizes
 from pipeoffload.training.gradients import clip_gradients, uncounted_masters
 from pipeoffload.training.hf_model import resolve_model
 from pipeoffload.training.hf_run import build_hf, check_model, export_run
+from pipeoffload.training.host_reserve import reserve_host_memory
 from pipeoffload.training.launch import Topology
 from pipeoffload.training.measure import measure_without_offload
 from pipeoffload.training.model import (
@@ -371,6 +372,13 @@ def train(config: TrainConfig, topology: Topology,
     meter = ActivationMeter()
     pipe = Pipeline(stages, schedule, lm_loss, group=topology.pp_group, config=runtime,
                     device=topology.device, meter=meter, channel_groups=topology.channel_groups)
+    # Pinned memory is allocated now, not inside a step (training/host_reserve.py).
+    microbatch, seq = config.data.batch_size // config.dp // config.num_microbatches, \
+        config.data.seq_len
+    hidden = ((microbatch, seq, hf.model.config.hidden_size) if hf is not None  # whole on TP
+              else (microbatch, seq // config.tp, config.model.dim))  # sequence shards
+    reserve_host_memory(pipe, stages, microbatch, seq, hidden, torch_dtype(config.dtype),
+                        topology.device or torch.device("cpu"))
     state = ckpt.TrainingState(stages, optimizers, dataset, masters.params)
     identity = checkpoint_identity(config, schedule)
     if config.checkpoint_dir is not None:
