@@ -34,7 +34,8 @@ from pipeoffload.planner.evaluate import (
     Evaluator,
 )
 from pipeoffload.planner.hardware import hardware_preset
-from pipeoffload.planner.optimizer import OptimizerSpec
+from pipeoffload.planner.layer_work import NormKernel
+from pipeoffload.planner.optimizer import DP_COPY_BYTES, OptimizerSpec
 from pipeoffload.planner.reduced import Extrapolation
 from pipeoffload.planner.transformer import MlpKind, Recompute, TransformerSpec
 from pipeoffload.sim.costs import CostModel, Duplex, HostLink
@@ -137,10 +138,13 @@ PLANNED = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "v-min",
 #: The frameworks the planner prices: its default, Narayanan et al. 2021's Megatron (no SP, no
 #: TP overlap, blocking P2P) and Korthikanti et al. 2022's (blocking P2P) (planner/published.py).
 FRAMEWORKS = (DEFAULT_FRAMEWORK,
-              Framework(sequence_parallel=False, tp_overlap=False, p2p_blocking=True),
+              Framework(sequence_parallel=False, tp_overlap=False, p2p_blocking=True,
+                        norm_kernel=NormKernel.APEX),
               Framework(p2p_blocking=True))
-OPTIMIZERS = (OptimizerSpec(), OptimizerSpec(grad_bytes=2, overlap_grad_reduce=True),
-              OptimizerSpec(sharded=True, overlap_grad_reduce=True))
+OPTIMIZERS = (OptimizerSpec(), OptimizerSpec(grad_bytes=2, overlap_grad_reduce=True,
+                                             dp_copy_bytes=DP_COPY_BYTES["torch-ddp-fp16"]),
+              OptimizerSpec(sharded=True, overlap_grad_reduce=True),
+              OptimizerSpec(dp_copy_bytes=DP_COPY_BYTES["megatron-local-2022"]))
 
 
 @st.composite
