@@ -192,8 +192,9 @@ def reduced_error(name: str) -> None:
 
 def compare(names: list[str]) -> None:
     reference = load_reference().get("searches", {})
-    header = ("| search | wall s | CPU s | best plan | step s | exhaustive best | step s | "
-              "vs exhaustive | fixed, --no-extrapolate: step s | vs search |")
+    header = ("| search | wall s | CPU s | of which verdict, wall s | best plan | step s | "
+              "exhaustive best | step s | vs exhaustive | fixed, --no-extrapolate: step s | "
+              "vs search |")
     print(header)
     print("|" + "---|" * header.count(" | ") + "---|")
     for name in names:
@@ -209,7 +210,8 @@ def compare(names: list[str]) -> None:
             same = fixed["fixed"] and describe(fixed["best"]) == describe(best)
             fixed_step = f"{fixed['best']['step_time']:.4f}" + ("" if same else " (other plan)")
             vs_fixed = f"{best['step_time'] / fixed['best']['step_time'] - 1:+.3%}"
-        print(f"| {name} | {wall:.1f} | {cpu:.1f} | {describe(best)} | "
+        verdict = wall - result["search"]["seconds"]  # what the verdict's search added
+        print(f"| {name} | {wall:.1f} | {cpu:.1f} | {verdict:.1f} | {describe(best)} | "
               f"{best['step_time'] if best else math.nan:.4f} | "
               f"{ref['best'] if ref else '(not recorded)'} | "
               f"{ref['step_time'] if ref and ref['step_time'] else math.nan:.4f} | {vs_ref} | "
