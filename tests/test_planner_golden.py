@@ -5,24 +5,10 @@ file (python tests/data/planner_golden.py, see its docstring)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from data_scripts import load_data_script
 
-_SCRIPT = Path(__file__).resolve().parent / "data" / "planner_golden.py"
-
-
-def _golden_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("planner_golden", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GOLDEN = _golden_module()
+GOLDEN = load_data_script("planner_golden")
 RECORDED = GOLDEN.load()
 
 
