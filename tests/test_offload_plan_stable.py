@@ -10,25 +10,12 @@ tests/data/offload_golden.py records the file.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from data_scripts import load_data_script
 
-_SCRIPT = Path(__file__).resolve().parent / "data" / "offload_golden.py"
-
-
-def _golden_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("offload_golden", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GOLDEN = _golden_module()
+GOLDEN = load_data_script("offload_golden")
 RECORDED = GOLDEN.load()
 ENTRIES: list[dict[str, Any]] = RECORDED["plans"]
 SIMULATIONS: list[dict[str, Any]] = RECORDED["simulations"]

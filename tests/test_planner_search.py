@@ -10,9 +10,12 @@ import json
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeoffload.api import plan_schedule
 from pipeoffload.cli.plan import add_plan_parser
+from pipeoffload.errors import ConfigError
 from pipeoffload.planner.costing import (
     GIB,
     Layout,
@@ -206,6 +209,24 @@ def test_plan_chunks_and_host_memory(capsys: pytest.CaptureFixture[str]) -> None
     assert "pinned host memory per node" in data["shortfall"]
 
 
+def test_plan_group_sizes_fix_grouped_interleaving(capsys: pytest.CaptureFixture[str]) -> None:
+    """--group-sizes narrows grouped-interleaved to g = pp (max) or ceil(pp/2) (min), so its
+    every dimension can be fixed; anything else is refused by name."""
+    flags = ["--model", "gpt3-2.7b", "--gpus", "8", "--seq", "4096", "--global-batch", "32",
+             "--schedules", "grouped-interleaved", "--pp", "4", "--tp", "1", "--chunks", "2",
+             "--recompute", "lgd", "--offload", "none", "--micro-batch-sizes", "1", "--json",
+             "--quiet"]
+    for sizes, group in (("max", 4), ("min", 2)):
+        code, out = _run_plan_cli([*flags, "--group-sizes", sizes], capsys)
+        data = json.loads(out)
+        assert data["fixed"] and data["best"]["group_size"] == group
+    code, out = _run_plan_cli(flags, capsys)
+    assert not json.loads(out)["fixed"]  # both group sizes searched
+    with pytest.raises(SystemExit):
+        _run_plan_cli([*flags, "--group-sizes", "3"], capsys)
+    assert "--group-sizes" in capsys.readouterr().err
+
+
 def test_plan_human_output_with_impossible_budget(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _run_plan_cli(["--model", "gpt3-13b", "--gpus", "8", "--memory", "10",
                                "--quiet", "--top", "2"], capsys)
@@ -309,3 +330,41 @@ def test_dualpipev_is_searched_as_a_v_schedule() -> None:
     for plan in result.candidates:
         assert (plan.candidate.schedule, plan.candidate.chunks) == ("dualpipev", 2)
         assert plan.candidate.microbatches >= 2 * plan.candidate.pp
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(6, 12), st.sampled_from([8, 16]), st.sampled_from([10.0, 14.0, 40.0]),
+       st.sampled_from([("1f1b", "zbv", "grouped-interleaved"),
+                        ("interleaved-1f1b", "zb-h1", "v-min")]))
+def test_branch_and_bound_finds_what_simulating_everything_finds(
+        layers: int, global_batch: int, budget_gib: float, schedules: tuple[str, ...]) -> None:
+    """Note: [branch and bound]: with tolerance 0 and no extrapolation the search returns the
+    fastest plan of all candidates simulated in full (ties in step time aside); the default
+    search returns one within its tolerance of it."""
+    spec = dataclasses.replace(SMALL, num_layers=layers)
+    gpus = 4
+    space = SearchSpace(schedules=schedules, chunks=(2,), micro_batch_sizes=(1, 2),
+                        offload=("none", "all"))
+    exact = SearchConfig(gpus=gpus, global_batch=global_batch, budget_bytes=budget_gib * GIB,
+                         top_k=1, tolerance=0.0, extrapolation=Extrapolation(enabled=False))
+    evaluator = Evaluator(spec, A100, MemoryConfig(), exact.budget_bytes,
+                          Extrapolation(enabled=False))
+    best = math.inf
+    for variants in configurations(spec, A100, exact, space):
+        for candidate in variants:
+            try:
+                plan = evaluator.evaluate(candidate)
+            except ConfigError:
+                continue
+            if plan.feasible:
+                best = min(best, plan.step_time)
+    found = search(spec, A100, exact, space).best
+    default = search(spec, A100, dataclasses.replace(
+        exact, tolerance=SearchConfig(1, 1).tolerance, extrapolation=Extrapolation()), space).best
+    if best == math.inf:
+        assert found is None or not found.feasible
+        return
+    assert found is not None and found.feasible and not found.extrapolated
+    assert found.step_time == pytest.approx(best, rel=1e-12)
+    assert default is not None and not default.extrapolated  # the finalist is simulated in full
+    assert default.step_time <= best * (1 + SearchConfig(1, 1).tolerance) * (1 + 1e-12)

@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeoffload.errors import ConfigError
-from pipeoffload.planner.evaluate import Candidate
 from pipeoffload.planner.gemm import (
     Gemm,
     curve_fraction,
@@ -192,13 +191,26 @@ def test_exposed_collectives_follow_megatrons_sequence_parallel_pattern(
     assert collective_s(GPT_2K, hw, b, 1) == 0.0
 
 
-def test_search_tries_a_larger_microbatch_only_when_its_wider_matmuls_may_pay() -> None:
-    """Wider matmuls make b = 4 faster per sequence for a narrow TP8 layer; that wins with many
-    microbatches (bubble negligible), not with few; at one matmul rate it never does."""
-    from pipeoffload.planner.search import _larger_b_may_win
+def test_search_picks_a_larger_microbatch_only_when_its_wider_matmuls_pay() -> None:
+    """Wider matmuls make b = 4 faster per sequence for a narrow TP8 layer; the search takes it
+    with many microbatches (bubble negligible), not with few, and never at one matmul rate; in
+    each case the same b as the exhaustive search (its time bound prices b, no rule of thumb)."""
+    from pipeoffload.planner.reduced import Extrapolation
+    from pipeoffload.planner.search import SearchConfig, SearchSpace, search
 
     per_sequence = [layer_cost(GPT_2K, A100, RunConfig(b, 8)).chunk_s / b for b in (1, 4)]
     assert per_sequence[1] < per_sequence[0]
-    assert _larger_b_may_win(GPT_2K, A100, Candidate("1f1b", 1, 8, 2, 1, 4, 256))
-    assert not _larger_b_may_win(GPT_2K, A100, Candidate("1f1b", 1, 8, 8, 1, 4, 4))
-    assert not _larger_b_may_win(GPT_2K, FLAT, Candidate("1f1b", 1, 8, 2, 1, 4, 256))
+    # 64 GPUs, 32 sequences: pp 4 leaves 16 per replica (with DP overlap and the optimizer
+    # step timed, pp 1 with b = 4 wins that batch outright, so pp is fixed to ask about b).
+    for hw, gpus, global_batch, pp, wanted in ((A100, 16, 512, None, 4),
+                                               (A100, 64, 32, (4,), 1),
+                                               (FLAT, 16, 512, None, 1)):
+        space = SearchSpace(schedules=("1f1b",), tp=(8,), pp=pp, micro_batch_sizes=(1, 4),
+                            recompute=("lgd",))
+        config = SearchConfig(gpus=gpus, global_batch=global_batch)
+        best = search(GPT_2K, hw, config, space).best
+        exhaustive = search(GPT_2K, hw, dataclasses.replace(
+            config, tolerance=0.0, extrapolation=Extrapolation(enabled=False)), space).best
+        assert best is not None and exhaustive is not None
+        assert best.candidate.micro_batch == exhaustive.candidate.micro_batch == wanted
+        assert best.step_time == pytest.approx(exhaustive.step_time, rel=1e-12)

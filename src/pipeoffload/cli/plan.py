@@ -20,6 +20,15 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _group_sizes(text: str) -> tuple[str, ...]:
+    sizes = tuple(dict.fromkeys(part.strip().lower() for part in text.split(",")))
+    unknown = [size for size in sizes if size not in ("min", "max")]
+    if unknown or not sizes:
+        raise argparse.ArgumentTypeError(f"{text!r}: give min, max or min,max (group size "
+                                         "ceil(pp/2) or pp)")
+    return sizes
+
+
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register the `plan` subcommand (its handler is ``args.handler``)."""
     p = subparsers.add_parser(
@@ -54,6 +63,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunks", type=counts(1, 1 << 10), default=None, metavar="V[,V]",
                    help="only these chunks (stages) per rank for interleaved schedules "
                         "(default 2,4; V-shaped schedules always run 2, the others 1)")
+    p.add_argument("--group-sizes", type=_group_sizes, default=None, metavar="min|max[,..]",
+                   help="grouped-interleaved's group sizes to try: min (ceil(pp/2)), max (pp) "
+                        "(default both; po-h / po-f take min)")
     p.add_argument("--schedules", type=_names, default=None, metavar="NAME[,NAME]",
                    help="only these schedules (po-h / po-f mean grouped-interleaved)")
     p.add_argument("--offload", type=_names, default=None, metavar="T[,T]",
@@ -73,6 +85,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="skip the verdict on offload (it costs one more, narrower search)")
     p.add_argument("--no-extrapolate", action="store_true",
                    help="simulate every microbatch instead of extrapolating from fewer")
+    p.add_argument("--tolerance", type=number(minimum=0, maximum=1), default=None,
+                   metavar="SHARE",
+                   help="the plan found may be this share slower than the best (default "
+                        "0.005); 0 finds the best, simulating every near tie")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(handler=cmd_plan)
 
@@ -136,6 +152,8 @@ def _space(args: argparse.Namespace, spec) -> object:  # -> SearchSpace
         if limits and not args.quiet:
             print(f"pipeoffload plan: note: {spec.model_type} models train with "
                   f"{' and '.join(limits)}, so the search keeps to that", file=sys.stderr)
+    if args.group_sizes:
+        options["group_sizes"] = args.group_sizes
     if args.micro_batch_sizes:
         options["micro_batch_sizes"] = args.micro_batch_sizes
     if args.chunks:
@@ -181,6 +199,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         extrapolation=Extrapolation(enabled=not args.no_extrapolate),
         host_budget_bytes=args.host_memory * GIB if args.host_memory is not None else None,
     )
+    if args.tolerance is not None:
+        config = dataclasses.replace(config, tolerance=args.tolerance)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

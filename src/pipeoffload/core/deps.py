@@ -17,7 +17,10 @@ route needs no input and its last no output gradient (Note: [routes], core/sched
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Container
+from dataclasses import dataclass
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
@@ -26,9 +29,12 @@ from pipeoffload.core.schedule import Schedule
 class Dependencies:
     """Answers ``of(action)`` for one schedule (which kinds are present changes the answer)."""
 
-    def __init__(self, schedule: Schedule) -> None:
-        self._present = set(itertools.chain.from_iterable(schedule.ranks))
-        kinds = {kind for _, kind, _ in self._present}
+    def __init__(self, schedule: Schedule, present: Container[Action] | None = None) -> None:
+        """``present``: every action of ``schedule`` (e.g. a dict keyed by them), when the
+        caller has that already."""
+        self._present = (present if present is not None
+                         else set(itertools.chain.from_iterable(schedule.ranks)))
+        kinds = {action[1] for actions in schedule.ranks for action in actions}
         # Questions about kinds the schedule never has are answered without a lookup.
         self._recv_f, self._recv_b = Kind.RECV_F in kinds, Kind.RECV_B in kinds
         self._local_inputs = tuple(kind for kind in _LOCAL_INPUTS if kind in kinds)
@@ -92,3 +98,68 @@ _OFFLOAD, _RELOAD, _FETCH = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH
 _OFFLOAD_WAIT, _RECOMPUTE = Kind.OFFLOAD_WAIT, Kind.RECOMPUTE
 # What a backward pass reads its saved activations from, besides its F, in this order.
 _LOCAL_INPUTS = (_RELOAD, _FETCH, _RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class Numbered:
+    """A schedule's actions numbered rank by rank (rank r holds indices ``first[r]`` to
+    ``first[r + 1] - 1`` in program order), each with its rank and its dependencies as indices
+    (``len(actions)`` for one the schedule lacks, which never completes). The validator's walk,
+    the simulator and the compute-only pass all start from this; ``Schedule.numbered`` keeps
+    it with the schedule so that they number it once. ``repeated``: some action appears twice
+    (then ``index`` keeps its last position and ``needs`` is not meaningful)."""
+
+    actions: list[Action]
+    index: dict[Action, int]
+    first: list[int]
+    owner: list[int]
+    needs: list[list[int]]
+    repeated: bool
+
+    @functools.cached_property
+    def walk(self) -> tuple[list[int], list[int]]:
+        """Every rank's list run without a clock, each action once its dependencies ran: (the
+        indices in the order they ran, each rank's position where it stopped, relative to its
+        first action). A rank that stopped before its end waits forever (a deadlock)."""
+        needs, first = self.needs, self.first
+        ranks = len(first) - 1
+        done = bytearray(len(self.actions) + 1)  # the last: a dependency never done
+        order: list[int] = []
+        waiting: dict[int, list[int]] = {}
+        pointer = first[:-1]
+        runnable = list(range(ranks))
+        while runnable:
+            rank = runnable.pop()
+            i, stop = pointer[rank], first[rank + 1]
+            while i < stop:
+                for dep in needs[i]:
+                    if not done[dep]:
+                        waiting.setdefault(dep, []).append(rank)
+                        break
+                else:
+                    done[i] = 1
+                    order.append(i)
+                    if i in waiting:
+                        runnable.extend(waiting.pop(i))
+                    i += 1
+                    continue
+                break
+            pointer[rank] = i
+        return order, [pointer[r] - first[r] for r in range(ranks)]
+
+
+def number(schedule: Schedule) -> Numbered:
+    """``schedule`` numbered (see Numbered); read it as ``schedule.numbered``."""
+    actions = list(itertools.chain.from_iterable(schedule.ranks))
+    index = {a: i for i, a in enumerate(actions)}
+    first = [0]
+    for acts in schedule.ranks:
+        first.append(first[-1] + len(acts))
+    owner = [r for r, acts in enumerate(schedule.ranks) for _ in acts]
+    repeated = len(index) != len(actions)
+    needs: list[list[int]] = []
+    if not repeated:
+        keys_of = Dependencies(schedule, present=index).keys_of
+        get, otherwise = index.get, itertools.repeat(len(actions))
+        needs = [list(map(get, keys_of(a), otherwise)) for a in actions]
+    return Numbered(actions, index, first, owner, needs, repeated)

@@ -10,9 +10,13 @@ import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from pipeoffload.core.deps import Numbered
 
 
 class Placement(str, Enum):
@@ -162,8 +166,19 @@ class Schedule:
         )
 
     def without(self, *kinds: Kind) -> Schedule:
-        """This schedule with every action of the given kinds removed."""
+        """This schedule with every action of the given kinds removed (itself if it has none:
+        a schedule is immutable, and it keeps what ``numbered`` computed)."""
+        if not self.has_kind(*kinds):
+            return self
         return self.with_ranks([[a for a in acts if a.kind not in kinds] for acts in self.ranks])
+
+    @functools.cached_property
+    def numbered(self) -> Numbered:
+        """Every action numbered with its dependencies (core/deps.py ``Numbered``), computed
+        once per schedule object."""
+        from pipeoffload.core.deps import number  # deps.py needs this module first
+
+        return number(self)
 
     def format_grid(self, mark: tuple[int, int] | None = None, context: int = 6) -> str:
         """Steps as rows and ranks as columns; ``mark=(rank, position)`` flags one cell.

@@ -10,7 +10,6 @@ that no rank waits forever (found by running the schedule without a clock). torc
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.deps import Dependencies
@@ -183,32 +182,13 @@ def _pair_problem(stage: int, mb: int, has: frozenset[Kind]) -> tuple[str, Kind]
 
 def _check_progress(schedule: Schedule) -> None:
     """Run every rank's list without a clock; report the first rank that can never continue."""
-    deps = Dependencies(schedule)
-    keys_of = deps.keys_of
-    done: set[Action] = set()
-    pointer = [0] * schedule.num_ranks
-    waiting: dict[tuple, list[int]] = defaultdict(list)
-    ready = list(range(schedule.num_ranks))
-    while ready:
-        rank = ready.pop()
-        actions = schedule.ranks[rank]
-        i, stop = pointer[rank], len(actions)
-        while i < stop:
-            action = actions[i]
-            blocker = next((d for d in keys_of(action) if d not in done), None)
-            if blocker is not None:
-                waiting[blocker].append(rank)
-                break
-            done.add(action)
-            i += 1
-            if waiting:
-                woken = waiting.pop(action, None)
-                if woken:
-                    ready.extend(woken)
-        pointer[rank] = i
-    stuck = [r for r in range(schedule.num_ranks) if pointer[r] < len(schedule.ranks[r])]
-    if not stuck:
+    numbered = schedule.numbered
+    order, pointer = numbered.walk
+    if len(order) == len(numbered.actions):
         return
+    deps = Dependencies(schedule)
+    done = {numbered.actions[i] for i in order}
+    stuck = [r for r in range(schedule.num_ranks) if pointer[r] < len(schedule.ranks[r])]
     present = {a for acts in schedule.ranks for a in acts}
     lines = []
     for rank in stuck:

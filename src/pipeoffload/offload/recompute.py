@@ -31,15 +31,18 @@ class RecomputePlan:
 
 
 def add_recompute(schedule: Schedule, costs: CostModel | None = None,
-                  target: str | OffloadTarget | None = "all") -> RecomputePlan:
+                  target: str | OffloadTarget | None = "all", *,
+                  base: SimResult | None = None) -> RecomputePlan:
     """Insert RECOMPUTE(s, m) right before the backward of each (s, m) the target picks
-    (``all``, ``chunks:K`` or ``fraction:X``; longest-lived first, offloaded items excluded)."""
+    (``all``, ``chunks:K`` or ``fraction:X``; longest-lived first, offloaded items excluded).
+    ``base``: the simulation of ``schedule`` without RECOMPUTE actions, when the caller has it."""
     costs = costs or CostModel()
     target = parse_target(target)
     if target.kind is TargetKind.LIMIT:
         raise ConfigError(f"recompute target {target}: use none, all, chunks:K or fraction:X")
     bare = schedule.without(Kind.RECOMPUTE)
-    base = simulate(bare, costs)
+    if base is None or base.costs != costs or base.schedule.ranks != bare.ranks:
+        base = simulate(bare, costs)
     chosen, notes = Lifespans(base).choose(target, activation_units(bare, costs), "recomputes")
     offloaded = {(a.stage, a.microbatch) for acts in bare.ranks for a in acts
                  if a.kind is Kind.OFFLOAD}

@@ -4,17 +4,9 @@ A ``Candidate`` names everything the planner chooses (layout, schedule, offload,
 microbatching); ``evaluate`` prices it with ``costing``, builds the schedule, plans offload into
 it with ``offload.plan.add_offload`` and simulates it.
 
-Note [reduced simulation]: simulating m microbatches costs O(m) and offload planning re-simulates
-several times, so for large m we simulate two smaller counts m_a < m_b that keep m's residue
-modulo the schedule's period L (p for interleaved 1F1B's groups, lcm(p, g) for grouped
-interleaving, p otherwise), with m_a >= ``Extrapolation.min_factor`` * p, and extrapolate:
-time(m) = time(m_b) + (m - m_b) * (time(m_b) - time(m_a)) / (m_b - m_a): past the warm-up every
-further period adds the same work to the critical path. Peak memory is the larger of the two
-peaks: the zoo's schedules (GPipe aside, which the planner does not search) reach their peak
-within the first periods. Compute alone repeats exactly; the offload planner's choices need not
-(which transfers it keeps, and where they stall, can cycle over several periods), so a plan
-whose reduced runs stall for more than ``Extrapolation.stall_tolerance`` of their makespan is
-simulated in full instead. tests/test_planner_search.py bounds the error against full runs.
+Large microbatch counts are simulated in fewer microbatches and extrapolated
+(planner/reduced.py, Note [reduced simulation]); ``time_bound`` and ``state_and_floor`` are the
+lower bounds the search prunes with (planner/bounds.py, Note [makespan lower bound]).
 """
 
 from __future__ import annotations
@@ -22,11 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pipeoffload.core import registry
 from pipeoffload.core.schedule import Schedule
-from pipeoffload.offload.plan import OffloadPlan, add_offload
-from pipeoffload.offload.recompute import add_recompute
-from pipeoffload.offload.targets import parse_target
+from pipeoffload.offload.targets import TargetKind, parse_target
+from pipeoffload.planner.bounds import kept_floor, makespan_lower_bound
 from pipeoffload.planner.costing import (
     DEFAULT_FRAMEWORK,
     GIB,
@@ -42,8 +32,12 @@ from pipeoffload.planner.costing import (
     step_model_flops,
 )
 from pipeoffload.planner.hardware import Hardware
-from pipeoffload.planner.host_memory import host_peak_bytes, node_host_bytes
+from pipeoffload.planner.host_memory import node_host_bytes
 from pipeoffload.planner.ratio import PieceCost
+from pipeoffload.planner.reduced import Extrapolation as Extrapolation  # re-export
+from pipeoffload.planner.runs import RECOMPUTE_AND_OFFLOAD as RECOMPUTE_AND_OFFLOAD  # re-export
+from pipeoffload.planner.runs import Runner
+from pipeoffload.planner.runs import plan_memory as plan_memory  # re-export
 from pipeoffload.planner.train_command import train_command
 from pipeoffload.planner.transformer import Recompute, TransformerSpec
 from pipeoffload.sim.costs import CostModel
@@ -52,22 +46,11 @@ from pipeoffload.sim.costs import CostModel
 V_SHAPED = frozenset({"zbv", "v-half", "v-min", "dualpipev"})
 #: Schedules with a ``chunks`` option (the others run a fixed number of stages per rank).
 CHUNKED = frozenset({"interleaved-1f1b", "grouped-interleaved"})
+#: Schedules that run the whole backward (B) of every stage; the others split it into I and W.
+WHOLE_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
 #: Schedules that run W apart from its I (zero bubble and its V and DualPipe kin): the TP
 #: reduce-scatter Megatron hides behind W is exposed in I (layer_time.py).
 W_DEFERRED = frozenset({"zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipe", "dualpipev"})
-
-
-RECOMPUTE_AND_OFFLOAD = "recompute-chunks:1+all"
-"""A memory option mixing both per chunk: each rank's longest-lived chunk is recomputed
-(RECOMPUTE actions, offload/recompute.py), every other activation that hides is offloaded."""
-
-
-def plan_memory(schedule: Schedule, costs: CostModel, option: str) -> OffloadPlan:
-    """Plan an offload target, or RECOMPUTE_AND_OFFLOAD, into ``schedule``."""
-    if option == RECOMPUTE_AND_OFFLOAD:
-        schedule = add_recompute(schedule, costs, "chunks:1").schedule
-        option = "all"
-    return add_offload(schedule, costs, parse_target(option))
 
 
 @dataclass(frozen=True)
@@ -198,41 +181,30 @@ class Plan:
         return self.simulated_microbatches != (self.candidate.microbatches,)
 
 
-@dataclass(frozen=True)
-class Extrapolation:
-    """Note [reduced simulation]: simulate fewer microbatches when m is large.
-    ``min_factor``: the smaller simulated count is at least this many times p (and one period);
-    ``enabled=False`` always simulates all m. ``stall_tolerance``: the share of the makespan
-    that reduced runs may stall before the full count is simulated instead."""
-
-    min_factor: float = 2.0
-    enabled: bool = True
-    stall_tolerance: float = 0.001
-
-    def counts(self, candidate: Candidate) -> tuple[int, ...]:
-        m, period = candidate.microbatches, candidate.period()
-        low = max(math.ceil(self.min_factor * candidate.pp), period)
-        m_a = m - ((m - low) // period) * period if m > low else m
-        if not self.enabled or m_a + period >= m:
-            return (m,)
-        return (m_a, m_a + period)
-
-
 class Evaluator:
-    """Prices and simulates candidates of one model on one GPU; caches stage costs and built
-    schedules (they do not depend on each other's costs), so a search reuses them."""
+    """Prices and simulates candidates of one model on one GPU; caches stage costs, cost
+    models, bounds and built schedules (none depends on another candidate's costs), so a search
+    reuses them."""
 
     def __init__(self, spec: TransformerSpec, hw: Hardware, memory: MemoryConfig,
-                 budget_bytes: float, extrapolation: Extrapolation = Extrapolation(),
+                 budget_bytes: float, extrapolation: Extrapolation | None = None,
                  framework: Framework = DEFAULT_FRAMEWORK, host_budget_bytes: float = 0.0) -> None:
         self.spec, self.hw, self.memory = spec, hw, memory
         self.budget_bytes = budget_bytes
         self.host_budget_bytes = host_budget_bytes
-        self.extrapolation = extrapolation
+        self.extrapolation = extrapolation or Extrapolation()
         self.framework = framework
         self._pieces: dict[Layout, tuple[PieceCost, ...]] = {}
-        self._schedules: dict[tuple, Schedule] = {}
-        self.simulations = 0
+        self._costs: dict[Layout, CostModel] = {}
+        self._bounds: dict[tuple, float] = {}
+        # Plans by (candidate, counts simulated): the verdict's second search asks again.
+        self._plans: dict[tuple[Candidate, tuple[int, ...]], Plan] = {}
+        self.runner = Runner(self.extrapolation)
+
+    @property
+    def simulations(self) -> int:
+        """Simulator runs so far (bare, offload plans, compute-only passes)."""
+        return self.runner.simulations
 
     def layout(self, candidate: Candidate) -> Layout:
         return candidate.layout_under(self.framework)
@@ -243,14 +215,17 @@ class Evaluator:
             self._pieces[layout] = stage_costs(self.spec, self.hw, layout)
         return self._pieces[layout]
 
+    def costs(self, candidate: Candidate) -> CostModel:
+        """The simulator's cost model of the candidate's layout."""
+        layout = self.layout(candidate)
+        if layout not in self._costs:
+            self._costs[layout] = cost_model(self.pieces(candidate), self.spec, self.hw, layout)
+        return self._costs[layout]
+
     def schedule(self, candidate: Candidate, microbatches: int) -> Schedule:
         """The compute schedule (raises ConfigError when the family rejects the shape)."""
-        key = (candidate.schedule, candidate.pp, microbatches,
-               tuple(sorted(candidate.options().items())))
-        if key not in self._schedules:
-            self._schedules[key] = registry.build_schedule(
-                candidate.schedule, candidate.pp, microbatches, **candidate.options())
-        return self._schedules[key]
+        return self.runner.schedule(candidate.schedule, candidate.pp, microbatches,
+                                    candidate.options())
 
     def stage_to_rank(self, candidate: Candidate) -> tuple[int, ...]:
         p, v = candidate.pp, candidate.chunks
@@ -261,59 +236,105 @@ class Evaluator:
     def state_and_floor(self, candidate: Candidate) -> float:
         """A lower bound of the device memory: model state, the reserve, and the largest stage
         activation of one microbatch (a forward holds it whatever is offloaded)."""
-        pieces = self.pieces(candidate)
-        placement = self.stage_to_rank(candidate)
-        states = rank_state(self.spec, pieces, placement, self.layout(candidate), self.memory)
-        floor = [0.0] * candidate.pp
-        for stage, piece in enumerate(pieces):
-            rank = placement[stage]
-            floor[rank] = max(floor[rank], piece.activation_bytes)
-        return max(s.total + f for s, f in zip(states, floor)) + self.memory.reserve_bytes
+        key = ("memory", self.layout(candidate), candidate.schedule in V_SHAPED)
+        if key not in self._bounds:
+            pieces = self.pieces(candidate)
+            placement = self.stage_to_rank(candidate)
+            states = rank_state(self.spec, pieces, placement, self.layout(candidate),
+                                self.memory)
+            floor = [0.0] * candidate.pp
+            for stage, piece in enumerate(pieces):
+                rank = placement[stage]
+                floor[rank] = max(floor[rank], piece.activation_bytes)
+            self._bounds[key] = (max(s.total + f for s, f in zip(states, floor))
+                                 + self.memory.reserve_bytes)
+        return self._bounds[key]
+
+    def memory_bound(self, candidate: Candidate) -> float:
+        """A lower bound of the memory ``evaluate`` prices, from the order of the schedule at
+        the reduced simulation's smallest count (``Extrapolation.first_count``; past the
+        warm-up more microbatches add no resident activation, tested against full
+        evaluations) (planner/bounds.py, Note [kept activation]): exact for offload none, the
+        best choice of stages for chunks:K; the state floor for other targets."""
+        target = parse_target(candidate.offload.split("+")[-1])
+        if target.kind not in (TargetKind.NONE, TargetKind.CHUNKS) or "+" in candidate.offload:
+            return self.state_and_floor(candidate)
+        offloaded = int(target.value) if target.kind is TargetKind.CHUNKS else 0
+        count = self.extrapolation.first_count(candidate.microbatches, candidate.pp,
+                                               candidate.period()) or candidate.microbatches
+        schedule = self.schedule(candidate, count)
+        floors = kept_floor(self.runner.resident(schedule),
+                            [piece.activation_bytes for piece in self.pieces(candidate)],
+                            offloaded)
+        states = rank_state(self.spec, self.pieces(candidate), schedule.stage_to_rank,
+                            self.layout(candidate), self.memory)
+        # The bound adds bytes in another order than the simulator: allow for rounding.
+        return (max(s.total + f for s, f in zip(states, floors)) + self.memory.reserve_bytes) \
+            * (1 - 1e-9)
 
     def time_bound(self, candidate: Candidate) -> float:
-        """A lower bound of the step time: rank r cannot start before the forwards of the stages
-        in front of its first stage, then runs m times its stages' F + I + W; plus the exposed DP
-        exchange and the optimizer step."""
-        pieces = self.pieces(candidate)
-        placement = self.stage_to_rank(candidate)
+        """A lower bound of the step time whatever is offloaded or recomputed: the makespan's
+        (planner/bounds.py, Note [makespan lower bound]) plus the exposed DP exchange and the
+        optimizer step, as ``evaluate`` adds them."""
+        recomputed = candidate.offload == RECOMPUTE_AND_OFFLOAD
         layout = self.layout(candidate)
-        costs = cost_model(pieces, self.spec, self.hw, layout)
-        work = [0.0] * candidate.pp
-        for stage, piece in enumerate(pieces):
-            work[placement[stage]] += piece.chunk_s
-        bound, lead = 0.0, 0.0
-        for rank in range(candidate.pp):
-            bound = max(bound, lead + candidate.microbatches * work[rank])
-            lead += pieces[rank].f_s + costs.p2p_time
-        return bound + dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory) \
-            + optimizer_seconds(self.hw, pieces, placement, layout, self.memory)
+        key = ("time", layout, candidate.schedule, candidate.microbatches, recomputed)
+        if key not in self._bounds:
+            pieces = self.pieces(candidate)
+            placement = self.stage_to_rank(candidate)
+            makespan = makespan_lower_bound(self.costs(candidate), placement,
+                                            candidate.microbatches,
+                                            candidate.schedule not in WHOLE_BACKWARD, recomputed)
+            self._bounds[key] = (
+                makespan + dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory)
+                + optimizer_seconds(self.hw, pieces, placement, layout, self.memory))
+        return self._bounds[key]
 
-    def evaluate(self, candidate: Candidate) -> Plan:
-        """Simulate ``candidate`` (Note [reduced simulation]) and price its memory."""
+    def busiest_work(self, candidate: Candidate) -> float:
+        """F + I + W of one microbatch on the rank with the most work (seconds)."""
+        costs = self.costs(candidate)
+        work: dict[int, float] = {}
+        for stage, rank in enumerate(self.stage_to_rank(candidate)):
+            work[rank] = work.get(rank, 0.0) + costs.chunk_time(stage)
+        return max(work.values())
+
+    def first_count_memory(self, candidate: Candidate) -> float | None:
+        """The memory of ``candidate`` simulated at the smallest count of its reduced
+        simulation alone, or None when it has none (a quick look at whether a plan can fit:
+        the offload planner's choices differ a little with m, ``memory_tolerance``). Only
+        where the reduced simulation itself would run: at fewer microbatches relative to m
+        (m = 4p looked at at 2p) its peak overshot the full one by up to 27% (measured by
+        benchmarks/planner_search.py --reduced-error)."""
+        counts = self.extrapolation.counts(candidate.microbatches, candidate.pp,
+                                           candidate.period())
+        if len(counts) == 1:
+            return None
+        return self.evaluate(candidate, counts=counts[:1]).memory.total
+
+    def evaluate(self, candidate: Candidate, full: bool = False,
+                 counts: tuple[int, ...] | None = None) -> Plan:
+        """Simulate ``candidate`` (all m microbatches with ``full``, else Note [reduced
+        simulation], or just ``counts``) and price its memory. Each plan is kept: the same
+        question again costs nothing."""
+        m = candidate.microbatches
+        if counts is None:
+            counts = (m,) if full else self.extrapolation.counts(m, candidate.pp,
+                                                                 candidate.period())
+        if (candidate, counts) not in self._plans:
+            plan = self._evaluate(candidate, m, counts)
+            self._plans[(candidate, counts)] = plan
+            self._plans.setdefault((candidate, plan.simulated_microbatches), plan)
+        return self._plans[(candidate, counts)]
+
+    def _evaluate(self, candidate: Candidate, m: int, counts: tuple[int, ...]) -> Plan:
         pieces = self.pieces(candidate)
         layout = self.layout(candidate)
-        costs = cost_model(pieces, self.spec, self.hw, layout)
-        counts = self.extrapolation.counts(candidate)
-        runs = []
-        for m in counts:
-            runs.append(plan_memory(self.schedule(candidate, m), costs, candidate.offload))
-            self.simulations += 1
-        if len(runs) == 2 and any(
-                run.result.total_stall_time > self.extrapolation.stall_tolerance
-                * run.result.makespan for run in runs):
-            counts = (candidate.microbatches,)
-            runs = [plan_memory(self.schedule(candidate, counts[0]), costs, candidate.offload)]
-            self.simulations += 1
-        last = runs[-1]
-        makespan = last.result.makespan
-        bubble = last.result.bubble_rate
-        if len(runs) == 2:
-            slope = (makespan - runs[0].result.makespan) / (counts[1] - counts[0])
-            makespan += slope * (candidate.microbatches - counts[1])
-            compute = sum(last.result.compute_time) * candidate.microbatches / counts[1]
-            bubble = 1 - compute / (candidate.pp * makespan)
-        peaks = [max(values) for values in zip(*(run.result.peak_bytes or () for run in runs))]
-        placement = last.schedule.stage_to_rank
+        run = self.runner.simulate(
+            lambda count: self.schedule(candidate, count), self.costs(candidate),
+            candidate.offload, [piece.activation_bytes for piece in pieces], m, counts,
+            self.busiest_work(candidate), candidate.pp)
+        makespan, peaks = run.makespan, run.peak_bytes
+        placement = self.stage_to_rank(candidate)
         states = rank_state(self.spec, pieces, placement, layout, self.memory)
         worst = max(range(candidate.pp), key=lambda r: states[r].total + peaks[r])
         memory = MemorySplit(states[worst].params, states[worst].grads, states[worst].optimizer,
@@ -324,10 +345,6 @@ class Evaluator:
         peak, _ = peak_flops(self.hw)
         step = makespan + dp_time + optimizer_time
         mfu = step_model_flops(self.spec, sequences) / (step * layout.gpus * peak)
-        host = [0.0] * candidate.pp
-        if candidate.offload != "none":
-            for run in runs:
-                host = [max(a, b) for a, b in zip(host, host_peak_bytes(run.result))]
         return Plan(
             candidate=candidate,
             pipeline_time=makespan,
@@ -335,14 +352,14 @@ class Evaluator:
             mfu=mfu,
             memory=memory,
             budget_bytes=self.budget_bytes,
-            bubble_rate=bubble,
-            stall_time=last.result.total_stall_time,
-            offloaded_fraction=last.report.offloaded_fraction,
-            simulated_microbatches=counts,
-            notes=last.report.notes,
+            bubble_rate=run.bubble_rate,
+            stall_time=run.stall_time,
+            offloaded_fraction=run.offloaded_fraction,
+            simulated_microbatches=run.counts,
+            notes=run.notes,
             optimizer_time=optimizer_time,
-            host_bytes=max(host),
-            host_node_bytes=node_host_bytes(host, candidate.tp, candidate.pp,
+            host_bytes=max(run.host_bytes),
+            host_node_bytes=node_host_bytes(run.host_bytes, candidate.tp, candidate.pp,
                                             self.hw.gpus_per_node),
             host_budget_bytes=self.host_budget_bytes,
         )

@@ -84,6 +84,7 @@ def result_json(result: SearchResult, inputs: dict[str, Any], *, fixed: bool = F
             "pruned_by_memory": stats.pruned_by_memory,
             "dominated": stats.dominated,
             "not_buildable": stats.not_buildable,
+            "finalists": stats.finalists,
             "seconds": stats.seconds,
         },
         "notes": list(result.notes),
@@ -100,7 +101,8 @@ def _row(rank: int, plan: Plan) -> tuple[str, ...]:
     return (
         str(rank), c.display_name, str(c.pp), str(c.tp), str(c.dp), str(c.chunks),
         str(c.group_size) if c.group_size is not None else "-", str(c.micro_batch),
-        str(c.microbatches), c.recompute.value, c.offload, f"{plan.step_time:.3f}",
+        str(c.microbatches), c.recompute.value, c.offload,
+        f"{'~' if plan.extrapolated else ''}{plan.step_time:.3f}",
         f"{plan.mfu:.1%}", f"{(memory.params + memory.grads) / GIB:.1f}",
         f"{memory.optimizer / GIB:.1f}", f"{memory.activations / GIB:.1f}",
         f"{plan.memory_gib:.1f}", f"{plan.host_bytes / GIB:.1f}",
@@ -131,7 +133,10 @@ def render_result(result: SearchResult, inputs_line: str, *, fixed: bool = False
     lines.append(f"searched {stats.configurations} configurations in {stats.seconds:.1f} s: "
                  f"{stats.simulated} simulations, {stats.pruned_by_time} pruned by time, "
                  f"{stats.pruned_by_memory} by memory, {stats.dominated} dominated, "
-                 f"{stats.not_buildable} not buildable")
+                 f"{stats.not_buildable} not buildable, {stats.finalists} re-simulated in full")
+    if any(plan.extrapolated for plan in result.candidates):
+        lines.append("~: step time extrapolated from fewer microbatches (docs/planner.md); "
+                     "the best plan is simulated with all of them")
     lines.extend(result.notes)
     best = result.best
     if best is None:

@@ -4,28 +4,47 @@ It enumerates DP x TP x PP = N (TP dividing a node's GPUs and the head count), m
 and count (from the global batch), the zoo's schedules with their chunks and group sizes,
 recompute options and offload targets, and simulates what it cannot rule out (``evaluate``).
 
-Pruning, cheapest first (each count is reported in ``SearchStats``):
-1. Time bound: a configuration whose analytic lower bound (``Evaluator.time_bound``) is above
-   the k-th best feasible step time found so far is skipped. Configurations are visited in
-   order of an estimate (the bound plus an interleaved-1F1B-like bubble) so good ones come
-   first and the bound bites early.
-2. Memory bound: model state + reserve + one stage's activation over the budget: infeasible
-   whatever is offloaded; kept aside as candidates for the nearest configuration.
-3. Dominance inside a configuration (same layout, schedule, microbatching): variants are tried
-   from the fastest kind to the slowest - recompute by its stage times (LGD before NONE when they
-   are equal: same time, fewer bytes; NONE is then skipped), then offload none, chunks:1, all -
-   and the walk stops at the first that fits: offload planning only inserts transfers and waits,
-   never reorders compute, so a later variant cannot be faster. An infeasible variant's time
-   bounds its offloaded siblings from below, so they are skipped when it is above the bound.
-4. Microbatch size: bytes scale linearly with b, and times nearly so (larger b only widens
-   the matmuls, gemm.py), so b > 1 mostly adds bubble and memory. A larger b is simulated when
-   the same configuration with a smaller b could not be built, or when its per-sequence speed-up
-   outweighs the bubble it adds (``_larger_b_may_win``).
+Note: [branch and bound]
+Every candidate gets two lower bounds before anything is built: its step time
+(``Evaluator.time_bound``: planner/bounds.py, Note [makespan lower bound]) and its memory
+(``Evaluator.state_and_floor``: model state, reserve and one stage's activation, which a
+forward holds whatever is offloaded). Over the budget in memory: infeasible, never simulated
+(kept aside for the nearest plan when nothing fits). The rest wait in one queue ordered by their
+time key, and the search takes the smallest key first:
+1. a candidate not yet simulated is simulated, reduced where m is large (planner/reduced.py,
+   Note [reduced simulation]). A plan without offload bounds its offloaded siblings (same
+   layout, schedule, microbatching and recompute) from below: offload only inserts transfers
+   and waits, it never removes or reorders compute, so in the simulator no compute starts
+   earlier with it (tests/test_planner_bounds.py). Their key becomes that time.
+2. a reduced plan that fits goes back into the queue keyed by its time / (1 + the reduced
+   simulation's tolerance), which it cannot beat by more (measured, planner/reduced.py); when
+   it comes out again it is simulated in full (a finalist) and takes part with its full time.
+   A plan with offload is first planned at the reduced simulation's smallest count only: over
+   the budget there by more than ``Extrapolation.memory_tolerance`` (how far that peak may
+   exceed the full one, tested), it is taken as not fitting; else it is simulated in full at
+   once (its time is its sibling's in most cases: a reduced run would only delay the full
+   one). A plan without offload whose time no offloaded sibling needs (the verdict's search
+   of plans without offload, planner/verdict.py) is first bounded in memory by its order
+   (Note [kept activation]: exact without transfers, at the smallest count), as offloaded
+   ``chunks:K`` plans are.
+3. the search stops when the smallest key times (1 + ``SearchConfig.tolerance``) reaches the
+   best full-simulated step time found: nothing left can beat it by more than the tolerance.
+So the plan returned is one simulated in full, and no other candidate is faster than it by more
+than ``tolerance``, provided the bounds hold (tested against the full simulator) and reduced
+runs err by less than their tolerance (tested, and measured over a whole search by
+benchmarks/planner_search.py). With ``tolerance`` 0 and ``Extrapolation(enabled=False)`` this
+is the exhaustive search: the same best plan (up to ties) as simulating every candidate in
+full, since what it skips provably cannot win.
+Recompute options of equal stage time keep only the one with fewer bytes (lgd before none):
+identical timelines, more memory.
+The other plans returned are the fastest others the search simulated on the way (reduced
+where so marked); the search does not simulate plans only to fill the table.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -40,11 +59,17 @@ from pipeoffload.planner.evaluate import (
     V_SHAPED,
     Candidate,
     Evaluator,
-    Extrapolation,
     Plan,
 )
 from pipeoffload.planner.hardware import Hardware
-from pipeoffload.planner.ratio import OffloadRatio, RunConfig, layer_cost, offload_ratio
+from pipeoffload.planner.ratio import (
+    OffloadRatio,
+    PieceCost,
+    RunConfig,
+    layer_cost,
+    offload_ratio,
+)
+from pipeoffload.planner.reduced import Extrapolation
 from pipeoffload.planner.transformer import Recompute, TransformerSpec, as_recompute
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "v-min",
@@ -98,6 +123,9 @@ class SearchConfig:
     nearest_tries: int = 4
     """When nothing fits: how many of the memory-pruned configurations to simulate for the
     nearest one."""
+    tolerance: float = 0.005
+    """The returned plan may be slower than the best by this share (Note: [branch and bound]);
+    0 returns the best (and simulates every near tie to find it)."""
     host_budget_bytes: float | None = None
     """Pinned host memory per node that offload may use (None: the hardware's
     ``host_bytes_per_node``; 0: not checked)."""
@@ -106,18 +134,24 @@ class SearchConfig:
         for name in ("gpus", "global_batch", "top_k"):
             check_number(f"SearchConfig.{name}", getattr(self, name), minimum=1, integer=True)
         check_number("SearchConfig.nearest_tries", self.nearest_tries, minimum=0, integer=True)
+        check_number("SearchConfig.tolerance", self.tolerance, minimum=0, maximum=1)
         check_optional("SearchConfig.budget_bytes", self.budget_bytes, above=0)
         check_optional("SearchConfig.host_budget_bytes", self.host_budget_bytes, minimum=0)
 
 
 @dataclass(frozen=True)
 class SearchStats:
+    """Candidates (variants) searched and what became of them: ``simulated`` counts simulator
+    runs (a reduced plan is three), ``finalists`` the reduced plans re-simulated in full,
+    ``dominated`` the offloaded variants pruned by their offload-free sibling's time."""
+
     configurations: int = 0
     simulated: int = 0
     pruned_by_time: int = 0
     pruned_by_memory: int = 0
     dominated: int = 0
     not_buildable: int = 0
+    finalists: int = 0
     seconds: float = 0.0
 
 
@@ -132,6 +166,9 @@ class SearchResult:
     stats: SearchStats
     notes: tuple[str, ...] = field(default=())
     spec: TransformerSpec | None = None  # the model searched for (its shape goes in commands)
+    evaluator: Evaluator | None = field(default=None, compare=False, repr=False)
+    """What priced the plans, with its built schedules and plans: a further search of the
+    same model, hardware and config passes it on (``search(..., evaluator=)``)."""
 
     @property
     def best(self) -> Plan | None:
@@ -201,6 +238,13 @@ def configurations(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
     """Every configuration as its list of variants (recompute x offload), in dominance order
     (fastest kind first), before any pruning. b > 1 variants follow b = 1's."""
     out = []
+    layer_costs: dict[RunConfig, PieceCost] = {}
+
+    def priced(run: RunConfig) -> PieceCost:
+        if run not in layer_costs:
+            layer_costs[run] = layer_cost(spec, hw, run)
+        return layer_costs[run]
+
     for dp, tp, pp in _layouts(spec, hw, config, space):
         per_replica = config.global_batch // dp
         for schedule in space.schedules:
@@ -218,17 +262,17 @@ def configurations(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                     if schedule == "zb-h2" and m < 2 * pp - 1:
                         continue
                     base = Candidate(schedule, dp, tp, pp, chunks, b, m, group_size=group)
-                    variants = _variants(spec, hw, base, space)
+                    variants = _variants(priced, base, space)
                     if variants:
                         out.append(variants)
     return out
 
 
-def _variants(spec: TransformerSpec, hw: Hardware, base: Candidate,
+def _variants(priced: Callable[[RunConfig], PieceCost], base: Candidate,
               space: SearchSpace) -> list[Candidate]:
     keyed = []
     for r in space.recompute:
-        cost = layer_cost(spec, hw, RunConfig(base.micro_batch, base.tp, r))
+        cost = priced(RunConfig(base.micro_batch, base.tp, r))
         keyed.append(((cost.chunk_s, cost.activation_bytes), r))
     keyed.sort(key=lambda item: item[0])
     kept: list[Recompute] = []
@@ -242,95 +286,133 @@ def _variants(spec: TransformerSpec, hw: Hardware, base: Candidate,
     return [replace(base, recompute=r, offload=o) for r in kept for o in offloads]
 
 
-def _larger_b_may_win(spec: TransformerSpec, hw: Hardware, candidate: Candidate) -> bool:
-    """Whether microbatch size b > 1 may beat b = 1 on the same configuration: a step of M
-    sequences takes about t_b (M / b + (p-1) / v) for t_b per microbatch, so b wins only if
-    t_b / b (M + b (p-1) / v) < t_1 (M + (p-1) / v)."""
-    b, tp = candidate.micro_batch, candidate.tp
-    t_b = layer_cost(spec, hw, RunConfig(b, tp, candidate.recompute)).chunk_s
-    t_1 = layer_cost(spec, hw, RunConfig(1, tp, candidate.recompute)).chunk_s
-    sequences = candidate.microbatches * b
-    fill = (candidate.pp - 1) / candidate.chunks
-    return t_b / b * (sequences + b * fill) < t_1 * (sequences + fill)
+@dataclass
+class _Queue:
+    """The candidates the search may still simulate, smallest time key first (Note: [branch
+    and bound]). Entries: (key, order, kind, candidate, reduced plan or None)."""
+
+    entries: list[tuple[float, bool, int, str, Candidate, Plan | None]] = field(
+        default_factory=list)
+    order: Iterator[int] = field(default_factory=itertools.count)
+
+    def push(self, key: float, kind: str, candidate: Candidate, plan: Plan | None = None) -> None:
+        # At equal keys a finalist goes first: its full time may end the search.
+        heapq.heappush(self.entries, (key, plan is None, next(self.order), kind, candidate, plan))
+
+    def pop(self) -> tuple[float, str, Candidate, Plan | None]:
+        key, _, _, kind, candidate, plan = heapq.heappop(self.entries)
+        return key, kind, candidate, plan
 
 
-def _estimate(evaluator: Evaluator, variants: list[Candidate]) -> float:
-    first = variants[0]
-    bubble = (first.pp - 1) / (first.chunks * first.microbatches)
-    return evaluator.time_bound(first) * (1 + bubble)
+def _shape(candidate: Candidate) -> tuple:
+    """What the schedule family builds from: a shape that cannot be built fails for every
+    variant of it."""
+    return (candidate.schedule, candidate.pp, candidate.microbatches, candidate.chunks,
+            candidate.group_size)
 
 
 def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
            space: SearchSpace = SearchSpace(),
-           progress: Callable[[str], None] | None = None) -> SearchResult:
-    """Search (see the module docstring); ``progress`` gets a status line about once a second."""
+           progress: Callable[[str], None] | None = None,
+           evaluator: Evaluator | None = None) -> SearchResult:
+    """Search (Note: [branch and bound]); ``progress`` gets a status line about once a second.
+    ``evaluator``: an earlier search's (``SearchResult.evaluator``) for the same model,
+    hardware and config (``top_k`` and the space may differ): what it priced is reused."""
     started = time.monotonic()
     budget = config.budget_bytes if config.budget_bytes is not None else hw.hbm_bytes
     host_budget = (config.host_budget_bytes if config.host_budget_bytes is not None
                    else hw.host_bytes_per_node)
-    evaluator = Evaluator(spec, hw, config.memory, budget, config.extrapolation,
-                          host_budget_bytes=host_budget)
+    if evaluator is None:
+        evaluator = Evaluator(spec, hw, config.memory, budget, config.extrapolation,
+                              host_budget_bytes=host_budget)
+    elif (evaluator.spec, evaluator.hw, evaluator.memory, evaluator.budget_bytes,
+          evaluator.extrapolation, evaluator.host_budget_bytes) != (
+              spec, hw, config.memory, budget, config.extrapolation, host_budget):
+        raise ValueError("search: the evaluator passed in prices another model, hardware or "
+                         "config")
+    simulations_before = evaluator.simulations
+    reduced_error = 1 + config.extrapolation.tolerance
     groups = configurations(spec, hw, config, space)
-    stats = dict.fromkeys(("pruned_by_time", "pruned_by_memory", "dominated", "not_buildable"), 0)
-    ordered = sorted(groups, key=lambda g: _estimate(evaluator, g))
-    feasible: list[Plan] = []
-    infeasible: list[Plan] = []
+    stats = dict.fromkeys(("pruned_by_time", "pruned_by_memory", "dominated", "not_buildable",
+                           "finalists"), 0)
+    queue = _Queue()
     too_big: list[tuple[float, Candidate]] = []
-    fastest: list[float] = []  # max-heap (negated) of the k best feasible step times
-    built_b: set[tuple] = set()
-    last_report = started
-
-    def bound() -> float:
-        return -fastest[0] if len(fastest) >= config.top_k else math.inf
-
-    for done, variants in enumerate(ordered):
-        now = time.monotonic()
-        if progress is not None and now - last_report >= 1.0:
-            last_report = now
-            best = f", best {-max(fastest):.3f} s" if fastest else ""
-            progress(f"plan: {done}/{len(ordered)} configurations, "
-                     f"{evaluator.simulations} simulations{best}")
-        first = variants[0]
-        shape = (first.schedule, first.dp, first.tp, first.pp, first.chunks, first.group_size)
-        if first.micro_batch > 1 and shape in built_b and not _larger_b_may_win(spec, hw, first):
-            stats["dominated"] += len(variants)
-            continue
-        lower = evaluator.time_bound(first)
-        if lower > bound():
-            stats["pruned_by_time"] += len(variants)
-            continue
-        found = None
-        simulated_time: dict[Recompute, float] = {}
-        for index, candidate in enumerate(variants):
-            if max(evaluator.time_bound(candidate),
-                   simulated_time.get(candidate.recompute, 0.0)) > bound():
-                stats["pruned_by_time"] += 1
-                continue
+    # Plans without offload whose time bounds an offloaded sibling's (rule 1 of the Note).
+    floors_siblings = {replace(c, offload="none") for variants in groups for c in variants
+                       if c.offload != "none"}
+    for variants in groups:
+        for candidate in variants:
             floor = evaluator.state_and_floor(candidate)
             if floor > budget:
                 stats["pruned_by_memory"] += 1
                 too_big.append((floor, candidate))
+            else:
+                queue.push(evaluator.time_bound(candidate), "bound", candidate)
+    feasible: dict[Candidate, Plan] = {}  # full or reduced, the latest of each candidate
+    infeasible: list[Plan] = []
+    sibling_floor: dict[Candidate, float] = {}  # the offload-free variant's time, from below
+    unbuildable: set[tuple] = set()
+    best = math.inf  # the best full-simulated feasible step time
+    last_report = started
+    while queue.entries:
+        key, kind, candidate, plan = queue.pop()
+        if key * (1 + config.tolerance) >= best:
+            stats["dominated" if kind == "sibling" else "pruned_by_time"] += 1
+            for _, _, _, rest, _, _ in queue.entries:
+                stats["dominated" if rest == "sibling" else "pruned_by_time"] += 1
+            break
+        now = time.monotonic()
+        if progress is not None and now - last_report >= 1.0:
+            last_report = now
+            shown = f", best {best:.3f} s" if best < math.inf else ""
+            progress(f"plan: {len(queue.entries)} candidates left, "
+                     f"{evaluator.simulations} simulations{shown}")
+        if plan is not None:  # a reduced plan that fits: a finalist, simulated in full
+            stats["finalists"] += 1
+            plan = evaluator.evaluate(candidate, full=True)
+        else:
+            free = replace(candidate, offload="none")
+            if sibling_floor.get(free, 0.0) > key:
+                queue.push(sibling_floor[free], "sibling", candidate)
+                continue
+            if _shape(candidate) in unbuildable:
+                stats["not_buildable"] += 1
                 continue
             try:
-                plan = evaluator.evaluate(candidate)
+                offloaded = candidate.offload != "none"
+                if (offloaded or candidate not in floors_siblings) and \
+                        evaluator.memory_bound(candidate) > budget:
+                    stats["pruned_by_memory"] += 1
+                    if not offloaded:
+                        too_big.append((evaluator.memory_bound(candidate), candidate))
+                    continue
+                memory = evaluator.first_count_memory(candidate) if offloaded else None
+                if memory is not None and memory > budget * (
+                        1 + config.extrapolation.memory_tolerance):
+                    stats["pruned_by_memory"] += 1
+                    too_big.append((memory, candidate))
+                    continue
+                stats["finalists"] += memory is not None
+                plan = evaluator.evaluate(candidate, full=offloaded)
             except ConfigError:
-                stats["not_buildable"] += len(variants) - index
-                break
-            built_b.add(shape)
-            if plan.feasible:
-                found = plan
-                stats["dominated"] += len(variants) - index - 1
-                break
+                unbuildable.add(_shape(candidate))
+                stats["not_buildable"] += 1
+                continue
+            if candidate.offload == "none":
+                sibling_floor[free] = (plan.step_time / reduced_error if plan.extrapolated
+                                       else plan.step_time)
+        if not plan.feasible:
             infeasible.append(plan)
-            # Offloaded siblings with this recompute cannot be faster than this plan.
-            simulated_time.setdefault(candidate.recompute, plan.step_time)
-        if found is not None:
-            feasible.append(found)
-            heapq.heappush(fastest, -found.step_time)
-            if len(fastest) > config.top_k:
-                heapq.heappop(fastest)
+            feasible.pop(candidate, None)
+            continue
+        feasible[candidate] = plan
+        if plan.extrapolated:
+            queue.push(plan.step_time / reduced_error, "reduced", candidate, plan)
+        else:
+            best = min(best, plan.step_time)
     notes: list[str] = []
-    if not feasible:
+    if not any(not plan.extrapolated for plan in feasible.values()):
+        feasible.clear()
         tried = {plan.candidate for plan in infeasible}
         too_big.sort(key=lambda item: item[0])
         for _, candidate in too_big[: config.nearest_tries]:
@@ -345,9 +427,9 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                      f"DP must divide the global batch ({config.global_batch}), TP the heads "
                      f"({spec.heads}) and {hw.gpus_per_node} (GPUs per node), PP x chunks <= "
                      f"layers ({spec.num_layers})")
-    feasible.sort(key=lambda p: (p.step_time, p.memory.total))
+    ranked_feasible = sorted(feasible.values(), key=lambda p: (p.step_time, p.memory.total))
     infeasible.sort(key=lambda p: (p.memory.total, p.step_time))
-    ranked = tuple(feasible[: config.top_k] or infeasible[: config.top_k])
+    ranked = tuple(ranked_feasible[: config.top_k] or infeasible[: config.top_k])
     k = offload_ratio(spec, hw, RunConfig(1, 1, space.recompute[0] if len(space.recompute) == 1
                                           else Recompute.LGD))
     return SearchResult(
@@ -355,8 +437,9 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
         budget_bytes=budget,
         candidates=ranked,
         stats=SearchStats(configurations=sum(len(g) for g in groups),
-                          simulated=evaluator.simulations,
+                          simulated=evaluator.simulations - simulations_before,
                           seconds=time.monotonic() - started, **stats),
         notes=tuple(notes),
         spec=spec,
+        evaluator=evaluator,
     )

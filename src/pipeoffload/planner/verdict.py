@@ -3,7 +3,9 @@ offload, and what the other choice would cost.
 
 The search stops at the first variant of a configuration that fits (search.py, rule 3), so its
 ranking does not hold the best plan of the other kind; one more search, restricted to the
-offload options of that kind (top 1), finds it. ``pipeoffload plan --no-verdict`` skips it.
+offload options of that kind (top 1), finds it; it reuses the first search's evaluator, so
+what both look at (schedules, bounds, plans) is priced once. ``pipeoffload plan --no-verdict``
+skips it.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def offload_verdict(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
     options = ("none",) if offloaded else tuple(o for o in space.offload if o != "none")
     other = None
     if options:
-        found = search(spec, hw, replace(config, top_k=1), replace(space, offload=options))
+        found = search(spec, hw, replace(config, top_k=1), replace(space, offload=options),
+                       evaluator=result.evaluator)
         other = found.best if found.best is not None and found.best.feasible else None
     return Verdict(offloaded and other is None, best, other)

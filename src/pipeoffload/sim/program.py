@@ -6,11 +6,9 @@ most of the offload planner's time (docs/offload.md, planning time).
 
 from __future__ import annotations
 
-import itertools
 from enum import IntEnum
 
 from pipeoffload.core.actions import Action, Kind
-from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
@@ -47,18 +45,12 @@ class Program:
     """
 
     def __init__(self, schedule: Schedule, costs: CostModel) -> None:
-        actions = list(itertools.chain.from_iterable(schedule.ranks))
-        index = {a: i for i, a in enumerate(actions)}
-        if len(index) != len(actions):
+        numbered = schedule.numbered  # kept with the schedule: numbered once (core/deps.py)
+        if numbered.repeated:
             self._reject_repeats(schedule)
-        first = [0]
-        for acts in schedule.ranks:
-            first.append(first[-1] + len(acts))
-        self.schedule, self.actions, self.index, self.first = schedule, actions, index, first
-        self.owner = [r for r, acts in enumerate(schedule.ranks) for _ in acts]
-        deps = Dependencies(schedule)
-        missing = len(actions)
-        self.needs = [[index.get(key, missing) for key in deps.keys_of(a)] for a in actions]
+        actions, index, missing = numbered.actions, numbered.index, len(numbered.actions)
+        self.schedule, self.actions, self.index = schedule, actions, index
+        self.first, self.owner, self.needs = numbered.first, numbered.owner, numbered.needs
         # What depends on the kind (and stage) only is looked up in tables, not asked of each
         # action (Note: [hot loops], core/actions.py).
         fetch, forward, read_pass = Kind.FETCH, Kind.F, Step.READ_PASS

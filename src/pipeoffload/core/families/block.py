@@ -102,10 +102,14 @@ def tighten(
     ready_w: list[deque[Action]] = [deque() for _ in range(ranks)]
     out: list[list[Action]] = [[] for _ in range(ranks)]
     left = sum(len(r) for r in remaining)
+    stage_count = [len(schedule.stages_on_rank(r)) for r in range(ranks)]
     now = 0
 
     def ready(action: Action) -> bool:
-        return all(done_at.get(d, now + 1) <= now for d in deps.of(action))
+        for dep in deps.keys_of(action):  # plain tuples, equal to the Actions
+            if done_at.get(dep, now + 1) > now:  # type: ignore[call-overload]
+                return False
+        return True
 
     def choose(rank: int) -> Action | None:
         todo = remaining[rank]
@@ -132,6 +136,8 @@ def tighten(
                     seen_stages.add(action.stage)
                     if ready(action) and _pull_fits(todo, index, level[rank], f_cap[rank]):
                         return action
+                    if len(seen_stages) == stage_count[rank]:
+                        break  # only each stage's next forward may be pulled
         return None
 
     while left:
