@@ -16,6 +16,7 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
 from pipeoffload.offload.targets import OffloadTarget, parse_target
+from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.costs import CostModel
 
 # preset key -> (description, default offload target)
@@ -59,6 +60,15 @@ def plan_schedule(
     **options: Any,
 ) -> OffloadPlan:
     """Build schedule ``name`` and plan ``offload`` into it; returns the plan and its report."""
+    with cyclic_gc_paused():  # building makes 10^5 actions and no cycles (sim/collector.py)
+        return _plan_schedule(name, pp, microbatches, offload, costs, offload_ratio, policy,
+                              options)
+
+
+def _plan_schedule(name: str, pp: int, microbatches: int,
+                   offload: str | OffloadTarget | None, costs: CostModel | None,
+                   offload_ratio: float | None, policy: OffloadPolicy | None,
+                   options: dict[str, Any]) -> OffloadPlan:
     preset = _preset(name)
     if preset is not None:
         options.setdefault("chunks", 2)

@@ -32,11 +32,12 @@ def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
     p2p = result.costs.p2p_time
     count = len(actions)
     duration = [0.0] * count
+    get = index.get
     for rank in result.timeline:
-        for t in rank:
-            at = index.get(t.action)
+        for _, action, start, end, _, _ in rank:  # TimedAction's fields, unpacked
+            at = get(action)
             if at is not None:
-                duration[at] = t.end - t.start
+                duration[at] = end - start
     successors: list[list[int]] = [[] for _ in range(count + 1)]  # the last: never done
     for i, deps in enumerate(needs):
         for dep in deps:
@@ -83,9 +84,10 @@ def copy_out_ends(result: SimResult, items: Iterable[Item]) -> dict[Item, float]
     costs = result.costs
     wanted = set(items)
     forward = Kind.F  # Note: [hot loops], core/actions.py
-    starts = sorted((t.start, t.end, t.rank, t.action[0], t.action[2])
-                    for rank in result.timeline for t in rank
-                    if t.action[1] is forward and (t.action[0], t.action[2]) in wanted)
+    starts = sorted((start, end, rank, stage, microbatch)
+                    for timeline in result.timeline
+                    for rank, (stage, kind, microbatch), start, end, _, _ in timeline
+                    if kind is forward and (stage, microbatch) in wanted)
     free: dict[tuple[int, str], float] = defaultdict(float)
     ends: dict[Item, float] = {}
     channels = [costs.host_link.channel(r, Kind.OFFLOAD) for r in range(len(result.timeline))]

@@ -137,7 +137,7 @@ class _Planner:
         self.units = activation_units(schedule, costs)
         self.compute = [[a for a in acts if a[1] in _COMPUTE] for acts in schedule.ranks]
         self.position = [{a: i for i, a in enumerate(c)} for c in self.compute]
-        self._backward = {(a.stage, a.microbatch): a for c in self.compute for a in c
+        self._backward = {(a[0], a[2]): a for c in self.compute for a in c
                           if a[1] is _I or a[1] is _B}
         self.spans = Lifespans(base)
         # Recomputed items keep nothing to offload (see offload/recompute.py).
@@ -181,13 +181,13 @@ class _Planner:
                 b = timing[comp[b_index]]
                 finish = min(b.start - b.stall - margin, next_start)
                 latest = finish - self._reload_time[item[0]]
-                f_index = pos[Action(item[0], _F, item[1])]
+                f_index = pos[(item[0], _F, item[1])]  # type: ignore[index]  # as an Action
                 # The program reaches the point before comp[j] when comp[j-1] ends.
                 j = b_index
                 while j > f_index + 1 and ends[j - 1] > latest + tolerance:
                     j -= 1
                 issue = ends[j - 1]
-                copied_out = timing.get(Action(item[0], _OFFLOAD, item[1]))
+                copied_out = timing.get((item[0], _OFFLOAD, item[1]))  # type: ignore[call-overload]
                 out_end = copied_out.end if copied_out else out_ends[item]
                 if issue <= out_end + tolerance or issue > latest + tolerance:
                     if not self.keep_stalling or issue <= out_end + tolerance:
@@ -310,7 +310,8 @@ class _Planner:
 
     def _after_f(self, item: Item) -> Action:
         rank = self.schedule.rank_of(item[0])
-        return self.compute[rank][self.position[rank][Action(item[0], _F, item[1])] + 1]
+        forward = (item[0], _F, item[1])  # hashed and compared as the Action
+        return self.compute[rank][self.position[rank][forward] + 1]  # type: ignore[index]
 
     def _horizon(self) -> float:
         """The makespan postponing may not exceed."""

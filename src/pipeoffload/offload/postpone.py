@@ -64,10 +64,11 @@ def simulated_copies(result: SimResult) -> list[RankCopies]:
         f_end: dict[Item, float] = {}
         copies = []
         for t in rank_timeline:
-            kind = t.action[1]
+            _, action, start, end, _, _ = t
+            kind = action[1]
             if kind is _F:
-                forwards.append((t.start, t.action))
-                f_end[(t.action[0], t.action[2])] = t.end
+                forwards.append((start, action))
+                f_end[(action[0], action[2])] = end
             elif kind is _OFFLOAD:
                 copies.append(t)
         offloads = sorted((f_end[item], t.end, item) for t in copies
@@ -82,10 +83,11 @@ def forecast_copies(base: SimResult, offloaded: Iterable[Item]) -> list[RankCopi
     ends = copy_out_ends(base, offloaded)
     out: list[RankCopies] = []
     for rank_timeline in base.timeline:
-        forwards = [(t.start, t.action) for t in rank_timeline if t.action[1] is _F]
-        offloads = sorted((t.end, ends[item], item) for t in rank_timeline
-                          if t.action[1] is _F
-                          and (item := (t.action[0], t.action[2])) in ends)
+        forwards = [(start, action) for _, action, start, _, _, _ in rank_timeline
+                    if action[1] is _F]
+        offloads = sorted((end, ends[item], item)
+                          for _, (stage, kind, microbatch), _, end, _, _ in rank_timeline
+                          if kind is _F and (item := (stage, microbatch)) in ends)
         out.append((sorted(forwards), offloads))
     return out
 

@@ -26,14 +26,13 @@ class Lifespans:
         freed_w: dict[Item, float] = {}
         freed_b: dict[Item, float] = {}
         for rank in result.timeline:
-            for t in rank:
-                s, kind, m = t.action
+            for _, (s, kind, m), start, end, _, _ in rank:  # a TimedAction, unpacked
                 if kind is _F:
-                    born[(s, m)] = t.start
+                    born[(s, m)] = start
                 elif kind is _W:
-                    freed_w[(s, m)] = t.end
+                    freed_w[(s, m)] = end
                 elif kind is _B:
-                    freed_b[(s, m)] = t.end
+                    freed_b[(s, m)] = end
         reversed_order = [_bit_reversed(m, schedule.microbatches)
                           for m in range(schedule.microbatches)]
         self.lifespan: dict[Item, float] = {}

@@ -22,6 +22,7 @@ _BY_TIME_AND_ORDER = operator.itemgetter(0, 1)
 # The kinds as module names (Note: [hot loops], core/actions.py).
 _F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B
 _OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.RECOMPUTE
+_MOVED = frozenset({_OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE})  # kinds that change the accounting
 
 
 def memory_events(schedule: Schedule, rank_timeline: Sequence[TimedAction],
@@ -64,16 +65,17 @@ def memory_changes(schedule: Schedule, rank_timeline: Sequence[TimedAction],
     fetched: set[tuple[int, int]] = set()
     recomputed: set[tuple[int, int]] = set()
     reloads = False
-    for t in rank_timeline:
-        s, kind, m = t.action
-        if kind is _OFFLOAD:
-            copies[(s, m)] = t
-        elif kind is _RELOAD:
-            reloads = True
-        elif kind is _FETCH:
-            fetched.add((s, m))
-        elif kind is _RECOMPUTE:
-            recomputed.add((s, m))
+    if any(kind in _MOVED for _, kind, _ in actions):
+        for t in rank_timeline:
+            s, kind, m = t[1]
+            if kind is _OFFLOAD:
+                copies[(s, m)] = t
+            elif kind is _RELOAD:
+                reloads = True
+            elif kind is _FETCH:
+                fetched.add((s, m))
+            elif kind is _RECOMPUTE:
+                recomputed.add((s, m))
     first_backward: dict[tuple[int, int], int] = {}  # where a copy back allocates
     for i, (s, kind, m) in enumerate(actions if reloads else ()):
         if kind is _I or kind is _B:
@@ -81,25 +83,25 @@ def memory_changes(schedule: Schedule, rank_timeline: Sequence[TimedAction],
     copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s, _ in copies}
     changes: list[Change] = []
     add = changes.append
-    for t in rank_timeline:
-        action = t.action
+    # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not read by name.
+    for _, action, start, end, _, _ in rank_timeline:
         s, kind, m = action
         if kind is _F:
             copy = copies.get((s, m)) if copies else None
             if copy is not None:
-                part = streamed_fraction(t.start, t.end, copy.start, copy_time[s])
+                part = streamed_fraction(start, end, copy.start, copy_time[s])
                 at = order[action]
-                add((t.start, at, s, part))
+                add((start, at, s, part))
                 add((copy.end, at + 0.5, s, -part))
             elif not recomputed or (s, m) not in recomputed:
-                add((t.start, order[action], s, 1.0))
+                add((start, order[action], s, 1.0))
         elif kind is _W or kind is _B:
             if not fetched or (s, m) not in fetched:
-                add((t.end, order[action] + 1, s, -1.0))
+                add((end, order[action] + 1, s, -1.0))
         elif kind is _RECOMPUTE:
-            add((t.start, order[action], s, 1.0))
+            add((start, order[action], s, 1.0))
         elif kind is _RELOAD:
-            add((t.start, first_backward.get((s, m), order[action]) - 0.5, s, 1.0))
+            add((start, first_backward.get((s, m), order[action]) - 0.5, s, 1.0))
     changes.sort(key=_BY_TIME_AND_ORDER)
     return changes
 

@@ -342,8 +342,8 @@ def _summarise(schedule: Schedule, costs: CostModel, timed: list[list[TimedActio
         if have_bytes:
             peak_bytes.append(peak(changes, byte_sizes))  # type: ignore[arg-type]
     makespan = max((max(map(_END, rank)) for rank in timed if rank), default=0.0)
-    compute = tuple(sum(t.end - t.start for t in rank if t.action.kind in _COMPUTE_PASSES)
-                    for rank in timed)
+    compute = tuple(sum([end - start for _, (_, kind, _), start, end, _, _ in rank
+                         if kind in _COMPUTE_PASSES]) for rank in timed)
     bubble = 1.0 - sum(compute) / (schedule.num_ranks * makespan) if makespan > 0 else 0.0
     return SimResult(
         schedule=schedule,
