@@ -29,7 +29,8 @@ How (PipeOffload's selective offload, generalised to any schedule):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pipeoffload.checks import check_number, check_optional
@@ -137,6 +138,8 @@ class _Planner:
         self.units = activation_units(schedule, costs)
         self.compute = [[a for a in acts if a[1] in _COMPUTE] for acts in schedule.ranks]
         self.position = [{a: i for i, a in enumerate(c)} for c in self.compute]
+        # Where each compute action is in its rank's full list (other kinds may sit between).
+        self.at = [[i for i, a in enumerate(acts) if a[1] in _COMPUTE] for acts in schedule.ranks]
         self._backward = {(a[0], a[2]): a for c in self.compute for a in c
                           if a[1] is _I or a[1] is _B}
         self.spans = Lifespans(base)
@@ -148,6 +151,11 @@ class _Planner:
         self._latest: dict[Action, float] | None = None
         self._reload_time = [costs.transfer_time(s, Kind.RELOAD)
                              for s in range(schedule.num_stages)]
+
+    @functools.cached_property
+    def base_timing(self) -> dict[Action, TimedAction]:
+        """The plain schedule's timing per action (made once: every plan starts from it)."""
+        return _timing(self.base)
 
     def backward(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
@@ -223,22 +231,29 @@ class _Planner:
             rank = self.schedule.rank_of(item[0])
             b_index = self.position[rank][self.backward(item)]
             by_rank[rank].append((b_index - lead, b_index, Action(item[0], kind, item[1])))
-        offloaded = leads.keys() | fetches
-        ranks = []
-        for rank, actions in enumerate(self.schedule.ranks):
-            before: dict[Action, list[Action]] = {}
-            for anchor_index, _, copy in sorted(by_rank[rank]):
-                before.setdefault(self.compute[rank][anchor_index], []).append(copy)
-            out: list[Action] = []
-            for action in actions:
-                out.extend(before.get(action, ()))
-                if action in waits:
-                    out.append(Action(waits[action][0], Kind.OFFLOAD_WAIT, waits[action][1]))
-                out.append(action)
-                if action[1] is _F and (action[0], action[2]) in offloaded:
-                    out.append(Action(action[0], _OFFLOAD, action[2]))
-            ranks.append(out)
-        return self.schedule.with_ranks(ranks)
+        # What goes right before each position of a rank's list, in this order: the OFFLOAD of
+        # the F just before it, the copies back anchored there, the OFFLOAD_WAIT of the forward
+        # there. Only those positions are visited; the actions between are copied as slices.
+        before: list[dict[int, list[Action]]] = [{} for _ in self.schedule.ranks]
+        for item in leads.keys() | fetches:
+            rank, forward = self._forward_at(item)
+            before[rank].setdefault(forward + 1, []).append(Action(item[0], _OFFLOAD, item[1]))
+        for rank, copies in enumerate(by_rank):
+            at = self.at[rank]
+            for anchor_index, _, copy in sorted(copies):
+                before[rank].setdefault(at[anchor_index], []).append(copy)
+        for forward, item in waits.items():
+            rank, position = self._forward_at((forward[0], forward[2]))
+            before[rank].setdefault(position, []).append(
+                Action(item[0], Kind.OFFLOAD_WAIT, item[1]))
+        return self.schedule.with_ranks([_spliced(actions, inserts) for actions, inserts
+                                         in zip(self.schedule.ranks, before)])
+
+    def _forward_at(self, item: Item) -> tuple[int, int]:
+        """The rank of ``item`` and where its F is in that rank's list."""
+        rank = self.schedule.rank_of(item[0])
+        forward = (item[0], _F, item[1])  # hashed and compared as the Action
+        return rank, self.at[rank][self.position[rank][forward]]  # type: ignore[index]
 
     def plan(self, chosen: Iterable[Item]) -> tuple[Schedule, SimResult, dict[Item, str]]:
         """Place transfers for ``chosen`` from a simulation, re-simulate, and repeat until
@@ -252,7 +267,7 @@ class _Planner:
             else:
                 items.append(item)
         fetches = {item for item in items if self.policy.fetch_on_use and self.reads_hide(item)}
-        timing = _timing(self.base)
+        timing = self.base_timing
         out_ends = copy_out_ends(self.base, items)
         waits: dict[Action, Item] = {}
         postponing = self.policy.max_pending_offloads is not None
@@ -261,7 +276,10 @@ class _Planner:
         planned, result = self.schedule, self.base
         unpostponed: SimResult | None = None  # the last result without waits
         if postponing:  # a first guess from the forecast saves a round when it holds
-            self._postpone(waits, forecast_copies(self.base, [*leads, *fetches]))
+            offloaded = [*leads, *fetches]
+            same = len(offloaded) == len(items)  # nothing skipped: the forecast made above holds
+            self._postpone(waits, forecast_copies(self.base, offloaded,
+                                                  out_ends if same else None))
         for _ in range(self.policy.max_rounds):
             planned = self.insert(leads, waits, fetches)
             result = simulate(planned, self.costs)
@@ -378,6 +396,18 @@ class _Planner:
             notes=notes,
         )
         return OffloadPlan(schedule=planned, report=report, result=result)
+
+
+def _spliced(actions: Sequence[Action], inserts: dict[int, list[Action]]) -> list[Action]:
+    """``actions`` with ``inserts[p]`` placed right before position p (p may be the end)."""
+    out: list[Action] = []
+    start = 0
+    for position in sorted(inserts):
+        out += actions[start:position]
+        out += inserts[position]
+        start = position
+    out += actions[start:]
+    return out
 
 
 def _timing(result: SimResult) -> dict[Action, TimedAction]:
