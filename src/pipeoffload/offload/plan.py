@@ -30,7 +30,7 @@ How (PipeOffload's selective offload, generalised to any schedule):
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pipeoffload.checks import check_number, check_optional
@@ -138,8 +138,6 @@ class _Planner:
         self.units = activation_units(schedule, costs)
         self.compute = [[a for a in acts if a[1] in _COMPUTE] for acts in schedule.ranks]
         self.position = [{a: i for i, a in enumerate(c)} for c in self.compute]
-        # Where each compute action is in its rank's full list (other kinds may sit between).
-        self.at = [[i for i, a in enumerate(acts) if a[1] in _COMPUTE] for acts in schedule.ranks]
         self._backward = {(a[0], a[2]): a for c in self.compute for a in c
                           if a[1] is _I or a[1] is _B}
         self.spans = Lifespans(base)
@@ -183,8 +181,9 @@ class _Planner:
             comp, pos = self.compute[rank], self.position[rank]
             ends = [timing[a].end for a in comp]  # the scan below reads many of them
             next_start = float("inf")
-            backwards = sorted(((pos[self.backward(it)], it) for it in rank_items),
-                               key=lambda pair: -pair[0])
+            # Latest backward first (each item has its own backward: no ties).
+            backward = self._backward
+            backwards = sorted([(pos[backward[it]], it) for it in rank_items], reverse=True)
             for b_index, item in backwards:
                 b = timing[comp[b_index]]
                 finish = min(b.start - b.stall - margin, next_start)
@@ -231,29 +230,22 @@ class _Planner:
             rank = self.schedule.rank_of(item[0])
             b_index = self.position[rank][self.backward(item)]
             by_rank[rank].append((b_index - lead, b_index, Action(item[0], kind, item[1])))
-        # What goes right before each position of a rank's list, in this order: the OFFLOAD of
-        # the F just before it, the copies back anchored there, the OFFLOAD_WAIT of the forward
-        # there. Only those positions are visited; the actions between are copied as slices.
-        before: list[dict[int, list[Action]]] = [{} for _ in self.schedule.ranks]
-        for item in leads.keys() | fetches:
-            rank, forward = self._forward_at(item)
-            before[rank].setdefault(forward + 1, []).append(Action(item[0], _OFFLOAD, item[1]))
-        for rank, copies in enumerate(by_rank):
-            at = self.at[rank]
-            for anchor_index, _, copy in sorted(copies):
-                before[rank].setdefault(at[anchor_index], []).append(copy)
-        for forward, item in waits.items():
-            rank, position = self._forward_at((forward[0], forward[2]))
-            before[rank].setdefault(position, []).append(
-                Action(item[0], Kind.OFFLOAD_WAIT, item[1]))
-        return self.schedule.with_ranks([_spliced(actions, inserts) for actions, inserts
-                                         in zip(self.schedule.ranks, before)])
-
-    def _forward_at(self, item: Item) -> tuple[int, int]:
-        """The rank of ``item`` and where its F is in that rank's list."""
-        rank = self.schedule.rank_of(item[0])
-        forward = (item[0], _F, item[1])  # hashed and compared as the Action
-        return rank, self.at[rank][self.position[rank][forward]]  # type: ignore[index]
+        offloaded = leads.keys() | fetches
+        ranks = []
+        for rank, actions in enumerate(self.schedule.ranks):
+            before: dict[Action, list[Action]] = {}
+            for anchor_index, _, copy in sorted(by_rank[rank]):
+                before.setdefault(self.compute[rank][anchor_index], []).append(copy)
+            out: list[Action] = []
+            for action in actions:
+                out.extend(before.get(action, ()))
+                if action in waits:
+                    out.append(Action(waits[action][0], Kind.OFFLOAD_WAIT, waits[action][1]))
+                out.append(action)
+                if action[1] is _F and (action[0], action[2]) in offloaded:
+                    out.append(Action(action[0], _OFFLOAD, action[2]))
+            ranks.append(out)
+        return self.schedule.with_ranks(ranks)
 
     def plan(self, chosen: Iterable[Item]) -> tuple[Schedule, SimResult, dict[Item, str]]:
         """Place transfers for ``chosen`` from a simulation, re-simulate, and repeat until
@@ -396,18 +388,6 @@ class _Planner:
             notes=notes,
         )
         return OffloadPlan(schedule=planned, report=report, result=result)
-
-
-def _spliced(actions: Sequence[Action], inserts: dict[int, list[Action]]) -> list[Action]:
-    """``actions`` with ``inserts[p]`` placed right before position p (p may be the end)."""
-    out: list[Action] = []
-    start = 0
-    for position in sorted(inserts):
-        out += actions[start:position]
-        out += inserts[position]
-        start = position
-    out += actions[start:]
-    return out
 
 
 def _timing(result: SimResult) -> dict[Action, TimedAction]:
