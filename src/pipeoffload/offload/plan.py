@@ -254,7 +254,7 @@ class _Planner:
         skipped: dict[Item, str] = {}
         items = []
         for item in chosen:
-            if self.backward(item) == self._after_f(item):
+            if item in self._adjacent:
                 skipped[item] = "its backward directly follows its forward"
             else:
                 items.append(item)
@@ -318,10 +318,17 @@ class _Planner:
         FETCH read)."""
         return any(timing[p].stall > self.policy.stall_tolerance for p in self.passes(item))
 
-    def _after_f(self, item: Item) -> Action:
-        rank = self.schedule.rank_of(item[0])
-        forward = (item[0], _F, item[1])  # hashed and compared as the Action
-        return self.compute[rank][self.position[rank][forward] + 1]  # type: ignore[index]
+    @functools.cached_property
+    def _adjacent(self) -> set[Item]:
+        """The items whose backward directly follows their F on the rank's compute lane (found
+        once: every plan asks about its items)."""
+        adjacent = set()
+        for comp in self.compute:
+            for before, after in zip(comp, comp[1:]):
+                if before[1] is _F and (after[1] is _I or after[1] is _B) \
+                        and before[0] == after[0] and before[2] == after[2]:
+                    adjacent.add((before[0], before[2]))
+        return adjacent
 
     def _horizon(self) -> float:
         """The makespan postponing may not exceed."""
