@@ -210,7 +210,7 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
         size = sizes[s]
         twins[at] = (size * (1.0 - part), index)
         twins[at + 0.5] = (size * part, index)
-        if (back := copy_back.get(item)) is not None:
+        if item in copy_back:
             twins[first_backward[item] - 0.5] = (-size, index)
         else:  # fetched: on the device until its last backward pass ends
             alone.append((last_pass[item].end, last_order[item] + 1, -size, index))
@@ -218,7 +218,8 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
     return _merged(memory_changes(schedule, timeline, costs), sizes, twins, alone, len(items))
 
 
-def _merged(changes: Sequence[Change], sizes: Sequence[float], twins: dict[float, tuple[float, int]],
+def _merged(changes: Sequence[Change], sizes: Sequence[float],
+            twins: dict[float, tuple[float, int]],
             alone: Sequence[tuple[float, float, float, int]], always: int
             ) -> tuple[list[float], list[int]]:
     """The weights and tags of the rank's ``changes`` (tagged ``always``), each preceded or
