@@ -32,7 +32,7 @@ from pipeoffload.offload.report import OffloadPlan
 from pipeoffload.offload.select import Item
 from pipeoffload.offload.targets import OffloadTarget
 from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.memory import memory_changes, streamed_fraction
+from pipeoffload.sim.memory import Change, memory_changes, streamed_fraction
 from pipeoffload.sim.simulator import SimResult
 
 if TYPE_CHECKING:
@@ -192,10 +192,13 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
             last_order[(s, m)] = 2 * i
         elif kind is _W:
             last_order[(s, m)] = 2 * i
-    always = len(items)
-    changes = [(time, at, sizes[s] * factor, always)
-               for time, at, s, factor in memory_changes(schedule, timeline, costs)]
-    add = changes.append
+    # Each tagged change but a fetched item's free has the time and order key of the change it
+    # cancels (its twin; sim/memory.py gives each change its own order key), so it is written
+    # next to its twin instead of sorting every change again: before it when its weight is not
+    # larger (the order a sort by (time, order, weight, tag) gives: a cancelled pair never
+    # shows as a spike), else after it. The fetched frees have no twin; they are merged in.
+    twins: dict[float, tuple[float, int]] = {}  # a twin's order key -> (weight, tag)
+    alone: list[tuple[float, float, float, int]] = []
     for index, item in enumerate(items):
         copy = copy_out.get(item)
         if copy is None:
@@ -205,14 +208,45 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
         at = order[item]
         part = streamed_fraction(f.start, f.end, copy.start, costs.transfer_time(s, _OFFLOAD))
         size = sizes[s]
-        add((f.start, at, size * (1.0 - part), index))
-        add((copy.end, at + 0.5, size * part, index))
-        back = copy_back.get(item)
-        if back is not None:
-            add((back.start, first_backward[item] - 0.5, -size, index))
+        twins[at] = (size * (1.0 - part), index)
+        twins[at + 0.5] = (size * part, index)
+        if item in copy_back:
+            twins[first_backward[item] - 0.5] = (-size, index)
         else:  # fetched: on the device until its last backward pass ends
-            add((last_pass[item].end, last_order[item] + 1, -size, index))
-    # A tagged change shares its time and order key with the change it cancels: negative
-    # first (tuples compare by weight next), so a cancelled pair never shows as a spike.
-    changes.sort()
-    return [c[2] for c in changes], [c[3] for c in changes]
+            alone.append((last_pass[item].end, last_order[item] + 1, -size, index))
+    alone.sort()
+    return _merged(memory_changes(schedule, timeline, costs), sizes, twins, alone, len(items))
+
+
+def _merged(changes: Sequence[Change], sizes: Sequence[float],
+            twins: dict[float, tuple[float, int]],
+            alone: Sequence[tuple[float, float, float, int]], always: int
+            ) -> tuple[list[float], list[int]]:
+    """The weights and tags of the rank's ``changes`` (tagged ``always``), each preceded or
+    followed by its tagged twin, and the sorted ``alone`` changes merged in by time and order."""
+    weights: list[float] = []
+    tags: list[int] = []
+    weight_of, tag_of = weights.append, tags.append
+    pending = iter(alone)
+    next_alone = next(pending, None)
+    for time, at, stage, factor in changes:
+        while next_alone is not None and (next_alone[0], next_alone[1]) < (time, at):
+            weight_of(next_alone[2])
+            tag_of(next_alone[3])
+            next_alone = next(pending, None)
+        weight = sizes[stage] * factor
+        twin = twins.get(at)
+        if twin is not None and twin[0] <= weight:
+            weight_of(twin[0])
+            tag_of(twin[1])
+            twin = None
+        weight_of(weight)
+        tag_of(always)
+        if twin is not None:
+            weight_of(twin[0])
+            tag_of(twin[1])
+    while next_alone is not None:
+        weight_of(next_alone[2])
+        tag_of(next_alone[3])
+        next_alone = next(pending, None)
+    return weights, tags

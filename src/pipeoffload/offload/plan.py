@@ -29,6 +29,7 @@ How (PipeOffload's selective offload, generalised to any schedule):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -155,6 +156,11 @@ class _Planner:
         self._reload_time = [costs.transfer_time(s, Kind.RELOAD)
                              for s in range(schedule.num_stages)]
 
+    @functools.cached_property
+    def base_timing(self) -> dict[Action, TimedAction]:
+        """The plain schedule's timing per action (made once: every plan starts from it)."""
+        return _timing(self.base)
+
     def backward(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
         return self._backward[item]
@@ -181,8 +187,9 @@ class _Planner:
             comp, pos = self.compute[rank], self.position[rank]
             ends = [timing[a].end for a in comp]  # the scan below reads many of them
             next_start = float("inf")
-            backwards = sorted(((pos[self.backward(it)], it) for it in rank_items),
-                               key=lambda pair: -pair[0])
+            # Latest backward first (each item has its own backward: no ties).
+            backward = self._backward
+            backwards = sorted([(pos[backward[it]], it) for it in rank_items], reverse=True)
             for b_index, item in backwards:
                 b = timing[comp[b_index]]
                 finish = min(b.start - b.stall - margin, next_start)
@@ -253,12 +260,12 @@ class _Planner:
         skipped: dict[Item, str] = {}
         items = []
         for item in chosen:
-            if self.backward(item) == self._after_f(item):
+            if item in self._adjacent:
                 skipped[item] = "its backward directly follows its forward"
             else:
                 items.append(item)
         fetches = {item for item in items if self.policy.fetch_on_use and self.reads_hide(item)}
-        timing = _timing(self.base)
+        timing = self.base_timing
         out_ends = copy_out_ends(self.base, items)
         waits: dict[Action, Item] = {}
         postponing = self.policy.max_pending_offloads is not None
@@ -267,7 +274,10 @@ class _Planner:
         planned, result = self.schedule, self.base
         unpostponed: SimResult | None = None  # the last result without waits
         if postponing:  # a first guess from the forecast saves a round when it holds
-            self._postpone(waits, forecast_copies(self.base, [*leads, *fetches]))
+            offloaded = [*leads, *fetches]
+            same = len(offloaded) == len(items)  # nothing skipped: the forecast made above holds
+            self._postpone(waits, forecast_copies(self.base, offloaded,
+                                                  out_ends if same else None))
         for _ in range(self.policy.max_rounds):
             planned = self.insert(leads, waits, fetches)
             result = simulate(planned, self.costs)
@@ -314,10 +324,17 @@ class _Planner:
         FETCH read)."""
         return any(timing[p].stall > self.policy.stall_tolerance for p in self.passes(item))
 
-    def _after_f(self, item: Item) -> Action:
-        rank = self.schedule.rank_of(item[0])
-        forward = (item[0], _F, item[1])  # hashed and compared as the Action
-        return self.compute[rank][self.position[rank][forward] + 1]  # type: ignore[index]
+    @functools.cached_property
+    def _adjacent(self) -> set[Item]:
+        """The items whose backward directly follows their F on the rank's compute lane (found
+        once: every plan asks about its items)."""
+        adjacent = set()
+        for comp in self.compute:
+            for before, after in zip(comp, comp[1:]):
+                if before[1] is _F and (after[1] is _I or after[1] is _B) \
+                        and before[0] == after[0] and before[2] == after[2]:
+                    adjacent.add((before[0], before[2]))
+        return adjacent
 
     def _horizon(self) -> float:
         """The makespan postponing may not exceed."""

@@ -77,10 +77,13 @@ def simulated_copies(result: SimResult) -> list[RankCopies]:
     return out
 
 
-def forecast_copies(base: SimResult, offloaded: Iterable[Item]) -> list[RankCopies]:
+def forecast_copies(base: SimResult, offloaded: Iterable[Item],
+                    ends: dict[Item, float] | None = None) -> list[RankCopies]:
     """Each rank's forwards as in the plain schedule's ``base`` and copies out of ``offloaded``
-    as the host-link queue would serve them there (forecast.copy_out_ends)."""
-    ends = copy_out_ends(base, offloaded)
+    as the host-link queue would serve them there (forecast.copy_out_ends; ``ends``: its
+    answer for ``offloaded``, when the caller has it)."""
+    if ends is None:
+        ends = copy_out_ends(base, offloaded)
     out: list[RankCopies] = []
     for rank_timeline in base.timeline:
         forwards = [(start, action) for _, action, start, _, _, _ in rank_timeline

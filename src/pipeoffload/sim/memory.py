@@ -80,7 +80,7 @@ def memory_changes(schedule: Schedule, rank_timeline: Sequence[TimedAction],
     for i, (s, kind, m) in enumerate(actions if reloads else ()):
         if kind is _I or kind is _B:
             first_backward.setdefault((s, m), 2 * i)
-    copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s, _ in copies}
+    copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s in {s for s, _ in copies}}  # per stage
     changes: list[Change] = []
     add = changes.append
     # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not read by name.
