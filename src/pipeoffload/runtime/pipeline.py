@@ -180,19 +180,16 @@ class Pipeline:
                 schedule.microbatches, backward_group, channel_groups, nccl)
         else:
             self._transport = LocalTransport()
+        # Gloo posts receives ahead; NCCL posts each in place (p2p.py Note: [NCCL posting]).
+        self._lookahead = self.config.recv_lookahead if self.distributed and not nccl else 0
         self._executors = {
-            rank: RankExecutor(rank, self._lowered,
-                               {s: r for s, r in self._runners.items()
-                                if schedule.rank_of(s) == rank},
-                               self._transport, self._offloader, meter,
-                               self.config.clone_hand_off, self.config.offload.stream,
-                               device=self.device,
-                               recv_lookahead=(self.config.recv_lookahead
-                                               if self.distributed and not nccl else 0))
+            rank: RankExecutor(rank, self._lowered, self._runners_of(rank), self._transport,
+                               self._offloader, meter, self.config.clone_hand_off,
+                               self.config.offload.stream, device=self.device,
+                               recv_lookahead=self._lookahead)
             for rank in self.ranks
         }
         self._order = interleave(self._lowered, self.ranks)
-        self._lookahead = self.config.recv_lookahead if self.distributed and not nccl else 0
         self._forward_only: tuple[list[tuple[int, Action]], dict[int, RankExecutor]] | None = None
         ties = merge_ties([tied or {}, *(getattr(m, "tied_parameters", {})
                                          for m in stages.values())], schedule.num_stages)
@@ -376,6 +373,9 @@ class Pipeline:
             raise
         return self._mean_loss(data)
 
+    def _runners_of(self, rank: int) -> dict[int, StageRunner]:
+        return {s: r for s, r in self._runners.items() if self.schedule.rank_of(s) == rank}
+
     def _forward_only_program(self) -> tuple[list[tuple[int, Action]], dict[int, RankExecutor]]:
         """The step's schedule without backward, transfers and recomputation: its F actions and
         their SEND_F / RECV_F, in the same order (made once)."""
@@ -384,9 +384,7 @@ class Pipeline:
             if self._nccl_groups is not None:
                 check_nccl_layout(lowered, *self._nccl_groups)
             executors = {
-                rank: RankExecutor(rank, lowered,
-                                   {s: r for s, r in self._runners.items()
-                                    if self.schedule.rank_of(s) == rank},
+                rank: RankExecutor(rank, lowered, self._runners_of(rank),
                                    self._transport, None, None, self.config.clone_hand_off,
                                    device=self.device, recv_lookahead=self._lookahead,
                                    forward_only=True)
