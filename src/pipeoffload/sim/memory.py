@@ -3,11 +3,12 @@ runtime's meter (design.md), read off a simulated timeline."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
+from itertools import accumulate, chain
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
-from pipeoffload.core.actions import Kind
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
 
@@ -18,7 +19,7 @@ Change = tuple[float, float, int, float]
 """(time, program order, stage, factor): the stage's activation size times ``factor`` (+1 when
 it is allocated, -1 when freed, a share while it streams out) changes the level at ``time``."""
 
-_BY_TIME_AND_ORDER = operator.itemgetter(0, 1)
+_TIME = itemgetter(0)
 # The kinds as module names (Note: [hot loops], core/actions.py).
 _F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B
 _OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.RECOMPUTE
@@ -60,49 +61,68 @@ def memory_changes(schedule: Schedule, rank_timeline: Sequence[TimedAction],
     if not rank_timeline:
         return []
     actions = schedule.ranks[rank_timeline[0].rank]
-    order = {a: 2 * i for i, a in enumerate(actions)}
-    copies: dict[tuple[int, int], TimedAction] = {}
+    position = {a: i for i, a in enumerate(actions)}
+    start = [0.0] * len(actions)
+    end = [0.0] * len(actions)
+    for _, action, began, ended, _, _ in rank_timeline:
+        i = position[action]  # a FETCH read lands on its marker, which no change reads
+        start[i], end[i] = began, ended
+    copy_seconds = [costs.transfer_time(s, _OFFLOAD) for s in range(schedule.num_stages)]
+    return rank_changes(actions, start, end, copy_seconds)
+
+
+def rank_changes(actions: Sequence[Action], start: Sequence[float], end: Sequence[float],
+                 copy_seconds: Sequence[float]) -> list[Change]:
+    """``memory_changes`` of one rank from its program: ``start[i]`` and ``end[i]`` are when
+    ``actions[i]`` ran (read for F, W, B, RECOMPUTE, OFFLOAD and RELOAD only), and
+    ``copy_seconds[s]`` is stage s's OFFLOAD time. The simulator calls it with its own arrays
+    (no timeline lookups); ``memory_changes`` with a timeline's."""
+    copy_of: dict[int, int] = {}  # an offloaded F's position -> its OFFLOAD's
     fetched: set[tuple[int, int]] = set()
     recomputed: set[tuple[int, int]] = set()
-    reloads = False
-    if any(kind in _MOVED for _, kind, _ in actions):
-        for t in rank_timeline:
-            s, kind, m = t[1]
+    first_backward: dict[tuple[int, int], int] = {}  # where a copy back allocates
+    moved = [i for i, (_, kind, _) in enumerate(actions) if kind in _MOVED]
+    if moved:
+        forward_at: dict[tuple[int, int], int] = {}
+        reloads = False
+        for i in moved:
+            s, kind, m = actions[i]
             if kind is _OFFLOAD:
-                copies[(s, m)] = t
+                forward_at[(s, m)] = i
             elif kind is _RELOAD:
                 reloads = True
             elif kind is _FETCH:
                 fetched.add((s, m))
-            elif kind is _RECOMPUTE:
+            else:
                 recomputed.add((s, m))
-    first_backward: dict[tuple[int, int], int] = {}  # where a copy back allocates
-    for i, (s, kind, m) in enumerate(actions if reloads else ()):
-        if kind is _I or kind is _B:
-            first_backward.setdefault((s, m), 2 * i)
-    copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s in {s for s, _ in copies}}  # per stage
+        for i, (s, kind, m) in enumerate(actions):
+            if kind is _F and forward_at:
+                copy = forward_at.get((s, m))
+                if copy is not None:
+                    copy_of[i] = copy
+            elif reloads and (kind is _I or kind is _B):
+                first_backward.setdefault((s, m), 2 * i)
     changes: list[Change] = []
     add = changes.append
-    # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not read by name.
-    for _, action, start, end, _, _ in rank_timeline:
-        s, kind, m = action
+    for i, (s, kind, m) in enumerate(actions):
         if kind is _F:
-            copy = copies.get((s, m)) if copies else None
+            copy = copy_of.get(i) if copy_of else None
             if copy is not None:
-                part = streamed_fraction(start, end, copy.start, copy_time[s])
-                at = order[action]
-                add((start, at, s, part))
-                add((copy.end, at + 0.5, s, -part))
+                part = streamed_fraction(start[i], end[i], start[copy], copy_seconds[s])
+                add((start[i], 2 * i, s, part))
+                add((end[copy], 2 * i + 0.5, s, -part))
             elif not recomputed or (s, m) not in recomputed:
-                add((start, order[action], s, 1.0))
+                add((start[i], 2 * i, s, 1.0))
         elif kind is _W or kind is _B:
             if not fetched or (s, m) not in fetched:
-                add((end, order[action] + 1, s, -1.0))
+                add((end[i], 2 * i + 1, s, -1.0))
         elif kind is _RECOMPUTE:
-            add((start, order[action], s, 1.0))
+            add((start[i], 2 * i, s, 1.0))
         elif kind is _RELOAD:
-            add((start, first_backward.get((s, m), order[action]) - 0.5, s, 1.0))
-    changes.sort(key=_BY_TIME_AND_ORDER)
+            add((start[i], first_backward.get((s, m), 2 * i) - 0.5, s, 1.0))
+    # (time, order) is unique, so a plain tuple sort never compares further and is the
+    # sort by time and order, without a key tuple per change.
+    changes.sort()
     return changes
 
 
@@ -121,21 +141,16 @@ def streamed_fraction(f_start: float, f_end: float, copy_start: float, copy_time
 def curve(changes: list[Change], sizes: Sequence[float]
           ) -> tuple[tuple[tuple[float, float], ...], float]:
     """The level after each change, as (time, level) points from (0, 0), and its peak."""
-    level = peak = 0.0
-    points = [(0.0, 0.0)]
-    for time, _, stage, factor in changes:
-        level += sizes[stage] * factor
-        if level > peak:
-            peak = level
-        points.append((time, level))
-    return tuple(points), peak
+    levels = _levels(changes, sizes)
+    return tuple(zip(chain((0.0,), map(_TIME, changes)), levels)), max(levels)
 
 
 def peak(changes: list[Change], sizes: Sequence[float]) -> float:
     """The highest level ``curve`` would reach."""
-    level = top = 0.0
-    for _, _, stage, factor in changes:
-        level += sizes[stage] * factor
-        if level > top:
-            top = level
-    return top
+    return max(_levels(changes, sizes))
+
+
+def _levels(changes: list[Change], sizes: Sequence[float]) -> list[float]:
+    """0.0, then the level after each change (summed in order, as a running total would)."""
+    return list(accumulate([sizes[stage] * factor for _, _, stage, factor in changes],
+                           initial=0.0))

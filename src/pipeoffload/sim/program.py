@@ -6,6 +6,7 @@ most of the offload planner's time (docs/offload.md, planning time).
 
 from __future__ import annotations
 
+import operator
 from enum import IntEnum
 
 from pipeoffload.core.actions import Action, Kind
@@ -28,6 +29,10 @@ class Step(IntEnum):
 
 _STEPS = {kind: Step.RUN for kind in Kind} | {
     Kind.OFFLOAD: Step.COPY_OUT, Kind.RELOAD: Step.COPY_BACK, Kind.FETCH: Step.FETCH_MARK}
+_BLOCKS = {kind: kind.blocks for kind in Kind}
+_IS_COMPUTE = {kind: kind.is_compute for kind in Kind}
+_IS_FORWARD = {kind: kind is Kind.F for kind in Kind}
+_KIND = operator.itemgetter(1)
 _RUN, _COPY_OUT, _COPY_BACK = Step.RUN, Step.COPY_OUT, Step.COPY_BACK
 _FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
 
@@ -54,17 +59,18 @@ class Program:
         # What depends on the kind (and stage) only is looked up in tables, not asked of each
         # action (Note: [hot loops], core/actions.py).
         fetch, forward, read_pass = Kind.FETCH, Kind.F, Step.READ_PASS
+        kinds = list(map(_KIND, actions))
+        self.step = list(map(_STEPS.__getitem__, kinds))
         fetched = {(s, m) for s, kind, m in actions if kind is fetch}
-        self.step = [_STEPS[kind] if not fetched or kind not in _PASSES or (s, m) not in fetched
-                     else read_pass for s, kind, m in actions]
+        if fetched:
+            self.step = [read_pass if kind in _PASSES and (s, m) in fetched else step
+                         for (s, kind, m), step in zip(actions, self.step)]
         stages = range(schedule.num_stages)
         took = {kind: [costs.compute_time(Action(s, kind, 0)) for s in stages] for kind in Kind}
         self.duration = [took[kind][s] for s, kind, _ in actions]
-        blocks = {kind: kind.blocks for kind in Kind}
-        compute = {kind: kind.is_compute for kind in Kind}
-        self.blocks = [blocks[a[1]] for a in actions]
-        self.is_compute = [compute[a[1]] for a in actions]
-        self.is_forward = [a[1] is forward for a in actions]
+        self.blocks = list(map(_BLOCKS.__getitem__, kinds))
+        self.is_compute = list(map(_IS_COMPUTE.__getitem__, kinds))
+        self.is_forward = list(map(_IS_FORWARD.__getitem__, kinds))
         self.source = [-1] * len(actions)
         self.channel: list[tuple[int, str] | None] = [None] * len(actions)
         self.copy_time = [0.0] * len(actions)

@@ -58,7 +58,7 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ScheduleError
 from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.memory import curve, memory_changes, peak
+from pipeoffload.sim.memory import curve, peak, rank_changes
 from pipeoffload.sim.program import Program, Step
 
 
@@ -125,8 +125,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         schedule = schedule.without(*MARKER_KINDS)
     with cyclic_gc_paused():
         program = Program(schedule, costs)
-        timeline, stall = _run(program, costs)
-        return _summarise(schedule, costs, timeline, stall, program)
+        return _summarise(schedule, costs, _run(program, costs), program)
 
 
 def _lane(kind: Kind) -> Lane:
@@ -141,6 +140,8 @@ def _lane(kind: Kind) -> Lane:
 
 _LANES = {kind: _lane(kind) for kind in Kind}
 _COMPUTE_PASSES = frozenset({Kind.F, Kind.I, Kind.W, Kind.B})  # what compute_time counts
+_COUNTED = {kind: kind in _COMPUTE_PASSES for kind in Kind}
+_KIND = operator.itemgetter(1)
 _BY_START_END = operator.itemgetter(2, 3)  # a TimedAction's (start, end)
 _END = operator.itemgetter(3)
 # TimedAction from a full tuple of its fields, without NamedTuple's Python-level __new__.
@@ -150,7 +151,19 @@ _RUN, _COPY_OUT, _COPY_BACK = Step.RUN, Step.COPY_OUT, Step.COPY_BACK
 _FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
 
 
-def _run(program: Program, costs: CostModel) -> tuple[list[list[TimedAction]], list[float]]:
+class _Run(NamedTuple):
+    """What the event loop leaves: per rank the timeline (sorted by start, end), the stall and
+    the seconds of each F, I, W and B in program order; per program index when the action
+    started and ended on its lane (the timeline's times, for the memory accounting)."""
+
+    timed: list[list[TimedAction]]
+    stall: list[float]
+    passes: list[list[float]]
+    started: list[float]
+    ended: list[float]
+
+
+def _run(program: Program, costs: CostModel) -> _Run:
     """The event loop. Compute is placed as soon as its dependencies are timed (a rank's lane
     has no contention); transfers are placed in order of readiness, since host links can be
     shared between ranks. Works on ``Program`` indices: actions are looked up once, not per
@@ -161,9 +174,14 @@ def _run(program: Program, costs: CostModel) -> tuple[list[list[TimedAction]], l
     blocks, is_compute, is_forward = program.blocks, program.is_compute, program.is_forward
     channel, copy_time, source = program.channel, program.copy_time, program.source
     owner, p2p = program.owner, costs.p2p_time
-    lane = [_LANES[a.kind] for a in actions]
+    kinds = list(map(_KIND, actions))
+    lane = list(map(_LANES.__getitem__, kinds))
     end: list[float | None] = [None] * (len(actions) + 1)  # the last: a dependency never done
-    began = [0.0] * len(actions)  # forwards' starts: a copy out streams from there
+    began = [0.0] * len(actions)  # starts (a copy out streams from its forward's)
+    counted = list(map(_COUNTED.__getitem__, kinds))  # what compute_time sums
+    not_copy_back = [k is not _COPY_BACK and k is not _FETCH_MARK for k in step]
+    passes: list[list[float]] = [[] for _ in schedule.ranks]  # their seconds, program order
+    pair_done: dict[int, float] = {}  # a paired forward's lane end (``end`` has the pair's)
     timed: list[list[TimedAction]] = [[] for _ in schedule.ranks]
     pointer = program.first[:-1]
     stop = program.first[1:]
@@ -202,47 +220,55 @@ def _run(program: Program, costs: CostModel) -> tuple[list[list[TimedAction]], l
         return factor
 
     def advance(rank: int) -> None:
+        """Run rank's program from its pointer until an action waits for a dependency (or a
+        read blocks it). The rank's clock, stall and lists are kept in locals and written back
+        on leaving: nothing else touches them while this runs."""
         nonlocal seq
+        if blocked[rank]:
+            return
         i, last = pointer[rank], stop[rank]
-        while i < last and not blocked[rank]:
-            ready = other = issue[rank]  # all dependencies allow / all but copies back allow
+        now, stalled = issue[rank], stall[rank]
+        record, spent = timed[rank].append, passes[rank].append
+        while i < last:
+            ready = other = now  # all dependencies allow / all but copies back allow
             for dep in needs[i]:
                 at = end[dep]
                 if at is None:
                     waiting.setdefault(dep, []).append(rank)
-                    pointer[rank] = i
+                    pointer[rank], issue[rank], stall[rank] = i, now, stalled
                     return
                 if owner[dep] != rank:
                     at += p2p
                 if at > ready:
                     ready = at
-                if at > other and step[dep] is not _COPY_BACK and \
-                        step[dep] is not _FETCH_MARK:  # a stall is a wait for a copy back
+                if at > other and not_copy_back[dep]:  # a stall is a wait for a copy back
                     other = at
             j, i = i, i + 1
-            pointer[rank] = i
             kind_step = step[j]
             if kind_step is _RUN:
                 took = duration[j]
                 if paired and j in paired:
                     took *= paired.pop(j)
                 elif overlap is not None and is_forward[j]:
+                    pointer[rank] = i  # where pair_factor looks for the partner
                     took *= pair_factor(rank, j, ready)
                 waited = 0.0
                 if is_compute[j]:
                     waited = ready - other
-                    stall[rank] += waited
+                    stalled += waited
                 if blocks[j]:
-                    issue[rank] = ready + took
-                if is_forward[j]:
-                    began[j] = ready
+                    now = ready + took
+                began[j] = ready
                 done = ready + took  # finish(), inlined: this is the path most actions take
-                timed[rank].append(_timed_action((rank, actions[j], ready, done, lane[j], waited)))
+                record(_timed_action((rank, actions[j], ready, done, lane[j], waited)))
+                if counted[j]:
+                    spent(done - ready)
                 end[j] = done
                 woken = waiting.pop(j, None)
                 if woken:
                     runnable.extend(woken)
                 if pair_end and j in pair_end:  # its output leaves with the pair's
+                    pair_done[j] = done
                     end[j] = pair_end.pop(j)
             elif kind_step is _FETCH_MARK:  # a marker: ready once its copy out is done
                 end[j] = ready
@@ -255,9 +281,12 @@ def _run(program: Program, costs: CostModel) -> tuple[list[list[TimedAction]], l
                 if kind_step is _READ_PASS:
                     reading[j] = other
                     blocked[rank] = True
+                    break
+        pointer[rank], issue[rank], stall[rank] = i, now, stalled
 
     def finish(rank: int, j: int, start: float, stop: float, waited: float = 0.0) -> None:
         timed[rank].append(_timed_action((rank, actions[j], start, stop, lane[j], waited)))
+        began[j] = start
         end[j] = stop
         woken = waiting.pop(j, None)
         if woken:
@@ -284,21 +313,36 @@ def _run(program: Program, costs: CostModel) -> tuple[list[list[TimedAction]], l
         issue[rank] = begin + took
         blocked[rank] = False
         finish(rank, j, begin, begin + took, waited)
+        passes[rank].append((begin + took) - begin)  # a read pass is an I, W or B
         runnable.append(rank)
 
     runnable = list(range(schedule.num_ranks))
+    heappop = heapq.heappop
     while True:
         while runnable:
             advance(runnable.pop())
         if not pending:
             break
-        ready, _, rank, j = heapq.heappop(pending)
-        if j in reading:
+        ready, _, rank, j = heappop(pending)
+        if reading and j in reading:
             place_read(rank, j, ready)
             continue
-        # A copy out cannot end before its forward: its last bytes exist only then.
+        # occupy() and finish(), inlined: every copy comes here. A copy out cannot end before
+        # its forward: its last bytes exist only then.
+        queue = channel[j]
+        free = channel_free[queue]
+        start = free if free > ready else ready
         until = end[source[j]] if step[j] is _COPY_OUT else 0.0
-        finish(rank, j, *occupy(j, ready, until))  # type: ignore[arg-type]
+        done = start + copy_time[j]
+        if until > done:  # type: ignore[operator]
+            done = until
+        channel_free[queue] = done  # type: ignore[assignment]
+        timed[rank].append(_timed_action((rank, actions[j], start, done, lane[j], 0.0)))
+        began[j] = start
+        end[j] = done
+        woken = waiting.pop(j, None)
+        if woken:
+            runnable.extend(woken)
 
     stuck = [r for r in range(schedule.num_ranks) if pointer[r] < stop[r]]
     if stuck:
@@ -312,7 +356,10 @@ def _run(program: Program, costs: CostModel) -> tuple[list[list[TimedAction]], l
         )
     for rank_timeline in timed:
         rank_timeline.sort(key=_BY_START_END)
-    return timed, stall
+    ended = end[:-1]
+    for j, done in pair_done.items():
+        ended[j] = done
+    return _Run(timed, stall, passes, began, ended)
 
 
 def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
@@ -328,22 +375,23 @@ def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
     return tuple(units)
 
 
-def _summarise(schedule: Schedule, costs: CostModel, timed: list[list[TimedAction]],
-               stall: list[float], program: Program) -> SimResult:
+def _summarise(schedule: Schedule, costs: CostModel, run: _Run, program: Program) -> SimResult:
+    timed, first = run.timed, program.first
     units = activation_units(schedule, costs)
     byte_sizes = [costs.bytes_of(s) for s in range(schedule.num_stages)]
     have_bytes = all(b is not None for b in byte_sizes)
+    copy_seconds = [costs.transfer_time(s, Kind.OFFLOAD) for s in range(schedule.num_stages)]
     memory, peaks, peak_bytes = [], [], []
-    for rank_timeline in timed:
-        changes = memory_changes(schedule, rank_timeline, costs)
+    for rank, actions in enumerate(schedule.ranks):
+        here = slice(first[rank], first[rank + 1])
+        changes = rank_changes(actions, run.started[here], run.ended[here], copy_seconds)
         points, top = curve(changes, units)
         memory.append(points)
         peaks.append(top)
         if have_bytes:
             peak_bytes.append(peak(changes, byte_sizes))  # type: ignore[arg-type]
     makespan = max((max(map(_END, rank)) for rank in timed if rank), default=0.0)
-    compute = tuple(sum([end - start for _, (_, kind, _), start, end, _, _ in rank
-                         if kind in _COMPUTE_PASSES]) for rank in timed)
+    compute = tuple(map(sum, run.passes))
     bubble = 1.0 - sum(compute) / (schedule.num_ranks * makespan) if makespan > 0 else 0.0
     return SimResult(
         schedule=schedule,
@@ -355,6 +403,6 @@ def _summarise(schedule: Schedule, costs: CostModel, timed: list[list[TimedActio
         peak_activation=tuple(peaks),
         peak_bytes=tuple(peak_bytes) if have_bytes else None,
         memory=tuple(memory),
-        stall_time=tuple(stall),
+        stall_time=tuple(run.stall),
         program=program,
     )

@@ -1,0 +1,126 @@
+"""The simulator's fast paths give what the rules they stand for give, over the zoo (hypothesis):
+- core/deps.py numbers dependencies from per-kind lists (``_dense_needs``) where the schedule's
+  stages and microbatches are in range, else by asking ``Dependencies.keys_of`` per action:
+  both must name the same dependencies, on valid schedules and on broken ones;
+- the simulator reads memory changes off its own arrays (``rank_changes``) and sums compute
+  as it places it: both must equal what ``memory_changes`` and the sorted timeline give.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeoffload.api import build_schedule, plan_schedule, schedule_names
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.deps import Dependencies, _dense_needs, number
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.offload.plan import OffloadPolicy
+from pipeoffload.offload.recompute import add_recompute
+from pipeoffload.runtime.lowering import with_comms
+from pipeoffload.sim.costs import CostModel, Duplex, HostLink
+from pipeoffload.sim.memory import curve, memory_changes
+from pipeoffload.sim.simulator import activation_units, simulate
+
+NAMES = [name for name, _ in schedule_names()]
+slow = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _build(name: str, pp: int, mult: int) -> Schedule:
+    pp += pp % 2 if name == "dualpipe" else 0  # half of the microbatches enter at each end
+    options = {"chunks": 2} if name in ("interleaved-1f1b", "grouped-interleaved") else {}
+    return build_schedule(name, pp, pp * mult, **options)
+
+
+schedules = st.builds(_build, st.sampled_from(NAMES), st.integers(2, 5), st.integers(2, 3))
+costs = st.builds(
+    CostModel,
+    f_time=st.sampled_from([1.0, 1.5]),
+    i_time=st.sampled_from([1.0, 2.0]),
+    w_time=st.sampled_from([0.0, 1.0]),
+    p2p_time=st.sampled_from([0.0, 0.25]),
+    offload_ratio=st.sampled_from([0.3, 1.0, 2.5]),
+    activation_bytes=st.sampled_from([None, 3e6]),
+    host_link=st.builds(HostLink, st.sampled_from(list(Duplex)), st.integers(1, 2)),
+    overlap_f_b=st.sampled_from([None, 0.5]),
+)
+
+
+def _keys_of_needs(schedule: Schedule) -> list[list[int]]:
+    """Dependencies by the rule itself, one ``keys_of`` per action."""
+    actions = list(itertools.chain.from_iterable(schedule.ranks))
+    index = {a: i for i, a in enumerate(actions)}
+    keys_of = Dependencies(schedule, present=index).keys_of
+    return [[index.get(key, len(actions)) for key in keys_of(a)] for a in actions]
+
+
+def _variants(schedule: Schedule, data: st.DataObject) -> list[Schedule]:
+    """The schedule bare, offloaded (RELOAD or FETCH, with waits), recomputed, with explicit
+    SEND / RECV, and broken: an action dropped, one moved to another rank, one renamed out of
+    range."""
+    policy = OffloadPolicy(fetch_on_use=data.draw(st.booleans()))
+    offloaded = plan_schedule(schedule.name, schedule.num_ranks, schedule.microbatches, "all",
+                              costs=CostModel(offload_ratio=0.5), policy=policy,
+                              **_options(schedule)).schedule
+    out = [schedule, offloaded, with_comms(offloaded),
+           add_recompute(schedule, target="fraction:0.5").schedule]
+    rows = [list(actions) for actions in offloaded.ranks]
+    rank = data.draw(st.integers(0, len(rows) - 1))
+    position = data.draw(st.integers(0, len(rows[rank]) - 1))
+    dropped = [list(r) for r in rows]
+    del dropped[rank][position]
+    moved = [list(r) for r in rows]
+    moved[(rank + 1) % len(rows)].insert(0, moved[rank].pop(position))
+    stage, kind, mb = rows[rank][position]
+    renamed = [list(r) for r in rows]
+    renamed[rank][position] = Action(stage, kind, mb + schedule.microbatches)
+    out += [offloaded.with_ranks(r) for r in (dropped, moved, renamed)]
+    return out
+
+
+def _options(schedule: Schedule) -> dict[str, int]:
+    if schedule.name in ("interleaved-1f1b", "grouped-interleaved"):
+        return {"chunks": schedule.num_stages // schedule.num_ranks}
+    return {}
+
+
+@slow
+@given(schedules, st.data())
+def test_dense_numbering_names_the_dependencies_keys_of_names(schedule, data):
+    for variant in _variants(schedule, data):
+        numbered = number(variant)
+        if numbered.repeated:
+            continue
+        assert numbered.needs == _keys_of_needs(variant), variant.name
+        actions = list(itertools.chain.from_iterable(variant.ranks))
+        dense = _dense_needs(variant, actions)
+        assert dense is None or dense == numbered.needs
+
+
+def test_dense_numbering_steps_aside_where_it_does_not_apply():
+    base = build_schedule("1f1b", 2, 2)
+    far = Action(0, Kind.F, 7)  # microbatch out of range: the per-kind lists would not hold it
+    broken = base.with_ranks([[*base.ranks[0], far], list(base.ranks[1])])
+    assert _dense_needs(broken, list(itertools.chain.from_iterable(broken.ranks))) is None
+    assert number(broken).needs == _keys_of_needs(broken)
+
+
+@slow
+@given(schedules, costs, st.sampled_from(["all", "limit:1", "fraction:0.5"]), st.booleans())
+def test_simulated_memory_and_compute_equal_the_timeline_accounting(schedule, cost, target,
+                                                                   fetch):
+    plan = plan_schedule(schedule.name, schedule.num_ranks, schedule.microbatches, target,
+                         costs=cost, policy=OffloadPolicy(fetch_on_use=fetch),
+                         **_options(schedule))
+    for planned in (plan.schedule, add_recompute(schedule, cost, "fraction:0.5").schedule):
+        result = simulate(planned, cost)
+        units = activation_units(planned, cost)
+        for rank, timeline in enumerate(result.timeline):
+            points, top = curve(memory_changes(planned, timeline, cost), units)
+            assert result.memory[rank] == points
+            assert result.peak_activation[rank] == top
+            compute = sum([t.end - t.start for t in timeline
+                           if t.action.kind in (Kind.F, Kind.I, Kind.W, Kind.B)])
+            assert result.compute_time[rank] == compute
