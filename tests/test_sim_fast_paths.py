@@ -124,3 +124,10 @@ def test_simulated_memory_and_compute_equal_the_timeline_accounting(schedule, co
             compute = sum([t.end - t.start for t in timeline
                            if t.action.kind in (Kind.F, Kind.I, Kind.W, Kind.B)])
             assert result.compute_time[rank] == compute
+
+
+def test_dense_numbering_never_allocates_for_declared_but_absent_microbatches():
+    base = build_schedule("1f1b", 2, 2)
+    huge = Schedule(base.ranks, base.stage_to_rank, 10**13)  # a CSV may declare this many
+    assert _dense_needs(huge, list(itertools.chain.from_iterable(huge.ranks))) is None
+    assert number(huge).needs == _keys_of_needs(huge)

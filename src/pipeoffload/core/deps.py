@@ -103,6 +103,7 @@ _LOCAL_INPUTS = (_RELOAD, _FETCH, _RECOMPUTE)
 _DEPENDENT = frozenset({_F, _I, _W, _B, _SEND_F, _RECV_F, _SEND_B, _RECV_B, _OFFLOAD,
                         _RELOAD, _FETCH, _OFFLOAD_WAIT, _RECOMPUTE})
 _STAGE, _MICROBATCH = operator.itemgetter(0), operator.itemgetter(2)
+_REPEATED: list[list[int]] = []  # _dense_needs found an action twice (compared by identity)
 
 
 @dataclass(frozen=True)
@@ -112,14 +113,19 @@ class Numbered:
     (``len(actions)`` for one the schedule lacks, which never completes). The validator's walk,
     the simulator and the compute-only pass all start from this; ``Schedule.numbered`` keeps
     it with the schedule so that they number it once. ``repeated``: some action appears twice
-    (then ``index`` keeps its last position and ``needs`` is not meaningful)."""
+    (then ``index`` keeps its last position and ``needs`` is empty)."""
 
     actions: list[Action]
-    index: dict[Action, int]
     first: list[int]
     owner: list[int]
     needs: list[list[int]]
     repeated: bool
+
+    @functools.cached_property
+    def index(self) -> dict[Action, int]:
+        """action -> its index (made on first use: numbering itself needs no lookup by action
+        where ``_dense_needs`` applies)."""
+        return dict(zip(self.actions, range(len(self.actions))))
 
     @functools.cached_property
     def walk(self) -> tuple[list[int], list[int]]:
@@ -156,31 +162,37 @@ class Numbered:
 def number(schedule: Schedule) -> Numbered:
     """``schedule`` numbered (see Numbered); read it as ``schedule.numbered``."""
     actions = list(itertools.chain.from_iterable(schedule.ranks))
-    index = dict(zip(actions, range(len(actions))))
     first = [0]
     for acts in schedule.ranks:
         first.append(first[-1] + len(acts))
     owner = [r for r, acts in enumerate(schedule.ranks) for _ in acts]
-    repeated = len(index) != len(actions)
+    dense = _dense_needs(schedule, actions)
+    if dense is not None:
+        return Numbered(actions, first, owner, dense or [], dense is _REPEATED)
+    index = dict(zip(actions, range(len(actions))))
     needs: list[list[int]] = []
+    repeated = len(index) != len(actions)
     if not repeated:
-        needs = _dense_needs(schedule, actions)
-        if needs is None:
-            keys_of = Dependencies(schedule, present=index).keys_of
-            get, otherwise = index.get, itertools.repeat(len(actions))
-            needs = [list(map(get, keys_of(a), otherwise)) for a in actions]
-    return Numbered(actions, index, first, owner, needs, repeated)
+        keys_of = Dependencies(schedule, present=index).keys_of
+        get, otherwise = index.get, itertools.repeat(len(actions))
+        needs = [list(map(get, keys_of(a), otherwise)) for a in actions]
+    numbered = Numbered(actions, first, owner, needs, repeated)
+    numbered.__dict__["index"] = index  # made already: the cached property's value
+    return numbered
 
 
 def _dense_needs(schedule: Schedule, actions: list[Action]) -> list[list[int]] | None:
     """``Dependencies.keys_of`` of every action as indices, looked up in one list per kind
     indexed by ``microbatch * stages + stage`` instead of hashing an action per dependency
-    (about twice as fast at 10^6 actions). None where that does not apply: a stage or
-    microbatch out of range, a marker (the caller then asks ``keys_of``). The rule is the one
-    of ``keys_of``; tests/test_deps.py checks that the two agree."""
+    (about twice as fast at 10^6 actions); ``_REPEATED`` if an action appears twice. None
+    where that does not apply: a stage or microbatch out of range, a marker, far more
+    (stage, microbatch) slots than actions (the caller then asks ``keys_of``). The rule is the one of ``keys_of``; tests/test_sim_fast_paths.py checks
+    that the two agree."""
     stages, count, missing = schedule.num_stages, schedule.microbatches, len(actions)
     if not actions:
         return []
+    if stages * count > 2 * len(actions) + 64:  # sparse (a CSV may declare 10^13 microbatches)
+        return None
     try:
         if (min(map(_STAGE, actions)) < 0 or max(map(_STAGE, actions)) >= stages
                 or min(map(_MICROBATCH, actions)) < 0
@@ -195,7 +207,10 @@ def _dense_needs(schedule: Schedule, actions: list[Action]) -> list[list[int]] |
             if kind not in _DEPENDENT:
                 return None
             slots = at[kind] = [missing] * (stages * count)
-        slots[m * stages + s] = i
+        k = m * stages + s
+        if slots[k] != missing:
+            return _REPEATED
+        slots[k] = i
     none = [missing] * (stages * count)
     forward, split, full = at.get(_F, none), at.get(_I), at.get(_B, none)
     recv_f, recv_b = at.get(_RECV_F), at.get(_RECV_B)

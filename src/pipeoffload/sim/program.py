@@ -53,12 +53,12 @@ class Program:
         numbered = schedule.numbered  # kept with the schedule: numbered once (core/deps.py)
         if numbered.repeated:
             self._reject_repeats(schedule)
-        actions, index, missing = numbered.actions, numbered.index, len(numbered.actions)
-        self.schedule, self.actions, self.index = schedule, actions, index
+        actions = numbered.actions
+        self.schedule, self.actions, self._numbered = schedule, actions, numbered
         self.first, self.owner, self.needs = numbered.first, numbered.owner, numbered.needs
         # What depends on the kind (and stage) only is looked up in tables, not asked of each
         # action (Note: [hot loops], core/actions.py).
-        fetch, forward, read_pass = Kind.FETCH, Kind.F, Step.READ_PASS
+        fetch, read_pass = Kind.FETCH, Step.READ_PASS
         kinds = list(map(_KIND, actions))
         self.step = list(map(_STEPS.__getitem__, kinds))
         fetched = {(s, m) for s, kind, m in actions if kind is fetch}
@@ -87,7 +87,12 @@ class Program:
             self.channel[i] = channels[(self.owner[i], queue)]
             self.copy_time[i] = copy_times[(stage, queue)]
             if step is _COPY_OUT:
-                self.source[i] = index.get((stage, forward, microbatch), missing)
+                self.source[i] = self.needs[i][0]  # an OFFLOAD's one dependency: its F
+
+    @property
+    def index(self) -> dict[Action, int]:
+        """action -> its index."""
+        return self._numbered.index
 
     @staticmethod
     def _reject_repeats(schedule: Schedule) -> None:
