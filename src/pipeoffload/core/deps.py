@@ -186,8 +186,8 @@ def _dense_needs(schedule: Schedule, actions: list[Action]) -> list[list[int]] |
     indexed by ``microbatch * stages + stage`` instead of hashing an action per dependency
     (about twice as fast at 10^6 actions); ``_REPEATED`` if an action appears twice. None
     where that does not apply: a stage or microbatch out of range, a marker, far more
-    (stage, microbatch) slots than actions (the caller then asks ``keys_of``). The rule is the one of ``keys_of``; tests/test_sim_fast_paths.py checks
-    that the two agree."""
+    (stage, microbatch) slots than actions (the caller then asks ``keys_of``). The rule is
+    the one of ``keys_of``; tests/test_sim_fast_paths.py checks that the two agree."""
     stages, count, missing = schedule.num_stages, schedule.microbatches, len(actions)
     if not actions:
         return []

@@ -143,7 +143,6 @@ _COMPUTE_PASSES = frozenset({Kind.F, Kind.I, Kind.W, Kind.B})  # what compute_ti
 _COUNTED = {kind: kind in _COMPUTE_PASSES for kind in Kind}
 _KIND = operator.itemgetter(1)
 _BY_START_END = operator.itemgetter(2, 3)  # a TimedAction's (start, end)
-_END = operator.itemgetter(3)
 # TimedAction from a full tuple of its fields, without NamedTuple's Python-level __new__.
 _timed_action = functools.partial(tuple.__new__, TimedAction)
 # The steps as module names (Note: [hot loops], core/actions.py).
@@ -161,6 +160,8 @@ class _Run(NamedTuple):
     passes: list[list[float]]
     started: list[float]
     ended: list[float]
+    """Its largest is the timeline's latest end: a FETCH marker ends when its rank reaches it
+    or its copy out ends, whichever is later, and a FETCH read before its pass ends."""
 
 
 def _run(program: Program, costs: CostModel) -> _Run:
@@ -390,7 +391,7 @@ def _summarise(schedule: Schedule, costs: CostModel, run: _Run, program: Program
         peaks.append(top)
         if have_bytes:
             peak_bytes.append(peak(changes, byte_sizes))  # type: ignore[arg-type]
-    makespan = max((max(map(_END, rank)) for rank in timed if rank), default=0.0)
+    makespan = max(run.ended, default=0.0)  # as the timeline's: see _Run
     compute = tuple(map(sum, run.passes))
     bubble = 1.0 - sum(compute) / (schedule.num_ranks * makespan) if makespan > 0 else 0.0
     return SimResult(
