@@ -2,6 +2,8 @@
 - core/deps.py numbers dependencies from per-kind lists (``_dense_needs``) where the schedule's
   stages and microbatches are in range, else by asking ``Dependencies.keys_of`` per action:
   both must name the same dependencies, on valid schedules and on broken ones;
+- validate checks each (stage, microbatch)'s kinds in a list of masks where pairs are dense,
+  else in a dict of the pairs present: both must reject alike;
 - the simulator reads memory changes off its own arrays (``rank_changes``) and sums compute
   as it places it: both must equal what ``memory_changes`` and the sorted timeline give.
 """
@@ -17,6 +19,12 @@ from pipeoffload.api import build_schedule, plan_schedule, schedule_names
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.deps import Dependencies, _dense_needs, number
 from pipeoffload.core.schedule import Schedule
+from pipeoffload.core.validate import (
+    _check_dense_counts,
+    _check_indices_and_placement,
+    _check_sparse_counts,
+)
+from pipeoffload.errors import ScheduleError
 from pipeoffload.offload.plan import OffloadPolicy
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.runtime.lowering import with_comms
@@ -131,3 +139,40 @@ def test_dense_numbering_never_allocates_for_declared_but_absent_microbatches():
     huge = Schedule(base.ranks, base.stage_to_rank, 10**13)  # a CSV may declare this many
     assert _dense_needs(huge, list(itertools.chain.from_iterable(huge.ranks))) is None
     assert number(huge).needs == _keys_of_needs(huge)
+
+
+@slow
+@given(schedules, st.data())
+def test_dense_and_sparse_count_checks_reject_alike(schedule, data):
+    """validate's per-pair checks by a list of masks and by a dict of the pairs present
+    accept and reject the same schedules with the same message."""
+    for variant in _variants(schedule, data) + _count_breakers(schedule, data):
+        try:
+            _check_indices_and_placement(variant)  # what validate checks before the counts
+        except ScheduleError:
+            continue
+        outcomes = []
+        for check in (_check_dense_counts,
+                      lambda s: _check_sparse_counts(s, sum(map(len, s.ranks)))):
+            try:
+                check(variant)
+                outcomes.append(None)
+            except ScheduleError as error:
+                outcomes.append(str(error))
+        assert outcomes[0] == outcomes[1]
+
+
+def _count_breakers(schedule: Schedule, data: st.DataObject) -> list[Schedule]:
+    """An action repeated, one turned into another kind, and a whole microbatch dropped."""
+    rows = [list(actions) for actions in schedule.ranks]
+    rank = data.draw(st.integers(0, len(rows) - 1))
+    position = data.draw(st.integers(0, len(rows[rank]) - 1))
+    stage, _, mb = rows[rank][position]
+    repeated = [list(r) for r in rows]
+    repeated[rank].append(rows[rank][position])
+    kind = data.draw(st.sampled_from([Kind.F, Kind.I, Kind.W, Kind.B, Kind.OFFLOAD,
+                                      Kind.RELOAD, Kind.FETCH, Kind.RECOMPUTE]))
+    retyped = [list(r) for r in rows]
+    retyped[rank][position] = Action(stage, kind, mb)
+    dropped = [[a for a in r if a.microbatch != mb] for r in rows]
+    return [schedule.with_ranks(r) for r in (repeated, retyped, dropped)]

@@ -78,10 +78,19 @@ _BIT = {kind: 1 << i for i, kind in enumerate(Kind)}
 def _check_counts(schedule: Schedule) -> None:
     """Each action once; each (stage, microbatch) on a route has a forward, one backward and
     consistent transfers (``_pair_problem``). Kinds per pair are gathered as bit masks, so the
-    rules run once per distinct mask; pairs with no action at all are found as gaps in each
-    stage's sorted microbatches, so the work follows the actions present, never the product
-    of stages and microbatches (a CSV cell can name microbatch 10^13)."""
+    rules run once per distinct mask. The work follows the actions present, never more than
+    twice their number: pairs are visited one by one only when there are at most that many
+    (``_check_dense_counts``), else missing ones are found as gaps in each stage's sorted
+    microbatches (a CSV may declare 10^13 microbatches)."""
     total = sum(map(len, schedule.ranks))
+    if schedule.num_stages * schedule.microbatches <= 2 * total:
+        _check_dense_counts(schedule)
+    else:
+        _check_sparse_counts(schedule, total)
+
+
+def _check_sparse_counts(schedule: Schedule, total: int) -> None:
+    """``_check_counts`` by a dict of the pairs present (a CSV may declare far more)."""
     present = set(itertools.chain.from_iterable(schedule.ranks))
     if len(present) != total:
         _duplicate(schedule)
@@ -111,6 +120,31 @@ def _check_counts(schedule: Schedule) -> None:
                 _explain_pair(schedule, stage, mb, _kinds(mask))
         if missing is not None:
             _explain_pair(schedule, stage, missing, frozenset())
+
+
+def _check_dense_counts(schedule: Schedule) -> None:
+    """``_check_counts`` where there are at least half as many actions as (stage, microbatch)
+    pairs (every schedule that can pass has two per pair): masks in one list indexed by
+    ``microbatch * stages + stage``, a kind seen twice in a pair is a repeated action, and
+    pairs are checked stage by stage in microbatch order, as ``_check_counts`` reports them.
+    Indices were checked in range before (``_check_indices_and_placement``)."""
+    stages = schedule.num_stages
+    masks = [0] * (stages * schedule.microbatches)
+    bit = _BIT
+    for stage, kind, mb in itertools.chain.from_iterable(schedule.ranks):
+        k = mb * stages + stage
+        if masks[k] & bit[kind]:
+            _duplicate(schedule)
+        masks[k] |= bit[kind]
+    verdict: dict[int, bool] = {}
+    for stage in range(stages):
+        for mb in _microbatches_of(schedule, stage):
+            mask = masks[mb * stages + stage]
+            ok = verdict.get(mask)
+            if ok is None:
+                ok = verdict[mask] = _pair_problem(stage, mb, _kinds(mask)) is None
+            if not ok:
+                _explain_pair(schedule, stage, mb, _kinds(mask))
 
 
 def _microbatches_of(schedule: Schedule, stage: int) -> range:
