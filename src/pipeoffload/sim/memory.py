@@ -4,7 +4,7 @@ runtime's meter (design.md), read off a simulated timeline."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate, chain
+from itertools import accumulate, chain, compress, count
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,7 @@ Change = tuple[float, float, int, float]
 """(time, program order, stage, factor): the stage's activation size times ``factor`` (+1 when
 it is allocated, -1 when freed, a share while it streams out) changes the level at ``time``."""
 
-_TIME = itemgetter(0)
+_TIME, _KIND = itemgetter(0), itemgetter(1)
 # The kinds as module names (Note: [hot loops], core/actions.py).
 _F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B
 _OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.RECOMPUTE
@@ -77,36 +77,25 @@ def rank_changes(actions: Sequence[Action], start: Sequence[float], end: Sequenc
     ``actions[i]`` ran (read for F, W, B, RECOMPUTE, OFFLOAD and RELOAD only), and
     ``copy_seconds[s]`` is stage s's OFFLOAD time. The simulator calls it with its own arrays
     (no timeline lookups); ``memory_changes`` with a timeline's."""
-    copy_of: dict[int, int] = {}  # an offloaded F's position -> its OFFLOAD's
+    copies: dict[tuple[int, int], int] = {}  # an offloaded (s, m) -> its OFFLOAD's position
+    reloads: dict[tuple[int, int], int] = {}  # a reloaded (s, m) -> its RELOAD's position
     fetched: set[tuple[int, int]] = set()
     recomputed: set[tuple[int, int]] = set()
-    first_backward: dict[tuple[int, int], int] = {}  # where a copy back allocates
-    moved = [i for i, (_, kind, _) in enumerate(actions) if kind in _MOVED]
-    if moved:
-        forward_at: dict[tuple[int, int], int] = {}
-        reloads = False
-        for i in moved:
-            s, kind, m = actions[i]
-            if kind is _OFFLOAD:
-                forward_at[(s, m)] = i
-            elif kind is _RELOAD:
-                reloads = True
-            elif kind is _FETCH:
-                fetched.add((s, m))
-            else:
-                recomputed.add((s, m))
-        for i, (s, kind, m) in enumerate(actions):
-            if kind is _F and forward_at:
-                copy = forward_at.get((s, m))
-                if copy is not None:
-                    copy_of[i] = copy
-            elif reloads and (kind is _I or kind is _B):
-                first_backward.setdefault((s, m), 2 * i)
+    for i in compress(count(), map(_MOVED.__contains__, map(_KIND, actions))):
+        s, kind, m = actions[i]
+        if kind is _OFFLOAD:
+            copies[(s, m)] = i
+        elif kind is _RELOAD:
+            reloads[(s, m)] = i
+        elif kind is _FETCH:
+            fetched.add((s, m))
+        else:
+            recomputed.add((s, m))
     changes: list[Change] = []
     add = changes.append
     for i, (s, kind, m) in enumerate(actions):
         if kind is _F:
-            copy = copy_of.get(i) if copy_of else None
+            copy = copies.get((s, m)) if copies else None
             if copy is not None:
                 part = streamed_fraction(start[i], end[i], start[copy], copy_seconds[s])
                 add((start[i], 2 * i, s, part))
@@ -118,8 +107,13 @@ def rank_changes(actions: Sequence[Action], start: Sequence[float], end: Sequenc
                 add((end[i], 2 * i + 1, s, -1.0))
         elif kind is _RECOMPUTE:
             add((start[i], 2 * i, s, 1.0))
-        elif kind is _RELOAD:
-            add((start[i], first_backward.get((s, m), 2 * i) - 0.5, s, 1.0))
+        if reloads and (kind is _I or kind is _B):
+            # A copy back allocates right before the first backward pass of its (s, m).
+            copy = reloads.pop((s, m), None)
+            if copy is not None:
+                add((start[copy], 2 * i - 0.5, s, 1.0))
+    for (s, _), copy in reloads.items():  # without a backward pass: where it is
+        add((start[copy], 2 * copy - 0.5, s, 1.0))
     # (time, order) is unique, so a plain tuple sort never compares further and is the
     # sort by time and order, without a key tuple per change.
     changes.sort()
