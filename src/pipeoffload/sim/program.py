@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 from enum import IntEnum
+from itertools import compress, count
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.errors import ScheduleError
@@ -79,10 +80,9 @@ class Program:
                     for rank in range(schedule.num_ranks) for queue in set(queue_of.values())}
         copy_times = {(stage, queue): costs.transfer_time(stage, queue)
                       for stage in stages for queue in set(queue_of.values())}
-        for i, step in enumerate(self.step):
-            if step is _RUN or step is _FETCH_MARK:
-                continue
-            stage, _, microbatch = actions[i]
+        for i in compress(count(), map(queue_of.__contains__, self.step)):  # copies, reads
+            step = self.step[i]
+            stage = actions[i][0]
             queue = queue_of[step]
             self.channel[i] = channels[(self.owner[i], queue)]
             self.copy_time[i] = copy_times[(stage, queue)]
