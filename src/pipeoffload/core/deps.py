@@ -24,6 +24,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.collector import cyclic_gc_paused
 from pipeoffload.core.schedule import Schedule
 
 
@@ -161,6 +162,11 @@ class Numbered:
 
 def number(schedule: Schedule) -> Numbered:
     """``schedule`` numbered (see Numbered); read it as ``schedule.numbered``."""
+    with cyclic_gc_paused():  # one list per action, no cycles: collections would rescan them
+        return _number(schedule)
+
+
+def _number(schedule: Schedule) -> Numbered:
     actions = list(itertools.chain.from_iterable(schedule.ranks))
     first = [0]
     for acts in schedule.ranks:

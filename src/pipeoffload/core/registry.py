@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any
 
+from pipeoffload.core.collector import cyclic_gc_paused
 from pipeoffload.core.errors import ConfigError
 from pipeoffload.core.families import (
     dualpipe,
@@ -113,4 +114,5 @@ def build_schedule(name: str, pp: int, microbatches: int, **options: Any) -> Sch
             f"{spec.name} has no option {', '.join(unknown)} (it would have no effect); "
             f"its options: {accepted}"
         )
-    return spec.build(pp, microbatches, **options)
+    with cyclic_gc_paused():  # 10^5 actions, no cycles (core/collector.py)
+        return spec.build(pp, microbatches, **options)
