@@ -253,17 +253,19 @@ def _run(program: Program, costs: CostModel) -> _Run:
                 elif overlap is not None and is_forward[j]:
                     pointer[rank] = i  # where pair_factor looks for the partner
                     took *= pair_factor(rank, j, ready)
-                waited = 0.0
-                if is_compute[j]:
+                done = ready + took  # finish(), inlined: this is the path most actions take
+                if is_compute[j]:  # compute blocks the rank's program
                     waited = ready - other
                     stalled += waited
-                if blocks[j]:
-                    now = ready + took
+                    now = done
+                    if counted[j]:
+                        spent(done - ready)
+                else:
+                    waited = 0.0
+                    if blocks[j]:
+                        now = done
                 began[j] = ready
-                done = ready + took  # finish(), inlined: this is the path most actions take
                 record(_timed_action((rank, actions[j], ready, done, lane[j], waited)))
-                if counted[j]:
-                    spent(done - ready)
                 end[j] = done
                 woken = waiting.pop(j, None)
                 if woken:
