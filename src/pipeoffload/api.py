@@ -60,7 +60,7 @@ def plan_schedule(
     **options: Any,
 ) -> OffloadPlan:
     """Build schedule ``name`` and plan ``offload`` into it; returns the plan and its report."""
-    with cyclic_gc_paused():  # building makes 10^5 actions and no cycles (sim/collector.py)
+    with cyclic_gc_paused():  # building makes 10^5 actions and no cycles (core/collector.py)
         return _plan_schedule(name, pp, microbatches, offload, costs, offload_ratio, policy,
                               options)
 
