@@ -24,15 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import accumulate, compress
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
-from pipeoffload.core.actions import Kind
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.report import OffloadPlan
 from pipeoffload.offload.select import Item
 from pipeoffload.offload.targets import OffloadTarget
 from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.memory import Change, memory_changes, streamed_fraction
+from pipeoffload.sim.memory import streamed_fraction
 from pipeoffload.sim.simulator import SimResult
 
 if TYPE_CHECKING:
@@ -40,10 +41,11 @@ if TYPE_CHECKING:
 
 Outcome = tuple[Schedule, SimResult, dict[Item, str]]
 _TOLERANCE = 1e-9  # a peak this far above the limit still meets it (float sums)
+_WEIGHT, _TAG = itemgetter(3), itemgetter(4)  # of a (time, order, place, weight, tag) change
 
 # The kinds as module names (Note: [hot loops], core/actions.py).
 _F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B
-_OFFLOAD, _RELOAD = Kind.OFFLOAD, Kind.RELOAD
+_OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.RECOMPUTE
 
 
 def plan_limit(planner: _Planner, target: OffloadTarget) -> OffloadPlan:
@@ -166,87 +168,92 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
     """The rank's memory changes in ``result`` (tagged ``len(items)``: always counted) and, for
     each offloaded item at index i of ``items``, the changes that keep it on the device from its
     F to its last backward instead (tagged i: counted while i is outside the prefix), ordered as
-    sim/memory.py orders them (by time, then program order)."""
-    timeline = result.timeline[rank]
-    forward, copy_out, copy_back, last_pass = {}, {}, {}, {}
-    for t in timeline:
-        s, kind, m = t.action
-        if kind is _F:
-            forward[(s, m)] = t
-        elif kind is _OFFLOAD:
-            copy_out[(s, m)] = t
-        elif kind is _RELOAD:
-            copy_back[(s, m)] = t
-        elif kind is _W or kind is _B:
-            last_pass[(s, m)] = t
-    order: dict[Item, int] = {}  # where each F is in the program
+    sim/memory.py orders them (by time, then program order).
+
+    The untagged changes are sim/memory.py's ``memory_changes`` (its notes [memory accounting]
+    and [streaming offload]), made here in the one read of the timeline that also finds the
+    tagged ones (tests/test_offload_limit_exact.py holds them to ``memory_changes``). Each
+    tagged change but a fetched item's free has the time and order key of the change it cancels
+    (its twin) and goes right before it when its weight is not larger (the order a sort by
+    (time, order, weight, tag) gives: a cancelled pair never shows as a spike), else right
+    after: the third key below. Assumes what validate checks: each item has one I or one B.
+    Order keys are sim/memory.py's halved (action i's start i, its end i + 0.5, a copy out's
+    end i + 0.25, a copy back's start j - 0.25 for its backward j): the same order.
+    """
+    order = _program_order(schedule, result, rank)
+    forwards: list[tuple[float, float, int, int, Item]] = []
+    copies: dict[Item, tuple[float, float]] = {}
+    reloads: list[tuple[float, int, Item, Action]] = []
+    passes: list[tuple[float, int, int, Item]] = []  # W / B ends: (end, order, stage, item)
     first_backward: dict[Item, int] = {}  # where a copy back allocates
-    last_order: dict[Item, int] = {}  # where the last backward pass is
-    for i, (s, kind, m) in enumerate(schedule.ranks[rank]):
+    fetched: set[Item] = set()
+    recomputes: list[tuple[float, int, int, Item]] = []
+    # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not read by name.
+    for _, action, start, end, _, _ in result.timeline[rank]:
+        s, kind, m = action
         if kind is _F:
-            order[(s, m)] = 2 * i
+            forwards.append((start, end, order[action], s, (s, m)))
         elif kind is _I:
-            first_backward[(s, m)] = 2 * i
-        elif kind is _B:
-            first_backward.setdefault((s, m), 2 * i)
-            last_order[(s, m)] = 2 * i
+            first_backward[(s, m)] = order[action]
         elif kind is _W:
-            last_order[(s, m)] = 2 * i
-    # Each tagged change but a fetched item's free has the time and order key of the change it
-    # cancels (its twin; sim/memory.py gives each change its own order key), so it is written
-    # next to its twin instead of sorting every change again: before it when its weight is not
-    # larger (the order a sort by (time, order, weight, tag) gives: a cancelled pair never
-    # shows as a spike), else after it. The fetched frees have no twin; they are merged in.
-    twins: dict[float, tuple[float, int]] = {}  # a twin's order key -> (weight, tag)
-    alone: list[tuple[float, float, float, int]] = []
-    for index, item in enumerate(items):
-        copy = copy_out.get(item)
+            passes.append((end, order[action] + 0.5, s, (s, m)))
+        elif kind is _OFFLOAD:
+            copies[(s, m)] = (start, end)
+        elif kind is _RELOAD:
+            reloads.append((start, s, (s, m), action))
+        elif kind is _B:
+            at = first_backward[(s, m)] = order[action]
+            passes.append((end, at + 0.5, s, (s, m)))
+        elif kind is _FETCH:
+            fetched.add((s, m))
+        elif kind is _RECOMPUTE:
+            recomputes.append((start, order[action], s, (s, m)))
+    always = len(items)
+    tag_of = {item: index for index, item in enumerate(items)}
+    recomputed = {item for _, _, _, item in recomputes}
+    copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s in {s for s, _ in copies}}
+    entries: list[tuple[float, float, int, float, int]] = []  # (time, order, place, weight, tag)
+    add = entries.append
+    tagged: dict[Item, int] = {}  # offloaded items of ``items`` -> their tags
+    for start, end, at, s, item in forwards:
+        copy = copies.get(item) if copies else None
         if copy is None:
+            if item not in recomputed:
+                add((start, at, 1, sizes[s], always))
             continue
-        s = item[0]
-        f = forward[item]
-        at = order[item]
-        part = streamed_fraction(f.start, f.end, copy.start, costs.transfer_time(s, _OFFLOAD))
         size = sizes[s]
-        twins[at] = (size * (1.0 - part), index)
-        twins[at + 0.5] = (size * part, index)
-        if item in copy_back:
-            twins[first_backward[item] - 0.5] = (-size, index)
-        else:  # fetched: on the device until its last backward pass ends
-            alone.append((last_pass[item].end, last_order[item] + 1, -size, index))
-    alone.sort()
-    return _merged(memory_changes(schedule, timeline, costs), sizes, twins, alone, len(items))
+        part = streamed_fraction(start, end, copy[0], copy_time[s])
+        held, freed = size * part, size * -part
+        add((start, at, 1, held, always))
+        add((copy[1], at + 0.25, 1, freed, always))
+        tag = tag_of.get(item)
+        if tag is not None:
+            kept = size * (1.0 - part)
+            add((start, at, 0 if kept <= held else 2, kept, tag))
+            add((copy[1], at + 0.25, 0 if held <= freed else 2, held, tag))
+            tagged[item] = tag
+    for start, s, item, action in reloads:
+        size = sizes[s]
+        at = first_backward[item] if item in first_backward else order[action]
+        add((start, at - 0.25, 1, size, always))
+        tag = tagged.pop(item, None)
+        if tag is not None:
+            add((start, at - 0.25, 0 if -size <= size else 2, -size, tag))
+    for end, at, s, item in passes:
+        if not fetched or item not in fetched:
+            add((end, at, 1, -sizes[s], always))
+        if item in tagged:  # offloaded, fetched: on the device until its last pass ends
+            add((end, at, 2, -sizes[s], tagged[item]))
+    for start, at, s, _ in recomputes:
+        add((start, at, 1, sizes[s], always))
+    entries.sort()
+    return list(map(_WEIGHT, entries)), list(map(_TAG, entries))
 
 
-def _merged(changes: Sequence[Change], sizes: Sequence[float],
-            twins: dict[float, tuple[float, int]],
-            alone: Sequence[tuple[float, float, float, int]], always: int
-            ) -> tuple[list[float], list[int]]:
-    """The weights and tags of the rank's ``changes`` (tagged ``always``), each preceded or
-    followed by its tagged twin, and the sorted ``alone`` changes merged in by time and order."""
-    weights: list[float] = []
-    tags: list[int] = []
-    weight_of, tag_of = weights.append, tags.append
-    pending = iter(alone)
-    next_alone = next(pending, None)
-    for time, at, stage, factor in changes:
-        while next_alone is not None and (next_alone[0], next_alone[1]) < (time, at):
-            weight_of(next_alone[2])
-            tag_of(next_alone[3])
-            next_alone = next(pending, None)
-        weight = sizes[stage] * factor
-        twin = twins.get(at)
-        if twin is not None and twin[0] <= weight:
-            weight_of(twin[0])
-            tag_of(twin[1])
-            twin = None
-        weight_of(weight)
-        tag_of(always)
-        if twin is not None:
-            weight_of(twin[0])
-            tag_of(twin[1])
-    while next_alone is not None:
-        weight_of(next_alone[2])
-        tag_of(next_alone[3])
-        next_alone = next(pending, None)
-    return weights, tags
+def _program_order(schedule: Schedule, result: SimResult, rank: int) -> dict[Action, int]:
+    """action -> a number increasing along the rank's program: the simulation's own numbering
+    when it ran ``schedule`` (no dictionary to build), else the action's place."""
+    program = result.program
+    if program is not None and program.schedule is schedule:
+        return program.index
+    return {action: i for i, action in enumerate(schedule.ranks[rank])}
