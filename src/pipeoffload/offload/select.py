@@ -37,16 +37,20 @@ class Lifespans:
                           for m in range(schedule.microbatches)]
         self.lifespan: dict[Item, float] = {}
         self.by_rank: list[list[Item]] = []
+        lifespan = self.lifespan
         for actions in schedule.ranks:
-            items = [(a.stage, a.microbatch) for a in actions if a.kind is _F]
-            for item in items:
-                end = freed_w[item] if item in freed_w else freed_b[item]
-                self.lifespan[item] = end - born[item]
             # Equal lifespans (a steady state) are taken in bit-reversed microbatch order, so
             # any prefix spreads evenly over time and lowers the whole plateau, not one end.
-            items.sort(key=lambda it: (-round(self.lifespan[it], 9), reversed_order[it[1]],
-                                       it[0]))
-            self.by_rank.append(items)
+            # (Each item's key is its own: sorting (key, item) gives the order of the key.)
+            keyed = []
+            for s, kind, m in actions:
+                if kind is _F:
+                    item = (s, m)
+                    end = freed_w[item] if item in freed_w else freed_b[item]
+                    span = lifespan[item] = end - born[item]
+                    keyed.append((-round(span, 9), reversed_order[m], s, item))
+            keyed.sort()
+            self.by_rank.append([entry[3] for entry in keyed])
 
     def stages_by_lifespan(self, rank: int) -> list[int]:
         """The rank's stages (chunks), longest total lifespan first."""
