@@ -34,7 +34,7 @@ from pipeoffload.offload.select import Item
 from pipeoffload.offload.targets import OffloadTarget
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.memory import streamed_fraction
-from pipeoffload.sim.simulator import SimResult
+from pipeoffload.sim.simulator import SimResult, TimedAction
 
 if TYPE_CHECKING:
     from pipeoffload.offload.plan import _Planner
@@ -136,8 +136,7 @@ def _estimate(outcome: Outcome, rank: int, planner: _Planner, sizes: Sequence[fl
     schedule, result, _ = outcome
     items = planner.by_lifespan[rank]
     weights, tags = _tagged_changes(schedule, result, rank, items, sizes, planner.costs)
-    k = _shortest_prefix(weights, tags, lo, len(items), limit)
-    return k, _peak(weights, tags, k)
+    return _shortest_prefix(weights, tags, lo, len(items), limit)
 
 
 def _close(peak: float, foreseen: float | None) -> bool:
@@ -145,22 +144,38 @@ def _close(peak: float, foreseen: float | None) -> bool:
 
 
 def _shortest_prefix(weights: Sequence[float], tags: Sequence[int], lo: int, hi: int,
-                     limit: float) -> int:
-    """The least k in [lo, hi] whose ``_peak`` meets ``limit``, else hi (the peak falls as k
-    grows: each tagged group of changes only adds memory)."""
+                     limit: float) -> tuple[int, float]:
+    """The least k in [lo, hi] whose peak meets ``limit``, else hi, and that peak: the peak of
+    the curve of the changes left when those tagged below k (the first k items' not being
+    offloaded) are left out. The peak falls as k grows: each tagged group only adds memory.
+
+    Bisection; which changes count at k is kept in a bytearray that each step updates where
+    the tags between the old and the new k are, instead of comparing every tag again."""
+    at_tag: dict[int, list[int]] = {}  # tag -> where its changes are (tags < hi only)
+    for j, tag in enumerate(tags):
+        if tag < hi:
+            at_tag.setdefault(tag, []).append(j)
+    counted = bytearray(b"\x01") * len(tags)  # at k = 0 every change counts
+    k = 0
+    peaks: dict[int, float] = {}
+
+    def peak_at(mid: int) -> float:
+        nonlocal k
+        step = 1 if mid > k else 0  # left out (k rising) or counted again (k falling)
+        for tag in range(min(k, mid), max(k, mid)):
+            for j in at_tag.get(tag, ()):
+                counted[j] = 1 - step
+        k = mid
+        peaks[mid] = max(accumulate(compress(weights, counted), initial=0.0))
+        return peaks[mid]
+
     while lo < hi:
         mid = (lo + hi) // 2
-        if _peak(weights, tags, mid) <= limit:
+        if peak_at(mid) <= limit:
             hi = mid
         else:
             lo = mid + 1
-    return hi
-
-
-def _peak(weights: Sequence[float], tags: Sequence[int], k: int) -> float:
-    """The curve's peak when the changes tagged below ``k`` (those of the first k items' not
-    being offloaded) are left out."""
-    return max(accumulate(compress(weights, map(k.__le__, tags)), initial=0.0))
+    return hi, peaks[hi] if hi in peaks else peak_at(hi)
 
 
 def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Sequence[Item],
@@ -181,73 +196,104 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
     end i + 0.25, a copy back's start j - 0.25 for its backward j): the same order.
     """
     order = _program_order(schedule, result, rank)
-    forwards: list[tuple[float, float, int, int, Item]] = []
+    always = len(items)
+    freed = [-size for size in sizes]
+    forwards: list[tuple[float, float, int, int, int]] = []  # (start, end, order, s, m)
     copies: dict[Item, tuple[float, float]] = {}
-    reloads: list[tuple[float, int, Item, Action]] = []
-    passes: list[tuple[float, int, int, Item]] = []  # W / B ends: (end, order, stage, item)
-    first_backward: dict[Item, int] = {}  # where a copy back allocates
+    reloads: list[tuple[float, int, int, Action]] = []
+    # (time, order, place, weight, tag): the last backward passes' frees, as made here
+    ends: list[tuple[float, float, int, float, int]] = []
     fetched: set[Item] = set()
     recomputes: list[tuple[float, int, int, Item]] = []
+    timeline = result.timeline[rank]
     # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not read by name.
-    for _, action, start, end, _, _ in result.timeline[rank]:
+    for _, action, start, end, _, _ in timeline:
         s, kind, m = action
         if kind is _F:
-            forwards.append((start, end, order[action], s, (s, m)))
-        elif kind is _I:
-            first_backward[(s, m)] = order[action]
-        elif kind is _W:
-            passes.append((end, order[action] + 0.5, s, (s, m)))
+            forwards.append((start, end, order[action], s, m))
+        elif kind is _W or kind is _B:
+            ends.append((end, order[action] + 0.5, 1, freed[s], always))
         elif kind is _OFFLOAD:
             copies[(s, m)] = (start, end)
         elif kind is _RELOAD:
-            reloads.append((start, s, (s, m), action))
-        elif kind is _B:
-            at = first_backward[(s, m)] = order[action]
-            passes.append((end, at + 0.5, s, (s, m)))
+            reloads.append((start, s, m, action))
         elif kind is _FETCH:
             fetched.add((s, m))
         elif kind is _RECOMPUTE:
             recomputes.append((start, order[action], s, (s, m)))
-    always = len(items)
     tag_of = {item: index for index, item in enumerate(items)}
     recomputed = {item for _, _, _, item in recomputes}
     copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s in {s for s, _ in copies}}
-    entries: list[tuple[float, float, int, float, int]] = []  # (time, order, place, weight, tag)
-    add = entries.append
+    # The changes in four streams, each already in order (a rank's forwards, its copies out,
+    # copies back and last backward passes each run in time and program order), so that the
+    # sort below only merges them.
+    starts: list[tuple[float, float, int, float, int]] = []
+    copied: list[tuple[float, float, int, float, int]] = []
     tagged: dict[Item, int] = {}  # offloaded items of ``items`` -> their tags
-    for start, end, at, s, item in forwards:
+    for start, end, at, s, m in forwards:
+        item = (s, m)
         copy = copies.get(item) if copies else None
         if copy is None:
             if item not in recomputed:
-                add((start, at, 1, sizes[s], always))
+                starts.append((start, at, 1, sizes[s], always))
             continue
         size = sizes[s]
         part = streamed_fraction(start, end, copy[0], copy_time[s])
-        held, freed = size * part, size * -part
-        add((start, at, 1, held, always))
-        add((copy[1], at + 0.25, 1, freed, always))
+        held, out = size * part, size * -part
         tag = tag_of.get(item)
-        if tag is not None:
-            kept = size * (1.0 - part)
-            add((start, at, 0 if kept <= held else 2, kept, tag))
-            add((copy[1], at + 0.25, 0 if held <= freed else 2, held, tag))
-            tagged[item] = tag
-    for start, s, item, action in reloads:
+        if tag is None:
+            starts.append((start, at, 1, held, always))
+            copied.append((copy[1], at + 0.25, 1, out, always))
+            continue
+        tagged[item] = tag
+        kept = size * (1.0 - part)
+        if kept <= held:
+            starts += ((start, at, 0, kept, tag), (start, at, 1, held, always))
+        else:
+            starts += ((start, at, 1, held, always), (start, at, 2, kept, tag))
+        if held <= out:
+            copied += ((copy[1], at + 0.25, 0, held, tag), (copy[1], at + 0.25, 1, out, always))
+        else:
+            copied += ((copy[1], at + 0.25, 1, out, always), (copy[1], at + 0.25, 2, held, tag))
+    back: list[tuple[float, float, int, float, int]] = []
+    for start, s, m, action in reloads:
         size = sizes[s]
-        at = first_backward[item] if item in first_backward else order[action]
-        add((start, at - 0.25, 1, size, always))
-        tag = tagged.pop(item, None)
-        if tag is not None:
-            add((start, at - 0.25, 0 if -size <= size else 2, -size, tag))
-    for end, at, s, item in passes:
-        if not fetched or item not in fetched:
-            add((end, at, 1, -sizes[s], always))
-        if item in tagged:  # offloaded, fetched: on the device until its last pass ends
-            add((end, at, 2, -sizes[s], tagged[item]))
+        # A copy back allocates right before the item's first backward pass.
+        at = order.get((s, _I, m))  # type: ignore[call-overload]
+        if at is None:
+            at = order.get((s, _B, m), order[action])  # type: ignore[call-overload]
+        tag = tagged.pop((s, m), None)
+        if tag is None:
+            back.append((start, at - 0.25, 1, size, always))
+        elif -size <= size:
+            back += ((start, at - 0.25, 0, -size, tag), (start, at - 0.25, 1, size, always))
+        else:
+            back += ((start, at - 0.25, 1, size, always), (start, at - 0.25, 2, -size, tag))
+    if fetched or tagged:  # offloaded, not copied back: on the device until the last pass ends
+        ends = _last_pass_ends(timeline, order, freed, fetched, tagged, always)
+    entries = starts + copied + back + ends
     for start, at, s, _ in recomputes:
-        add((start, at, 1, sizes[s], always))
+        entries.append((start, at, 1, sizes[s], always))
     entries.sort()
     return list(map(_WEIGHT, entries)), list(map(_TAG, entries))
+
+
+def _last_pass_ends(timeline: Sequence[TimedAction], order: dict[Action, int],
+                    freed: Sequence[float], fetched: set[Item], tagged: dict[Item, int],
+                    always: int) -> list[tuple[float, float, int, float, int]]:
+    """The frees at the ends of last backward passes (W, or B) where some items are fetched
+    or not copied back: a fetched item frees nothing there (sim/memory.py), and each of
+    ``tagged`` (offloaded, not copied back) is held until then while it is not offloaded."""
+    ends = []
+    for _, action, _, end, _, _ in timeline:
+        s, kind, m = action
+        if kind is _W or kind is _B:
+            at = order[action] + 0.5
+            if (s, m) not in fetched:
+                ends.append((end, at, 1, freed[s], always))
+            if (s, m) in tagged:
+                ends.append((end, at, 2, freed[s], tagged[(s, m)]))
+    return ends
 
 
 def _program_order(schedule: Schedule, result: SimResult, rank: int) -> dict[Action, int]:
