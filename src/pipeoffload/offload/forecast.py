@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.offload.select import Item
 from pipeoffload.sim.program import Program
-from pipeoffload.sim.simulator import SimResult
+from pipeoffload.sim.simulator import SimResult, TimedAction
 
 
 def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
@@ -113,26 +113,24 @@ class Forwards:
         self.result = result
 
     @functools.cached_property
+    def _timed(self) -> list[list[TimedAction]]:
+        """Each rank's forwards as timed (one read of the timeline: reads cost more than the
+        work on what they find)."""
+        forward = Kind.F  # Note: [hot loops], core/actions.py
+        return [[t for t in timeline if t[1][1] is forward] for timeline in self.result.timeline]
+
+    @functools.cached_property
     def by_start(self) -> list[tuple[float, float, int, Item]]:
         """Every forward as (start, end, rank, item), in that order."""
-        forward = Kind.F  # Note: [hot loops], core/actions.py
-        return sorted((start, end, rank, (stage, microbatch))
-                      for timeline in self.result.timeline
-                      for rank, (stage, kind, microbatch), start, end, _, _ in timeline
-                      if kind is forward)
+        # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not by name.
+        return sorted([(start, end, rank, (stage, microbatch)) for timed in self._timed
+                       for rank, (stage, _, microbatch), start, end, _, _ in timed])
 
     @functools.cached_property
     def per_rank(self) -> list[tuple[list[tuple[float, Action]], list[tuple[float, Item]]]]:
         """Each rank's forwards as (start, action) and as (end, item), each list sorted."""
-        forward = Kind.F  # Note: [hot loops], core/actions.py
-        out = []
-        for timeline in self.result.timeline:
-            starts = sorted([(start, action) for _, action, start, _, _, _ in timeline
-                             if action[1] is forward])
-            ends = sorted([(end, (action[0], action[2])) for _, action, _, end, _, _ in timeline
-                           if action[1] is forward])
-            out.append((starts, ends))
-        return out
+        return [(sorted([(t[2], t[1]) for t in timed]),
+                 sorted([(t[3], (t[1][0], t[1][2])) for t in timed])) for timed in self._timed]
 
     def copy_out_ends(self, items: Iterable[Item]) -> dict[Item, float]:
         """``copy_out_ends`` of this simulation."""

@@ -198,29 +198,31 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
     order = _program_order(schedule, result, rank)
     always = len(items)
     freed = [-size for size in sizes]
-    forwards: list[tuple[float, float, int, int, int]] = []  # (start, end, order, s, m)
-    copies: dict[Item, tuple[float, float]] = {}
-    reloads: list[tuple[float, int, int, Action]] = []
+    forwards: list[tuple[TimedAction, int]] = []  # (timing, order)
+    copies: dict[Item, TimedAction] = {}
+    reloads: list[TimedAction] = []
     # (time, order, place, weight, tag): the last backward passes' frees, as made here
     ends: list[tuple[float, float, int, float, int]] = []
     fetched: set[Item] = set()
     recomputes: list[tuple[float, int, int, Item]] = []
     timeline = result.timeline[rank]
-    # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not read by name.
-    for _, action, start, end, _, _ in timeline:
-        s, kind, m = action
+    # A TimedAction is (rank, action, start, end, lane, stall); only the fields each kind
+    # needs are read (the timeline is large: every object touched costs).
+    for t in timeline:
+        action = t[1]
+        kind = action[1]
         if kind is _F:
-            forwards.append((start, end, order[action], s, m))
+            forwards.append((t, order[action]))
         elif kind is _W or kind is _B:
-            ends.append((end, order[action] + 0.5, 1, freed[s], always))
+            ends.append((t[3], order[action] + 0.5, 1, freed[action[0]], always))
         elif kind is _OFFLOAD:
-            copies[(s, m)] = (start, end)
+            copies[(action[0], action[2])] = t
         elif kind is _RELOAD:
-            reloads.append((start, s, m, action))
+            reloads.append(t)
         elif kind is _FETCH:
-            fetched.add((s, m))
+            fetched.add((action[0], action[2]))
         elif kind is _RECOMPUTE:
-            recomputes.append((start, order[action], s, (s, m)))
+            recomputes.append((t[2], order[action], action[0], (action[0], action[2])))
     tag_of = {item: index for index, item in enumerate(items)}
     recomputed = {item for _, _, _, item in recomputes}
     copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s in {s for s, _ in copies}}
@@ -230,7 +232,7 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
     starts: list[tuple[float, float, int, float, int]] = []
     copied: list[tuple[float, float, int, float, int]] = []
     tagged: dict[Item, int] = {}  # offloaded items of ``items`` -> their tags
-    for start, end, at, s, m in forwards:
+    for (_, (s, _, m), start, end, _, _), at in forwards:
         item = (s, m)
         copy = copies.get(item) if copies else None
         if copy is None:
@@ -238,12 +240,13 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
                 starts.append((start, at, 1, sizes[s], always))
             continue
         size = sizes[s]
-        part = streamed_fraction(start, end, copy[0], copy_time[s])
+        part = streamed_fraction(start, end, copy[2], copy_time[s])
         held, out = size * part, size * -part
+        copy_end = copy[3]
         tag = tag_of.get(item)
         if tag is None:
             starts.append((start, at, 1, held, always))
-            copied.append((copy[1], at + 0.25, 1, out, always))
+            copied.append((copy_end, at + 0.25, 1, out, always))
             continue
         tagged[item] = tag
         kept = size * (1.0 - part)
@@ -252,11 +255,12 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
         else:
             starts += ((start, at, 1, held, always), (start, at, 2, kept, tag))
         if held <= out:
-            copied += ((copy[1], at + 0.25, 0, held, tag), (copy[1], at + 0.25, 1, out, always))
+            copied += ((copy_end, at + 0.25, 0, held, tag), (copy_end, at + 0.25, 1, out, always))
         else:
-            copied += ((copy[1], at + 0.25, 1, out, always), (copy[1], at + 0.25, 2, held, tag))
+            copied += ((copy_end, at + 0.25, 1, out, always), (copy_end, at + 0.25, 2, held, tag))
     back: list[tuple[float, float, int, float, int]] = []
-    for start, s, m, action in reloads:
+    for _, action, start, _, _, _ in reloads:
+        s, _, m = action
         size = sizes[s]
         # A copy back allocates right before the item's first backward pass.
         at = order.get((s, _I, m))  # type: ignore[call-overload]

@@ -11,7 +11,10 @@ looking actions up in dictionaries per item and per plan.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+from itertools import islice
+from operator import le
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
@@ -28,31 +31,22 @@ _action = functools.partial(tuple.__new__, Action)
 
 class Layout:
     """The plain schedule's compute actions per rank (``compute``), each one's place in its
-    rank's program (``place``), each item's forward and first backward pass (I, else B) as
-    indices into ``compute`` (``forward``, ``backward``), and ``rank_of`` per stage."""
+    rank's program (``place``), each action's index in ``compute`` (``index``, per rank), each
+    item's first backward pass (I, else B) as such an index (``backward``), and ``rank_of``
+    per stage."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
         self.rank_of = schedule.stage_to_rank
-        self.compute: list[list[Action]] = []
-        self.place: list[list[int]] = []
-        self.index: list[dict[Action, int]] = []  # per rank: compute action -> its index
-        self.forward: dict[Item, int] = {}
-        self.backward: dict[Item, int] = {}
-        for actions in schedule.ranks:
-            compute, place = [], []
-            for position, action in enumerate(actions):
-                if action[1] in _COMPUTE:
-                    compute.append(action)
-                    place.append(position)
-            self.compute.append(compute)
-            self.place.append(place)
-            self.index.append({action: i for i, action in enumerate(compute)})
-            for i, (s, kind, m) in enumerate(compute):
-                if kind is _F:
-                    self.forward[(s, m)] = i
-                elif kind is _I or kind is _B:
-                    self.backward[(s, m)] = i
+        self.compute = [[a for a in actions if a[1] in _COMPUTE] for actions in schedule.ranks]
+        self.place: list[Sequence[int]] = [
+            range(len(actions)) if len(compute) == len(actions) else
+            [i for i, action in enumerate(actions) if action[1] in _COMPUTE]
+            for actions, compute in zip(schedule.ranks, self.compute)]
+        # per rank: compute action -> its index
+        self.index = [{a: i for i, a in enumerate(compute)} for compute in self.compute]
+        self.backward = {(a[0], a[2]): i for compute in self.compute
+                         for i, a in enumerate(compute) if a[1] is _I or a[1] is _B}
 
     def backward_action(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
@@ -62,7 +56,9 @@ class Layout:
 class Timing:
     """A simulation of the plain schedule or of a plan, read onto ``Layout`` indices: per rank,
     each compute action's end and its start less its stall (when it could have started without
-    waiting for a copy back), and each copy out's end."""
+    waiting for a copy back), and each copy out's end; ``ordered``: per rank, whether the ends
+    never fall (always, as simulated; checked, since the search for a program point relies
+    on it)."""
 
     def __init__(self, layout: Layout, result: SimResult) -> None:
         self.ends: list[list[float]] = []
@@ -73,16 +69,21 @@ class Timing:
             index = layout.index[rank]
             count = len(layout.compute[rank])
             ends, ready = [0.0] * count, [0.0] * count
-            # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not by name.
-            for _, action, start, end, _, stall in timeline:
+            # One pass, reading only the fields needed: the timeline is large, and each object
+            # touched costs more than the work on it. A TimedAction is (rank, action, start,
+            # end, lane, stall).
+            for t in timeline:
+                action = t[1]
                 i = index.get(action)
                 if i is not None:
-                    ends[i] = end
-                    ready[i] = start - stall
+                    ends[i] = t[3]
+                    ready[i] = t[2] - t[5]
                 elif action[1] is _OFFLOAD:
-                    copied[(action[0], action[2])] = end
+                    copied[(action[0], action[2])] = t[3]
             self.ends.append(ends)
             self.ready.append(ready)
+        # A rank's compute runs one action at a time, so its ends never fall: searchable.
+        self.ordered = [all(map(le, ends, islice(ends, 1, None))) for ends in self.ends]
 
 
 def place_reloads(layout: Layout, items: Iterable[Item], timing: Timing,
@@ -98,7 +99,7 @@ def place_reloads(layout: Layout, items: Iterable[Item], timing: Timing,
     ``timing`` simulated it, else as ``out_ends`` forecasts) gain nothing and are skipped (or
     kept, stalling, if ``keep_stalling``).
     """
-    rank_of, backward, forward = layout.rank_of, layout.backward, layout.forward
+    rank_of, backward = layout.rank_of, layout.backward
     by_rank: list[list[tuple[int, Item]]] = [[] for _ in layout.compute]
     for item in items:
         by_rank[rank_of[item[0]]].append((backward[item], item))
@@ -107,18 +108,23 @@ def place_reloads(layout: Layout, items: Iterable[Item], timing: Timing,
     for rank, backwards in enumerate(by_rank):
         if not backwards:
             continue
-        ends, ready = timing.ends[rank], timing.ready[rank]
+        ends, ready, index = timing.ends[rank], timing.ready[rank], layout.index[rank]
+        ordered = timing.ordered[rank]
         next_start = float("inf")
         # Latest backward first (each item has its own backward: no ties).
         backwards.sort(reverse=True)
         for b_index, item in backwards:
             finish = min(ready[b_index] - margin, next_start)
             latest = finish - reload_time[item[0]]
-            f_index = forward[item]
-            # The program reaches the point before compute[j] when compute[j-1] ends.
-            j = b_index
-            while j > f_index + 1 and ends[j - 1] > latest + tolerance:
-                j -= 1
+            f_index = index[(item[0], _F, item[1])]  # type: ignore[index]  # an Action
+            # The program reaches the point before compute[j] when compute[j-1] ends: the
+            # latest point after the F that it reaches by ``latest``.
+            if ordered:
+                j = bisect_right(ends, latest + tolerance, f_index + 1, b_index)
+            else:
+                j = b_index
+                while j > f_index + 1 and ends[j - 1] > latest + tolerance:
+                    j -= 1
             issue = ends[j - 1]
             out_end = copied.get(item)
             if out_end is None:
@@ -141,38 +147,50 @@ def insert(layout: Layout, leads: dict[Item, int], waits: dict[Action, Item],
     ahead of its backward (or its FETCH right before it, for ``fetches``), and OFFLOAD_WAITs
     (``waits``: forward -> item) before forwards.
 
-    Each insertion is an event (place in the program, where around the action there, order
-    among copies back at one place, action); the program between events is copied in slices.
-    At one place: the copies back in backward order, the wait, the action, the copy out.
+    What goes before and after each place in a rank's program is listed by place (at one
+    place: the copies back in backward order, the wait, the action, the copy out), so that
+    the program is read once and no action is looked up by value.
     """
-    rank_of, place, forward, backward = layout.rank_of, layout.place, layout.forward, \
+    rank_of, place, index, backward = layout.rank_of, layout.place, layout.index, \
         layout.backward
-    events: list[list[tuple[int, int, int, Action]]] = [[] for _ in layout.compute]
-    back = [(item, lead, _RELOAD) for item, lead in leads.items()]
-    back += [(item, 0, _FETCH) for item in fetches]
-    for item, lead, kind in back:
+    ranks = layout.schedule.ranks
+    before: list[list[list[Action] | None]] = [[None] * len(actions) for actions in ranks]
+    after: list[list[Action | None]] = [[None] * len(actions) for actions in ranks]
+    back: list[list[tuple[int, int, Action]]] = [[] for _ in ranks]
+    copies = [(item, lead, _RELOAD) for item, lead in leads.items()]
+    copies += [(item, 0, _FETCH) for item in fetches]
+    for item, lead, kind in copies:
         s, m = item
         rank = rank_of[s]
-        b_index, rank_place, add = backward[item], place[rank], events[rank].append
-        add((rank_place[b_index - lead], 0, b_index, _action((s, kind, m))))
+        b_index, rank_place = backward[item], place[rank]
+        back[rank].append((rank_place[b_index - lead], b_index, _action((s, kind, m))))
         if kind is _RELOAD or item not in leads:  # one copy out per item
-            add((rank_place[forward[item]], 3, 0, _action((s, _OFFLOAD, m))))
-    for f, (s, m) in waits.items():
-        rank = rank_of[f[0]]
-        events[rank].append((place[rank][forward[(f[0], f[2])]], 1, 0,
-                             _action((s, _OFFLOAD_WAIT, m))))
-    ranks = []
-    for actions, rank_events in zip(layout.schedule.ranks, events):
-        rank_events.sort()
+            at = rank_place[index[rank][(s, _F, m)]]  # type: ignore[index]  # an Action
+            after[rank][at] = _action((s, _OFFLOAD, m))
+    for rank_back, rank_before in zip(back, before):
+        rank_back.sort()  # by place, then in backward order
+        for at, _, copy in rank_back:
+            if rank_before[at] is None:
+                rank_before[at] = [copy]
+            else:
+                rank_before[at].append(copy)  # type: ignore[union-attr]
+    for forward, (s, m) in waits.items():
+        rank = rank_of[forward[0]]
+        at = place[rank][index[rank][forward]]
+        wait = _action((s, _OFFLOAD_WAIT, m))
+        if before[rank][at] is None:
+            before[rank][at] = [wait]
+        else:
+            before[rank][at].append(wait)  # type: ignore[union-attr]
+    planned = []
+    for actions, rank_before, rank_after in zip(ranks, before, after):
         out: list[Action] = []
-        done = 0  # actions[:done] are in ``out``
-        for at, where, _, copy in rank_events:
-            if where == 3:  # after the action at ``at``
-                at += 1
-            if done < at:
-                out.extend(actions[done:at])
-                done = at
-            out.append(copy)
-        out.extend(actions[done:])
-        ranks.append(out)
-    return layout.schedule.with_ranks(ranks)
+        add = out.append
+        for action, ahead, behind in zip(actions, rank_before, rank_after):
+            if ahead is not None:
+                out += ahead
+            add(action)
+            if behind is not None:
+                add(behind)
+        planned.append(out)
+    return layout.schedule.with_ranks(planned)

@@ -148,7 +148,8 @@ class _Planner:
         self.recomputed = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts
                            if a[1] is _RECOMPUTE}
         self.by_lifespan = [[it for it in items if it not in self.recomputed]
-                            for items in self.spans.by_rank]
+                            for items in self.spans.by_rank] if self.recomputed else \
+            self.spans.by_rank
         self._reload_time = [costs.transfer_time(s, Kind.RELOAD)
                              for s in range(schedule.num_stages)]
 
@@ -201,7 +202,8 @@ class _Planner:
                 skipped[item] = "its backward directly follows its forward"
             else:
                 items.append(item)
-        fetches = {item for item in items if self.policy.fetch_on_use and self.reads_hide(item)}
+        fetches = ({item for item in items if self.reads_hide(item)}
+                   if self.policy.fetch_on_use else set())
         timing = self.base_timing
         out_ends = self.base_forwards.copy_out_ends(items)
         waits: dict[Action, Item] = {}
@@ -310,8 +312,8 @@ class _Planner:
 
     def report(self, target: OffloadTarget, planned: Schedule, result: SimResult,
                skipped: dict[Item, str], notes: tuple[str, ...]) -> OffloadPlan:
-        offloaded = tuple(sorted((a.stage, a.microbatch) for acts in planned.ranks for a in acts
-                                 if a[1] is _OFFLOAD))
+        offloaded = tuple(sorted([(a[0], a[2]) for acts in planned.ranks for a in acts
+                                  if a[1] is _OFFLOAD]))
         if target.kind is not TargetKind.NONE and not offloaded and skipped:
             reasons = sorted({why for why in skipped.values()})
             notes = notes + ("nothing could be offloaded: " + "; ".join(reasons),)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import islice
+from operator import le
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.offload.forecast import Forwards
@@ -34,18 +36,23 @@ def postpone(waits: dict[Action, Item], copies: list[RankCopies], latest: Mappin
     awaited = set(waits.values())
     window = 4 * (limit + 1)
     for starts, forwards, f_ends, copy_ends, items in copies:
+        # A device-to-host queue serves copies in order, so their ends do not fall; then the
+        # (limit + 1)-th latest end of the recent copies is simply where it is (checked, as
+        # the shortcut needs it).
+        ordered = all(map(le, copy_ends, islice(copy_ends, 1, None)))
         issued = 0
         for start, forward in zip(starts, forwards):
             issued = bisect_right(f_ends, start, issued)  # copies issued by ``start``
-            if forward in waits:
+            if issued <= limit or forward in waits:
                 continue
             first = max(0, issued - window)
-            if issued - first <= limit:
-                continue
             after = start + tolerance
-            # Most forwards find at most ``limit`` copies pending: the (limit + 1)-th latest
-            # end of the recent ones tells, without pairing ends with items.
-            if sorted(copy_ends[first:issued])[-limit - 1] <= after:
+            # Most forwards find at most ``limit`` recent copies pending: the (limit + 1)-th
+            # latest end among them tells, without pairing ends with items.
+            if ordered:
+                if copy_ends[issued - limit - 1] <= after:
+                    continue
+            elif sorted(copy_ends[first:issued])[-limit - 1] <= after:
                 continue
             pending = sorted((end, item) for end, item in zip(copy_ends[first:issued],
                                                                items[first:issued])
@@ -74,14 +81,17 @@ def simulated_copies(result: SimResult) -> list[RankCopies]:
         forwards: list[tuple[float, Action]] = []
         f_end: dict[Item, float] = {}
         copies: list[tuple[Item, float]] = []
-        # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not by name.
-        for _, action, start, end, _, _ in rank_timeline:
+        # One pass, reading only the fields each kind needs: the timeline is large, and each
+        # object touched costs more than the work on it. A TimedAction is (rank, action,
+        # start, end, lane, stall).
+        for t in rank_timeline:
+            action = t[1]
             kind = action[1]
             if kind is _F:
-                forwards.append((start, action))
-                f_end[(action[0], action[2])] = end
+                forwards.append((t[2], action))
+                f_end[(action[0], action[2])] = t[3]
             elif kind is _OFFLOAD:
-                copies.append(((action[0], action[2]), end))
+                copies.append(((action[0], action[2]), t[3]))
         forwards.sort()
         offloads = sorted([(f_end[item], end, item) for item, end in copies])
         out.append(_rank_copies(forwards, offloads))
