@@ -48,6 +48,19 @@ class Layout:
         self.backward = {(a[0], a[2]): i for compute in self.compute
                          for i, a in enumerate(compute) if a[1] is _I or a[1] is _B}
 
+    @functools.cached_property
+    def latest_backward_first(self) -> list[list[tuple[int, int, Item]]]:
+        """Per rank, every item with a backward pass as (backward index, F index, item), latest
+        backward first (sorted once: every plan places its copies back in this order)."""
+        by_rank: list[list[tuple[int, int, Item]]] = [[] for _ in self.compute]
+        for item, b_index in self.backward.items():
+            rank = self.rank_of[item[0]]
+            f_index = self.index[rank][(item[0], _F, item[1])]  # type: ignore[index]  # an Action
+            by_rank[rank].append((b_index, f_index, item))
+        for backwards in by_rank:
+            backwards.sort(reverse=True)
+        return by_rank
+
     def backward_action(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
         return self.compute[self.rank_of[item[0]]][self.backward[item]]
@@ -90,7 +103,8 @@ def place_reloads(layout: Layout, items: Iterable[Item], timing: Timing,
                   reload_time: list[float], margin: float, tolerance: float,
                   keep_stalling: bool, skipped: dict[Item, str],
                   out_ends: dict[Item, float]) -> dict[Item, int]:
-    """For each item, how many compute actions ahead of its backward its RELOAD goes.
+    """For each of ``items`` (distinct), how many compute actions ahead of its backward its
+    RELOAD goes.
 
     Per rank, a backward pass over the H2D queue in deadline order: each copy back must end
     ``margin`` before its backward starts (as it would without stalls) and before the next
@@ -99,24 +113,18 @@ def place_reloads(layout: Layout, items: Iterable[Item], timing: Timing,
     ``timing`` simulated it, else as ``out_ends`` forecasts) gain nothing and are skipped (or
     kept, stalling, if ``keep_stalling``).
     """
-    rank_of, backward = layout.rank_of, layout.backward
-    by_rank: list[list[tuple[int, Item]]] = [[] for _ in layout.compute]
-    for item in items:
-        by_rank[rank_of[item[0]]].append((backward[item], item))
+    wanted = set(items)
     leads: dict[Item, int] = {}
     copied = timing.copied
-    for rank, backwards in enumerate(by_rank):
-        if not backwards:
-            continue
-        ends, ready, index = timing.ends[rank], timing.ready[rank], layout.index[rank]
-        ordered = timing.ordered[rank]
+    for rank, backwards in enumerate(layout.latest_backward_first):
+        ends, ready, ordered = timing.ends[rank], timing.ready[rank], timing.ordered[rank]
         next_start = float("inf")
         # Latest backward first (each item has its own backward: no ties).
-        backwards.sort(reverse=True)
-        for b_index, item in backwards:
+        for b_index, f_index, item in backwards:
+            if item not in wanted:
+                continue
             finish = min(ready[b_index] - margin, next_start)
             latest = finish - reload_time[item[0]]
-            f_index = index[(item[0], _F, item[1])]  # type: ignore[index]  # an Action
             # The program reaches the point before compute[j] when compute[j-1] ends: the
             # latest point after the F that it reaches by ``latest``.
             if ordered:

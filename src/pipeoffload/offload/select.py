@@ -41,15 +41,15 @@ class Lifespans:
                           for m in range(schedule.microbatches)]
         self.lifespan: dict[Item, float] = {}
         self.by_rank: list[list[Item]] = []
+        lifespan = self.lifespan
         for actions in schedule.ranks:
-            items = [(a.stage, a.microbatch) for a in actions if a.kind is _F]
+            items = [(a[0], a[2]) for a in actions if a[1] is _F]
             for item in items:
                 end = freed_w[item] if item in freed_w else freed_b[item]
-                self.lifespan[item] = end - born[item]
+                lifespan[item] = end - born[item]
             # Equal lifespans (a steady state) are taken in bit-reversed microbatch order, so
             # any prefix spreads evenly over time and lowers the whole plateau, not one end.
-            items.sort(key=lambda it: (-round(self.lifespan[it], 9), reversed_order[it[1]],
-                                       it[0]))
+            items.sort(key=lambda it: (-round(lifespan[it], 9), reversed_order[it[1]], it[0]))
             self.by_rank.append(items)
 
     def stages_by_lifespan(self, rank: int) -> list[int]:
