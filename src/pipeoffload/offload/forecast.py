@@ -9,13 +9,13 @@ nothing; copies out queue on their host link, so their ends are forecast with th
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Iterator, Mapping
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.offload.select import Item
 from pipeoffload.sim.program import Program
-from pipeoffload.sim.simulator import SimResult
+from pipeoffload.sim.simulator import SimResult, TimedAction
 
 
 def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
@@ -76,24 +76,78 @@ def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
     return dict(zip(actions, latest))  # type: ignore[arg-type]
 
 
+class LatestStarts(Mapping[Action, float]):
+    """``latest_starts(result, horizon)``, worked out on the first lookup: a plan asks only when
+    copies out pile up behind a forward, and most never do."""
+
+    def __init__(self, result: SimResult, horizon: float) -> None:
+        self.result, self.horizon = result, horizon
+
+    @functools.cached_property
+    def _starts(self) -> dict[Action, float]:
+        return latest_starts(self.result, self.horizon)
+
+    def __getitem__(self, action: Action) -> float:
+        return self._starts[action]
+
+    def __iter__(self) -> Iterator[Action]:
+        return iter(self._starts)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
 def copy_out_ends(result: SimResult, items: Iterable[Item]) -> dict[Item, float]:
     """When each item's copy out would end if every one of ``items`` were offloaded and the
     forwards ran as in ``result``: the simulator's streaming rule (starts with its forward,
     ends no earlier) on each host link's device-to-host queue, served in order of forward
     start. An upper bound when fewer items end up offloaded."""
-    costs = result.costs
-    wanted = set(items)
-    forward = Kind.F  # Note: [hot loops], core/actions.py
-    starts = sorted((start, end, rank, stage, microbatch)
-                    for timeline in result.timeline
-                    for rank, (stage, kind, microbatch), start, end, _, _ in timeline
-                    if kind is forward and (stage, microbatch) in wanted)
-    free: dict[tuple[int, str], float] = defaultdict(float)
-    ends: dict[Item, float] = {}
-    channels = [costs.host_link.channel(r, Kind.OFFLOAD) for r in range(len(result.timeline))]
-    copy_time = [costs.transfer_time(s, Kind.OFFLOAD) for s in range(result.schedule.num_stages)]
-    for f_start, f_end, rank, stage, microbatch in starts:
-        channel = channels[rank]
-        begin = max(f_start, free[channel])
-        free[channel] = ends[(stage, microbatch)] = max(begin + copy_time[stage], f_end)
-    return ends
+    return Forwards(result).copy_out_ends(items)
+
+
+class Forwards:
+    """The forwards of one simulation in the orders the forecasts read them, each sorted once
+    (a planning call forecasts from the plain schedule's simulation for every plan it makes)."""
+
+    def __init__(self, result: SimResult) -> None:
+        self.result = result
+
+    @functools.cached_property
+    def _timed(self) -> list[list[TimedAction]]:
+        """Each rank's forwards as timed (one read of the timeline: reads cost more than the
+        work on what they find)."""
+        forward = Kind.F  # Note: [hot loops], core/actions.py
+        return [[t for t in timeline if t[1][1] is forward] for timeline in self.result.timeline]
+
+    @functools.cached_property
+    def by_start(self) -> list[tuple[float, float, int, Item]]:
+        """Every forward as (start, end, rank, item), in that order."""
+        # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not by name.
+        return sorted([(start, end, rank, (stage, microbatch)) for timed in self._timed
+                       for rank, (stage, _, microbatch), start, end, _, _ in timed])
+
+    @functools.cached_property
+    def per_rank(self) -> list[tuple[list[tuple[float, Action]], list[tuple[float, Item]]]]:
+        """Each rank's forwards as (start, action) and as (end, item), each list sorted."""
+        return [(sorted([(t[2], t[1]) for t in timed]),
+                 sorted([(t[3], (t[1][0], t[1][2])) for t in timed])) for timed in self._timed]
+
+    def copy_out_ends(self, items: Iterable[Item]) -> dict[Item, float]:
+        """``copy_out_ends`` of this simulation."""
+        costs = self.result.costs
+        wanted = set(items)
+        ranks = len(self.result.timeline)
+        # Each rank's device-to-host queue, numbered: ranks may share a host link.
+        queues: dict[tuple[int, str], int] = {}
+        queue = [queues.setdefault(costs.host_link.channel(r, Kind.OFFLOAD), len(queues))
+                 for r in range(ranks)]
+        free = [0.0] * len(queues)
+        copy_time = [costs.transfer_time(s, Kind.OFFLOAD)
+                     for s in range(self.result.schedule.num_stages)]
+        ends: dict[Item, float] = {}
+        for f_start, f_end, rank, item in self.by_start:
+            if item in wanted:
+                q = queue[rank]
+                begin = max(f_start, free[q])
+                free[q] = ends[item] = max(begin + copy_time[item[0]], f_end)
+        return ends

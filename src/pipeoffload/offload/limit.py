@@ -24,26 +24,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import accumulate, compress
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
-from pipeoffload.core.actions import Kind
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.report import OffloadPlan
 from pipeoffload.offload.select import Item
 from pipeoffload.offload.targets import OffloadTarget
 from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.memory import Change, memory_changes, streamed_fraction
-from pipeoffload.sim.simulator import SimResult
+from pipeoffload.sim.memory import streamed_fraction
+from pipeoffload.sim.simulator import SimResult, TimedAction
 
 if TYPE_CHECKING:
     from pipeoffload.offload.plan import _Planner
 
 Outcome = tuple[Schedule, SimResult, dict[Item, str]]
 _TOLERANCE = 1e-9  # a peak this far above the limit still meets it (float sums)
+_WEIGHT, _TAG = itemgetter(3), itemgetter(4)  # of a (time, order, place, weight, tag) change
 
 # The kinds as module names (Note: [hot loops], core/actions.py).
 _F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B
-_OFFLOAD, _RELOAD = Kind.OFFLOAD, Kind.RELOAD
+_OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.RECOMPUTE
 
 
 def plan_limit(planner: _Planner, target: OffloadTarget) -> OffloadPlan:
@@ -134,8 +136,7 @@ def _estimate(outcome: Outcome, rank: int, planner: _Planner, sizes: Sequence[fl
     schedule, result, _ = outcome
     items = planner.by_lifespan[rank]
     weights, tags = _tagged_changes(schedule, result, rank, items, sizes, planner.costs)
-    k = _shortest_prefix(weights, tags, lo, len(items), limit)
-    return k, _peak(weights, tags, k)
+    return _shortest_prefix(weights, tags, lo, len(items), limit)
 
 
 def _close(peak: float, foreseen: float | None) -> bool:
@@ -143,22 +144,38 @@ def _close(peak: float, foreseen: float | None) -> bool:
 
 
 def _shortest_prefix(weights: Sequence[float], tags: Sequence[int], lo: int, hi: int,
-                     limit: float) -> int:
-    """The least k in [lo, hi] whose ``_peak`` meets ``limit``, else hi (the peak falls as k
-    grows: each tagged group of changes only adds memory)."""
+                     limit: float) -> tuple[int, float]:
+    """The least k in [lo, hi] whose peak meets ``limit``, else hi, and that peak: the peak of
+    the curve of the changes left when those tagged below k (the first k items' not being
+    offloaded) are left out. The peak falls as k grows: each tagged group only adds memory.
+
+    Bisection; which changes count at k is kept in a bytearray that each step updates where
+    the tags between the old and the new k are, instead of comparing every tag again."""
+    at_tag: dict[int, list[int]] = {}  # tag -> where its changes are (tags < hi only)
+    for j, tag in enumerate(tags):
+        if tag < hi:
+            at_tag.setdefault(tag, []).append(j)
+    counted = bytearray(b"\x01") * len(tags)  # at k = 0 every change counts
+    k = 0
+    peaks: dict[int, float] = {}
+
+    def peak_at(mid: int) -> float:
+        nonlocal k
+        step = 1 if mid > k else 0  # left out (k rising) or counted again (k falling)
+        for tag in range(min(k, mid), max(k, mid)):
+            for j in at_tag.get(tag, ()):
+                counted[j] = 1 - step
+        k = mid
+        peaks[mid] = max(accumulate(compress(weights, counted), initial=0.0))
+        return peaks[mid]
+
     while lo < hi:
         mid = (lo + hi) // 2
-        if _peak(weights, tags, mid) <= limit:
+        if peak_at(mid) <= limit:
             hi = mid
         else:
             lo = mid + 1
-    return hi
-
-
-def _peak(weights: Sequence[float], tags: Sequence[int], k: int) -> float:
-    """The curve's peak when the changes tagged below ``k`` (those of the first k items' not
-    being offloaded) are left out."""
-    return max(accumulate(compress(weights, map(k.__le__, tags)), initial=0.0))
+    return hi, peaks[hi] if hi in peaks else peak_at(hi)
 
 
 def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Sequence[Item],
@@ -166,87 +183,127 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
     """The rank's memory changes in ``result`` (tagged ``len(items)``: always counted) and, for
     each offloaded item at index i of ``items``, the changes that keep it on the device from its
     F to its last backward instead (tagged i: counted while i is outside the prefix), ordered as
-    sim/memory.py orders them (by time, then program order)."""
+    sim/memory.py orders them (by time, then program order).
+
+    The untagged changes are sim/memory.py's ``memory_changes`` (its notes [memory accounting]
+    and [streaming offload]), made here in the one read of the timeline that also finds the
+    tagged ones (tests/test_offload_limit_exact.py holds them to ``memory_changes``). Each
+    tagged change but a fetched item's free has the time and order key of the change it cancels
+    (its twin) and goes right before it when its weight is not larger (the order a sort by
+    (time, order, weight, tag) gives: a cancelled pair never shows as a spike), else right
+    after: the third key below. Assumes what validate checks: each item has one I or one B.
+    Order keys are sim/memory.py's halved (action i's start i, its end i + 0.5, a copy out's
+    end i + 0.25, a copy back's start j - 0.25 for its backward j): the same order.
+    """
+    order = _program_order(schedule, result, rank)
+    always = len(items)
+    freed = [-size for size in sizes]
+    forwards: list[tuple[TimedAction, int]] = []  # (timing, order)
+    copies: dict[Item, TimedAction] = {}
+    reloads: list[TimedAction] = []
+    # (time, order, place, weight, tag): the last backward passes' frees, as made here
+    ends: list[tuple[float, float, int, float, int]] = []
+    fetched: set[Item] = set()
+    recomputes: list[tuple[float, int, int, Item]] = []
     timeline = result.timeline[rank]
-    forward, copy_out, copy_back, last_pass = {}, {}, {}, {}
+    # A TimedAction is (rank, action, start, end, lane, stall); only the fields each kind
+    # needs are read (the timeline is large: every object touched costs).
     for t in timeline:
-        s, kind, m = t.action
+        action = t[1]
+        kind = action[1]
         if kind is _F:
-            forward[(s, m)] = t
-        elif kind is _OFFLOAD:
-            copy_out[(s, m)] = t
-        elif kind is _RELOAD:
-            copy_back[(s, m)] = t
+            forwards.append((t, order[action]))
         elif kind is _W or kind is _B:
-            last_pass[(s, m)] = t
-    order: dict[Item, int] = {}  # where each F is in the program
-    first_backward: dict[Item, int] = {}  # where a copy back allocates
-    last_order: dict[Item, int] = {}  # where the last backward pass is
-    for i, (s, kind, m) in enumerate(schedule.ranks[rank]):
-        if kind is _F:
-            order[(s, m)] = 2 * i
-        elif kind is _I:
-            first_backward[(s, m)] = 2 * i
-        elif kind is _B:
-            first_backward.setdefault((s, m), 2 * i)
-            last_order[(s, m)] = 2 * i
-        elif kind is _W:
-            last_order[(s, m)] = 2 * i
-    # Each tagged change but a fetched item's free has the time and order key of the change it
-    # cancels (its twin; sim/memory.py gives each change its own order key), so it is written
-    # next to its twin instead of sorting every change again: before it when its weight is not
-    # larger (the order a sort by (time, order, weight, tag) gives: a cancelled pair never
-    # shows as a spike), else after it. The fetched frees have no twin; they are merged in.
-    twins: dict[float, tuple[float, int]] = {}  # a twin's order key -> (weight, tag)
-    alone: list[tuple[float, float, float, int]] = []
-    for index, item in enumerate(items):
-        copy = copy_out.get(item)
+            ends.append((t[3], order[action] + 0.5, 1, freed[action[0]], always))
+        elif kind is _OFFLOAD:
+            copies[(action[0], action[2])] = t
+        elif kind is _RELOAD:
+            reloads.append(t)
+        elif kind is _FETCH:
+            fetched.add((action[0], action[2]))
+        elif kind is _RECOMPUTE:
+            recomputes.append((t[2], order[action], action[0], (action[0], action[2])))
+    tag_of = {item: index for index, item in enumerate(items)}
+    recomputed = {item for _, _, _, item in recomputes}
+    copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s in {s for s, _ in copies}}
+    # The changes in four streams, each already in order (a rank's forwards, its copies out,
+    # copies back and last backward passes each run in time and program order), so that the
+    # sort below only merges them.
+    starts: list[tuple[float, float, int, float, int]] = []
+    copied: list[tuple[float, float, int, float, int]] = []
+    tagged: dict[Item, int] = {}  # offloaded items of ``items`` -> their tags
+    for (_, (s, _, m), start, end, _, _), at in forwards:
+        item = (s, m)
+        copy = copies.get(item) if copies else None
         if copy is None:
+            if item not in recomputed:
+                starts.append((start, at, 1, sizes[s], always))
             continue
-        s = item[0]
-        f = forward[item]
-        at = order[item]
-        part = streamed_fraction(f.start, f.end, copy.start, costs.transfer_time(s, _OFFLOAD))
         size = sizes[s]
-        twins[at] = (size * (1.0 - part), index)
-        twins[at + 0.5] = (size * part, index)
-        if item in copy_back:
-            twins[first_backward[item] - 0.5] = (-size, index)
-        else:  # fetched: on the device until its last backward pass ends
-            alone.append((last_pass[item].end, last_order[item] + 1, -size, index))
-    alone.sort()
-    return _merged(memory_changes(schedule, timeline, costs), sizes, twins, alone, len(items))
+        part = streamed_fraction(start, end, copy[2], copy_time[s])
+        held, out = size * part, size * -part
+        copy_end = copy[3]
+        tag = tag_of.get(item)
+        if tag is None:
+            starts.append((start, at, 1, held, always))
+            copied.append((copy_end, at + 0.25, 1, out, always))
+            continue
+        tagged[item] = tag
+        kept = size * (1.0 - part)
+        if kept <= held:
+            starts += ((start, at, 0, kept, tag), (start, at, 1, held, always))
+        else:
+            starts += ((start, at, 1, held, always), (start, at, 2, kept, tag))
+        if held <= out:
+            copied += ((copy_end, at + 0.25, 0, held, tag), (copy_end, at + 0.25, 1, out, always))
+        else:
+            copied += ((copy_end, at + 0.25, 1, out, always), (copy_end, at + 0.25, 2, held, tag))
+    back: list[tuple[float, float, int, float, int]] = []
+    for _, action, start, _, _, _ in reloads:
+        s, _, m = action
+        size = sizes[s]
+        # A copy back allocates right before the item's first backward pass.
+        at = order.get((s, _I, m))  # type: ignore[call-overload]
+        if at is None:
+            at = order.get((s, _B, m), order[action])  # type: ignore[call-overload]
+        tag = tagged.pop((s, m), None)
+        if tag is None:
+            back.append((start, at - 0.25, 1, size, always))
+        elif -size <= size:
+            back += ((start, at - 0.25, 0, -size, tag), (start, at - 0.25, 1, size, always))
+        else:
+            back += ((start, at - 0.25, 1, size, always), (start, at - 0.25, 2, -size, tag))
+    if fetched or tagged:  # offloaded, not copied back: on the device until the last pass ends
+        ends = _last_pass_ends(timeline, order, freed, fetched, tagged, always)
+    entries = starts + copied + back + ends
+    for start, at, s, _ in recomputes:
+        entries.append((start, at, 1, sizes[s], always))
+    entries.sort()
+    return list(map(_WEIGHT, entries)), list(map(_TAG, entries))
 
 
-def _merged(changes: Sequence[Change], sizes: Sequence[float],
-            twins: dict[float, tuple[float, int]],
-            alone: Sequence[tuple[float, float, float, int]], always: int
-            ) -> tuple[list[float], list[int]]:
-    """The weights and tags of the rank's ``changes`` (tagged ``always``), each preceded or
-    followed by its tagged twin, and the sorted ``alone`` changes merged in by time and order."""
-    weights: list[float] = []
-    tags: list[int] = []
-    weight_of, tag_of = weights.append, tags.append
-    pending = iter(alone)
-    next_alone = next(pending, None)
-    for time, at, stage, factor in changes:
-        while next_alone is not None and (next_alone[0], next_alone[1]) < (time, at):
-            weight_of(next_alone[2])
-            tag_of(next_alone[3])
-            next_alone = next(pending, None)
-        weight = sizes[stage] * factor
-        twin = twins.get(at)
-        if twin is not None and twin[0] <= weight:
-            weight_of(twin[0])
-            tag_of(twin[1])
-            twin = None
-        weight_of(weight)
-        tag_of(always)
-        if twin is not None:
-            weight_of(twin[0])
-            tag_of(twin[1])
-    while next_alone is not None:
-        weight_of(next_alone[2])
-        tag_of(next_alone[3])
-        next_alone = next(pending, None)
-    return weights, tags
+def _last_pass_ends(timeline: Sequence[TimedAction], order: dict[Action, int],
+                    freed: Sequence[float], fetched: set[Item], tagged: dict[Item, int],
+                    always: int) -> list[tuple[float, float, int, float, int]]:
+    """The frees at the ends of last backward passes (W, or B) where some items are fetched
+    or not copied back: a fetched item frees nothing there (sim/memory.py), and each of
+    ``tagged`` (offloaded, not copied back) is held until then while it is not offloaded."""
+    ends = []
+    for _, action, _, end, _, _ in timeline:
+        s, kind, m = action
+        if kind is _W or kind is _B:
+            at = order[action] + 0.5
+            if (s, m) not in fetched:
+                ends.append((end, at, 1, freed[s], always))
+            if (s, m) in tagged:
+                ends.append((end, at, 2, freed[s], tagged[(s, m)]))
+    return ends
+
+
+def _program_order(schedule: Schedule, result: SimResult, rank: int) -> dict[Action, int]:
+    """action -> a number increasing along the rank's program: the simulation's own numbering
+    when it ran ``schedule`` (no dictionary to build), else the action's place."""
+    program = result.program
+    if program is not None and program.schedule is schedule:
+        return program.index
+    return {action: i for i, action in enumerate(schedule.ranks[rank])}

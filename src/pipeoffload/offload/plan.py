@@ -37,8 +37,9 @@ from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
-from pipeoffload.offload.forecast import copy_out_ends, latest_starts
+from pipeoffload.offload.forecast import Forwards, LatestStarts
 from pipeoffload.offload.limit import plan_limit
+from pipeoffload.offload.placement import Layout, Timing, insert, place_reloads
 from pipeoffload.offload.postpone import (
     RankCopies,
     forecast_copies,
@@ -57,7 +58,6 @@ __all__ = ["OffloadPlan", "OffloadPolicy", "OffloadReport", "Skipped", "add_offl
 
 # The kinds as module names (Note: [hot loops], core/actions.py).
 _F, _I, _B, _OFFLOAD, _RECOMPUTE = Kind.F, Kind.I, Kind.B, Kind.OFFLOAD, Kind.RECOMPUTE
-_COMPUTE = frozenset(kind for kind in Kind if kind.is_compute)
 
 
 @dataclass(frozen=True)
@@ -142,76 +142,38 @@ class _Planner:
         self.schedule, self.costs, self.policy, self.base = schedule, costs, policy, base
         self.keep_stalling = keep_stalling
         self.units = activation_units(schedule, costs)
-        self.compute = [[a for a in acts if a[1] in _COMPUTE] for acts in schedule.ranks]
-        self.position = [{a: i for i, a in enumerate(c)} for c in self.compute]
-        self._backward = {(a[0], a[2]): a for c in self.compute for a in c
-                          if a[1] is _I or a[1] is _B}
+        self.layout = Layout(schedule)
         self.spans = Lifespans(base)
         # Recomputed items keep nothing to offload (see offload/recompute.py).
         self.recomputed = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts
                            if a[1] is _RECOMPUTE}
         self.by_lifespan = [[it for it in items if it not in self.recomputed]
-                            for items in self.spans.by_rank]
-        self._latest: dict[Action, float] | None = None
+                            for items in self.spans.by_rank] if self.recomputed else \
+            self.spans.by_rank
         self._reload_time = [costs.transfer_time(s, Kind.RELOAD)
                              for s in range(schedule.num_stages)]
 
     @functools.cached_property
-    def base_timing(self) -> dict[Action, TimedAction]:
-        """The plain schedule's timing per action (made once: every plan starts from it)."""
-        return _timing(self.base)
+    def base_timing(self) -> Timing:
+        """The plain schedule's timing (made once: every plan starts from it)."""
+        return Timing(self.layout, self.base)
+
+    @functools.cached_property
+    def base_forwards(self) -> Forwards:
+        """The plain schedule's forwards, sorted for the forecasts (made once)."""
+        return Forwards(self.base)
 
     def backward(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
-        return self._backward[item]
+        return self.layout.backward_action(item)
 
-    def place_reloads(self, items: Iterable[Item], timing: dict[Action, TimedAction],
-                      skipped: dict[Item, str], out_ends: dict[Item, float]) -> dict[Item, int]:
-        """For each item, how many compute actions ahead of its backward its RELOAD goes.
-
-        Per rank, a backward pass over the H2D queue in deadline order: each copy back must end
-        ``reload_margin`` before its backward starts (as it would without stalls) and before
-        the next copy back on the queue starts; it is then issued at the latest program point
-        that lets it start in time. Items whose copy back would have to start before their copy
-        out ends (as simulated, else as ``out_ends`` forecasts) gain nothing and are skipped
-        (or kept, stalling, if the target demands it).
-        """
-        by_rank: list[list[Item]] = [[] for _ in self.schedule.ranks]
-        for item in items:
-            by_rank[self.schedule.rank_of(item[0])].append(item)
-        leads: dict[Item, int] = {}
-        tolerance, margin = self.policy.stall_tolerance, self.policy.reload_margin
-        for rank, rank_items in enumerate(by_rank):
-            if not rank_items:
-                continue
-            comp, pos = self.compute[rank], self.position[rank]
-            ends = [timing[a].end for a in comp]  # the scan below reads many of them
-            next_start = float("inf")
-            # Latest backward first (each item has its own backward: no ties).
-            backward = self._backward
-            backwards = sorted([(pos[backward[it]], it) for it in rank_items], reverse=True)
-            for b_index, item in backwards:
-                b = timing[comp[b_index]]
-                finish = min(b.start - b.stall - margin, next_start)
-                latest = finish - self._reload_time[item[0]]
-                f_index = pos[(item[0], _F, item[1])]  # type: ignore[index]  # as an Action
-                # The program reaches the point before comp[j] when comp[j-1] ends.
-                j = b_index
-                while j > f_index + 1 and ends[j - 1] > latest + tolerance:
-                    j -= 1
-                issue = ends[j - 1]
-                copied_out = timing.get((item[0], _OFFLOAD, item[1]))  # type: ignore[call-overload]
-                out_end = copied_out.end if copied_out else out_ends[item]
-                if issue <= out_end + tolerance or issue > latest + tolerance:
-                    if not self.keep_stalling or issue <= out_end + tolerance:
-                        skipped[item] = ("too short-lived: the copy back would have to start "
-                                         "before the copy out ends" if issue <= out_end +
-                                         tolerance else
-                                         "its copies cannot hide behind compute (stall)")
-                        continue
-                leads[item] = b_index - j
-                next_start = min(next_start, max(issue, out_end))
-        return leads
+    def place_reloads(self, items: Iterable[Item], timing: Timing, skipped: dict[Item, str],
+                      out_ends: dict[Item, float]) -> dict[Item, int]:
+        """For each item, how many compute actions ahead of its backward its RELOAD goes
+        (placement.place_reloads)."""
+        return place_reloads(self.layout, items, timing, self._reload_time,
+                             self.policy.reload_margin, self.policy.stall_tolerance,
+                             self.keep_stalling, skipped, out_ends)
 
     def passes(self, item: Item) -> list[Action]:
         """The backward passes that read the item's activation: B, or I and W."""
@@ -226,32 +188,8 @@ class _Planner:
 
     def insert(self, leads: dict[Item, int], waits: dict[Action, Item],
                fetches: set[Item]) -> Schedule:
-        """The schedule with OFFLOAD after each chosen F, its RELOAD ``lead`` compute actions
-        ahead of its backward (or its FETCH right before it, for ``fetches``), and
-        OFFLOAD_WAITs (``waits``: forward -> item) before forwards."""
-        by_rank: list[list[tuple[int, int, Action]]] = [[] for _ in self.schedule.ranks]
-        back = [(item, lead, Kind.RELOAD) for item, lead in leads.items()]
-        back += [(item, 0, Kind.FETCH) for item in fetches]
-        for item, lead, kind in back:
-            rank = self.schedule.rank_of(item[0])
-            b_index = self.position[rank][self.backward(item)]
-            by_rank[rank].append((b_index - lead, b_index, Action(item[0], kind, item[1])))
-        offloaded = leads.keys() | fetches
-        ranks = []
-        for rank, actions in enumerate(self.schedule.ranks):
-            before: dict[Action, list[Action]] = {}
-            for anchor_index, _, copy in sorted(by_rank[rank]):
-                before.setdefault(self.compute[rank][anchor_index], []).append(copy)
-            out: list[Action] = []
-            for action in actions:
-                out.extend(before.get(action, ()))
-                if action in waits:
-                    out.append(Action(waits[action][0], Kind.OFFLOAD_WAIT, waits[action][1]))
-                out.append(action)
-                if action[1] is _F and (action[0], action[2]) in offloaded:
-                    out.append(Action(action[0], _OFFLOAD, action[2]))
-            ranks.append(out)
-        return self.schedule.with_ranks(ranks)
+        """The schedule with the transfers and waits placed (placement.insert)."""
+        return insert(self.layout, leads, waits, fetches)
 
     def plan(self, chosen: Iterable[Item]) -> tuple[Schedule, SimResult, dict[Item, str]]:
         """Place transfers for ``chosen`` from a simulation, re-simulate, and repeat until
@@ -264,9 +202,10 @@ class _Planner:
                 skipped[item] = "its backward directly follows its forward"
             else:
                 items.append(item)
-        fetches = {item for item in items if self.policy.fetch_on_use and self.reads_hide(item)}
+        fetches = ({item for item in items if self.reads_hide(item)}
+                   if self.policy.fetch_on_use else set())
         timing = self.base_timing
-        out_ends = copy_out_ends(self.base, items)
+        out_ends = self.base_forwards.copy_out_ends(items)
         waits: dict[Action, Item] = {}
         postponing = self.policy.max_pending_offloads is not None
         leads = self.place_reloads([i for i in items if i not in fetches], timing, skipped,
@@ -276,7 +215,7 @@ class _Planner:
         if postponing:  # a first guess from the forecast saves a round when it holds
             offloaded = [*leads, *fetches]
             same = len(offloaded) == len(items)  # nothing skipped: the forecast made above holds
-            self._postpone(waits, forecast_copies(self.base, offloaded,
+            self._postpone(waits, forecast_copies(self.base_forwards, offloaded,
                                                   out_ends if same else None))
         for _ in range(self.policy.max_rounds):
             planned = self.insert(leads, waits, fetches)
@@ -288,13 +227,13 @@ class _Planner:
                     continue
                 waits, postponing = {}, False  # postponing cost time: plan without it
                 if unpostponed is not None:
-                    timing = _timing(unpostponed)
+                    timing = Timing(self.layout, unpostponed)
                 leads = self.place_reloads(leads, timing, skipped, out_ends)
                 continue
             if not waits:
                 unpostponed = result
             if result.total_stall_time > self.policy.stall_tolerance:
-                timing = _timing(result)
+                timing = Timing(self.layout, result)
                 new_leads = self.place_reloads(leads, timing, skipped, out_ends)
                 if new_leads != leads:
                     leads = new_leads
@@ -306,8 +245,8 @@ class _Planner:
         # Dropping a stalled copy lets later compute start sooner, which can expose another
         # copy; repeat until nothing stalls (each pass drops at least one item).
         while not self.keep_stalling and result.total_stall_time > self.policy.stall_tolerance:
-            timing = _timing(result)
-            stalled = [i for i in [*leads, *fetches] if self._stalled(i, timing)]
+            timed = _timing(result)
+            stalled = [i for i in [*leads, *fetches] if self._stalled(i, timed)]
             if not stalled:
                 break
             for item in stalled:
@@ -329,7 +268,7 @@ class _Planner:
         """The items whose backward directly follows their F on the rank's compute lane (found
         once: every plan asks about its items)."""
         adjacent = set()
-        for comp in self.compute:
+        for comp in self.layout.compute:
             for before, after in zip(comp, comp[1:]):
                 if before[1] is _F and (after[1] is _I or after[1] is _B) \
                         and before[0] == after[0] and before[2] == after[2]:
@@ -340,21 +279,21 @@ class _Planner:
         """The makespan postponing may not exceed."""
         return self.base.makespan * (1 + self.policy.postpone_slack)
 
-    def _latest_starts(self) -> dict[Action, float]:
-        """Each action's latest start within the horizon in the plain schedule (computed once)."""
-        if self._latest is None:
-            self._latest = latest_starts(self.base, self._horizon())
-        return self._latest
+    @functools.cached_property
+    def _latest(self) -> LatestStarts:
+        """Each action's latest start within the horizon in the plain schedule (worked out
+        once, when a wait is first considered)."""
+        return LatestStarts(self.base, self._horizon())
 
     def _late_waits(self, waits: dict[Action, Item], result: SimResult) -> set[Action]:
         """The waits that cost makespan (see postpone.late_waits)."""
-        return late_waits(waits, result, self._latest_starts(), self.policy.stall_tolerance)
+        return late_waits(waits, result, self._latest, self.policy.stall_tolerance)
 
     def _postpone(self, waits: dict[Action, Item], copies: list[RankCopies]) -> bool:
         """Add waits where copies out pile up (see postpone.postpone)."""
         limit = self.policy.max_pending_offloads
         assert limit is not None
-        return postpone(waits, copies, self._latest_starts(), limit, self.policy.stall_tolerance)
+        return postpone(waits, copies, self._latest, limit, self.policy.stall_tolerance)
 
     def floor_reason(self, rank: int) -> str:
         largest = max(self.units[s] for s in self.schedule.stages_on_rank(rank))
@@ -373,12 +312,12 @@ class _Planner:
 
     def report(self, target: OffloadTarget, planned: Schedule, result: SimResult,
                skipped: dict[Item, str], notes: tuple[str, ...]) -> OffloadPlan:
-        offloaded = tuple(sorted((a.stage, a.microbatch) for acts in planned.ranks for a in acts
-                                 if a[1] is _OFFLOAD))
+        offloaded = tuple(sorted([(a[0], a[2]) for acts in planned.ranks for a in acts
+                                  if a[1] is _OFFLOAD]))
         if target.kind is not TargetKind.NONE and not offloaded and skipped:
             reasons = sorted({why for why in skipped.values()})
             notes = notes + ("nothing could be offloaded: " + "; ".join(reasons),)
-        total = sum(self.units[s] for acts in self.compute for s, k, _ in acts if k is _F)
+        total = sum(self.units[s] for acts in self.layout.compute for s, k, _ in acts if k is _F)
         moved_units = sum(self.units[s] for s, _ in offloaded)
         # Byte peaks exist exactly when every stage's activation size is known.
         bytes_moved = None if self.base.peak_bytes is None else float(

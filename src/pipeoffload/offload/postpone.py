@@ -8,47 +8,65 @@ plan is simulated (``forecast_copies``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_right
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import islice
+from operator import le
 
 from pipeoffload.core.actions import Action, Kind
-from pipeoffload.offload.forecast import copy_out_ends
+from pipeoffload.offload.forecast import Forwards
 from pipeoffload.offload.select import Item
 from pipeoffload.sim.simulator import SimResult
 
-RankCopies = tuple[list[tuple[float, Action]], list[tuple[float, float, Item]]]
-"""One rank's forwards as (start, action) and copies out as (forward end, copy end, item), both
-in time order (the device-to-host queue serves copies in issue order)."""
+RankCopies = tuple[Sequence[float], Sequence[Action], Sequence[float], Sequence[float],
+                   Sequence[Item]]
+"""One rank's forwards as (starts, actions) in time order and its copies out as (forward ends,
+copy ends, items) in order of (forward end, copy end, item) (the device-to-host queue serves
+copies in issue order): parallel sequences, so that ``postpone`` can search and slice them."""
 
 
-def postpone(waits: dict[Action, Item], copies: list[RankCopies], latest: dict[Action, float],
+def postpone(waits: dict[Action, Item], copies: list[RankCopies], latest: Mapping[Action, float],
              limit: int, tolerance: float) -> bool:
     """Before each forward that would start while more than ``limit`` copies out of its rank
     are unfinished, wait (add to ``waits``: forward -> item) for enough of them, their memory
     being freed first, or for as many as its slack allows: a wait never holds a forward past
     its ``latest`` start. One wait per copy (an action runs once). Returns whether it added
-    any."""
+    any. Only the last ``4 * (limit + 1)`` copies issued are looked at."""
     changed = False
     awaited = set(waits.values())
-    for forwards, offloads in copies:
+    window = 4 * (limit + 1)
+    for starts, forwards, f_ends, copy_ends, items in copies:
+        # A device-to-host queue serves copies in order, so their ends do not fall; then the
+        # (limit + 1)-th latest end of the recent copies is simply where it is (checked, as
+        # the shortcut needs it).
+        ordered = all(map(le, copy_ends, islice(copy_ends, 1, None)))
         issued = 0
-        for start, forward in forwards:
-            while issued < len(offloads) and offloads[issued][0] <= start:
-                issued += 1
-            if forward in waits:
+        for start, forward in zip(starts, forwards):
+            issued = bisect_right(f_ends, start, issued)  # copies issued by ``start``
+            if issued <= limit or forward in waits:
                 continue
-            recent = offloads[max(0, issued - 4 * (limit + 1)):issued]
-            pending = sorted((end, item) for _, end, item in recent if end > start + tolerance)
-            if len(pending) > limit:
-                affordable = [item for end, item in pending[:len(pending) - limit]
-                              if end <= latest[forward] + tolerance and item not in awaited]
-                if affordable:
-                    waits[forward] = affordable[-1]
-                    awaited.add(affordable[-1])
-                    changed = True
+            first = max(0, issued - window)
+            after = start + tolerance
+            # Most forwards find at most ``limit`` recent copies pending: the (limit + 1)-th
+            # latest end among them tells, without pairing ends with items.
+            if ordered:
+                if copy_ends[issued - limit - 1] <= after:
+                    continue
+            elif sorted(copy_ends[first:issued])[-limit - 1] <= after:
+                continue
+            pending = sorted((end, item) for end, item in zip(copy_ends[first:issued],
+                                                               items[first:issued])
+                             if end > after)
+            affordable = [item for end, item in pending[:len(pending) - limit]
+                          if end <= latest[forward] + tolerance and item not in awaited]
+            if affordable:
+                waits[forward] = affordable[-1]
+                awaited.add(affordable[-1])
+                changed = True
     return changed
 
 
-def late_waits(waits: dict[Action, Item], result: SimResult, latest: dict[Action, float],
+def late_waits(waits: dict[Action, Item], result: SimResult, latest: Mapping[Action, float],
                tolerance: float) -> set[Action]:
     """The postponed forwards that started after their latest start in ``result``: the waits
     that cost makespan (postponing within the slack is free, see offload/forecast.py)."""
@@ -62,37 +80,45 @@ def simulated_copies(result: SimResult) -> list[RankCopies]:
     for rank_timeline in result.timeline:
         forwards: list[tuple[float, Action]] = []
         f_end: dict[Item, float] = {}
-        copies = []
+        copies: list[tuple[Item, float]] = []
+        # One pass, reading only the fields each kind needs: the timeline is large, and each
+        # object touched costs more than the work on it. A TimedAction is (rank, action,
+        # start, end, lane, stall).
         for t in rank_timeline:
-            _, action, start, end, _, _ = t
+            action = t[1]
             kind = action[1]
             if kind is _F:
-                forwards.append((start, action))
-                f_end[(action[0], action[2])] = end
+                forwards.append((t[2], action))
+                f_end[(action[0], action[2])] = t[3]
             elif kind is _OFFLOAD:
-                copies.append(t)
-        offloads = sorted((f_end[item], t.end, item) for t in copies
-                          for item in ((t.action[0], t.action[2]),))
-        out.append((sorted(forwards), offloads))
+                copies.append(((action[0], action[2]), t[3]))
+        forwards.sort()
+        offloads = sorted([(f_end[item], end, item) for item, end in copies])
+        out.append(_rank_copies(forwards, offloads))
     return out
 
 
-def forecast_copies(base: SimResult, offloaded: Iterable[Item],
+def forecast_copies(forwards: Forwards, offloaded: Iterable[Item],
                     ends: dict[Item, float] | None = None) -> list[RankCopies]:
-    """Each rank's forwards as in the plain schedule's ``base`` and copies out of ``offloaded``
-    as the host-link queue would serve them there (forecast.copy_out_ends; ``ends``: its
-    answer for ``offloaded``, when the caller has it)."""
+    """Each rank's forwards as in the plain schedule's simulation (``forwards``) and copies out
+    of ``offloaded`` as the host-link queue would serve them there (forecast.copy_out_ends;
+    ``ends``: its answer for ``offloaded``, when the caller has it)."""
     if ends is None:
-        ends = copy_out_ends(base, offloaded)
+        ends = forwards.copy_out_ends(offloaded)
     out: list[RankCopies] = []
-    for rank_timeline in base.timeline:
-        forwards = [(start, action) for _, action, start, _, _, _ in rank_timeline
-                    if action[1] is _F]
-        offloads = sorted((end, ends[item], item)
-                          for _, (stage, kind, microbatch), _, end, _, _ in rank_timeline
-                          if kind is _F and (item := (stage, microbatch)) in ends)
-        out.append((sorted(forwards), offloads))
+    for starts, by_end in forwards.per_rank:
+        # Sorted by (forward end, item) already: the sort only settles equal forward ends.
+        offloads = [(end, ends[item], item) for end, item in by_end if item in ends]
+        offloads.sort()
+        out.append(_rank_copies(starts, offloads))
     return out
+
+
+def _rank_copies(forwards: list[tuple[float, Action]],
+                 offloads: list[tuple[float, float, Item]]) -> RankCopies:
+    starts, actions = zip(*forwards) if forwards else ((), ())
+    f_ends, copy_ends, items = zip(*offloads) if offloads else ((), (), ())
+    return starts, actions, f_ends, copy_ends, items
 
 
 _F, _OFFLOAD = Kind.F, Kind.OFFLOAD  # Note: [hot loops], core/actions.py
