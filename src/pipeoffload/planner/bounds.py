@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
@@ -53,11 +54,8 @@ def makespan_lower_bound(costs: CostModel, stage_to_rank: tuple[int, ...], micro
     w = [costs.compute_time(Action(s, Kind.W, 0)) for s in range(stages)]
     x = i if split_backward else [costs.compute_time(Action(s, Kind.B, 0))
                                   for s in range(stages)]
-    hop = [costs.p2p_time if s and stage_to_rank[s] != stage_to_rank[s - 1] else 0.0
-           for s in range(stages)]  # hop[s]: between stages s-1 and s
-    forward_start = [0.0] * stages
-    for s in range(1, stages):
-        forward_start[s] = forward_start[s - 1] + f[s - 1] + hop[s]
+    hop = _hops(costs, stage_to_rank)
+    forward_start = forward_starts(costs, stage_to_rank)
     backward_start = [0.0] * stages
     backward_start[-1] = forward_start[-1] + f[-1]
     for s in range(stages - 2, -1, -1):
@@ -82,6 +80,21 @@ def makespan_lower_bound(costs: CostModel, stage_to_rank: tuple[int, ...], micro
                     first_back + m * sum(i[s] + w[s] for s in mine),
                     first_back + m * sum(x[s] for s in mine) + last)
     return bound
+
+
+def _hops(costs: CostModel, stage_to_rank: tuple[int, ...]) -> list[float]:
+    """hop[s]: the p2p time between stages s-1 and s (0 on one rank)."""
+    return [costs.p2p_time if s and stage_to_rank[s] != stage_to_rank[s - 1] else 0.0
+            for s in range(len(stage_to_rank))]
+
+
+def forward_starts(costs: CostModel, stage_to_rank: tuple[int, ...]) -> list[float]:
+    """Per stage, a_s of Note: [makespan lower bound]: no forward of stage s starts earlier."""
+    hop = _hops(costs, stage_to_rank)
+    start = [0.0] * len(stage_to_rank)
+    for s in range(1, len(stage_to_rank)):
+        start[s] = start[s - 1] + costs.compute_time(Action(s - 1, Kind.F, 0)) + hop[s]
+    return start
 
 
 def kept_activation_floor(schedule: Schedule, stage_bytes: Sequence[float],
@@ -121,28 +134,48 @@ def kept_activation_floor(schedule: Schedule, stage_bytes: Sequence[float],
     return floors
 
 
-#: Per rank: its stages in order, and each distinct vector of resident microbatches per stage
-#: (in that order) right after one of its forwards (Note: [kept activation]).
-ResidentCounts = list[tuple[tuple[int, ...], frozenset[tuple[int, ...]]]]
+class RankOrder(NamedTuple):
+    """What the memory bounds read of one rank's order (Note: [kept activation]; Note:
+    [fitting time], planner/fit_bound.py). Compute counts are per stage, F, I, W and B, flat."""
+
+    stages: tuple[int, ...]  # the rank's stages, in order
+    vectors: dict[tuple[int, ...], tuple[int, ...]]
+    """Each distinct vector of resident microbatches per stage right after one of the rank's
+    forwards -> the compute counts the rank had run when it first appeared."""
+    totals: tuple[int, ...]  # the compute counts of the whole order
+
+
+ResidentCounts = list[RankOrder]
+
+_KIND_SLOT = {Kind.F: 0, Kind.I: 1, Kind.W: 2, Kind.B: 3}
 
 
 def resident_counts(schedule: Schedule) -> ResidentCounts:
     """What ``kept_activation_floor`` reads of the order, once per schedule: a steady state
     repeats its vectors, so a few stand for ~10^4 forwards and each further set of stage bytes
-    costs a few dot products (``kept_floor``)."""
+    costs a few dot products (``kept_floor``). Each vector keeps the compute counts of its
+    first appearance: later ones have run at least as much of every kind."""
     out = []
     for actions in schedule.ranks:
         stages = tuple(sorted({a[0] for a in actions}))
         slot = {stage: i for i, stage in enumerate(stages)}
         count = [0] * len(stages)
-        seen: set[tuple[int, ...]] = set()
+        done = [0] * (4 * len(stages))
+        seen: dict[tuple[int, ...], tuple[int, ...]] = {}
         for stage, kind, _ in actions:
-            if kind is Kind.F:
-                count[slot[stage]] += 1
-                seen.add(tuple(count))
-            elif kind is Kind.W or kind is Kind.B:
-                count[slot[stage]] -= 1
-        out.append((stages, frozenset(seen)))
+            at = _KIND_SLOT.get(kind)
+            if at is None:
+                continue
+            i = slot[stage]
+            done[4 * i + at] += 1
+            if at == 0:
+                count[i] += 1
+                vector = tuple(count)
+                if vector not in seen:
+                    seen[vector] = tuple(done)
+            elif at != 1:  # W or B frees the activation
+                count[i] -= 1
+        out.append(RankOrder(stages, seen, tuple(done)))
     return out
 
 
@@ -151,7 +184,7 @@ def kept_floor(counts: ResidentCounts, stage_bytes: Sequence[float],
     """``kept_activation_floor`` from ``resident_counts``: the same bound, its sums taken in
     another order (equal up to rounding)."""
     floors = []
-    for stages, vectors in counts:
+    for stages, vectors, _ in counts:
         if offloaded_stages >= len(stages):
             floors.append(0.0)
             continue

@@ -31,6 +31,7 @@ from pipeoffload.planner.costing import (
     stage_costs,
     step_model_flops,
 )
+from pipeoffload.planner.fit_bound import fitting_makespan_bound
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.host_memory import node_host_bytes
 from pipeoffload.planner.ratio import PieceCost
@@ -96,6 +97,12 @@ class Candidate:
         if self.group_size is not None:
             options["group_size"] = self.group_size
         return options
+
+    @property
+    def schedule_shape(self) -> tuple:
+        """What the schedule family builds from: a shape that cannot be built fails for every
+        variant of it."""
+        return (self.schedule, self.pp, self.microbatches, self.chunks, self.group_size)
 
     def period(self) -> int:
         """Microbatches after which the schedule's pattern repeats (Note [reduced simulation])."""
@@ -285,6 +292,30 @@ class Evaluator:
             makespan = makespan_lower_bound(self.costs(candidate), placement,
                                             candidate.microbatches,
                                             candidate.schedule not in WHOLE_BACKWARD, recomputed)
+            self._bounds[key] = (
+                makespan + dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory)
+                + optimizer_seconds(self.hw, pieces, placement, layout, self.memory))
+        return self._bounds[key]
+
+    def fitting_time_bound(self, candidate: Candidate) -> float:
+        """A lower bound of the step time of ``candidate`` if it fits in the device budget
+        (planner/fit_bound.py, Note [fitting time]: its copies must drain the activations
+        over the budget): its order at all m microbatches, its costs and the room each rank
+        leaves activations, plus the DP exchange and the optimizer step as ``evaluate`` adds
+        them. 0.0 for recompute-and-offload, which the bound does not cover."""
+        if candidate.offload == RECOMPUTE_AND_OFFLOAD:
+            return 0.0
+        key = ("fit", self.layout(candidate), candidate.schedule_shape)
+        if key not in self._bounds:
+            schedule = self.schedule(candidate, candidate.microbatches)
+            pieces, layout = self.pieces(candidate), self.layout(candidate)
+            states = rank_state(self.spec, pieces, schedule.stage_to_rank, layout, self.memory)
+            rooms = [self.budget_bytes - state.total - self.memory.reserve_bytes
+                     for state in states]
+            makespan = fitting_makespan_bound(self.runner.resident(schedule),
+                                              self.costs(candidate), schedule.stage_to_rank,
+                                              rooms)
+            placement = self.stage_to_rank(candidate)
             self._bounds[key] = (
                 makespan + dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory)
                 + optimizer_seconds(self.hw, pieces, placement, layout, self.memory))

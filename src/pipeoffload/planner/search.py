@@ -150,6 +150,9 @@ class SearchStats:
     pruned_by_time: int = 0
     pruned_by_memory: int = 0
     dominated: int = 0
+    pruned_by_copies: int = 0
+    """Offloaded variants that could fit only by a step slower than the best (Note:
+    [fitting time], planner/fit_bound.py)."""
     not_buildable: int = 0
     finalists: int = 0
     seconds: float = 0.0
@@ -304,13 +307,6 @@ class _Queue:
         return key, kind, candidate, plan
 
 
-def _shape(candidate: Candidate) -> tuple:
-    """What the schedule family builds from: a shape that cannot be built fails for every
-    variant of it."""
-    return (candidate.schedule, candidate.pp, candidate.microbatches, candidate.chunks,
-            candidate.group_size)
-
-
 def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
            space: SearchSpace = SearchSpace(),
            progress: Callable[[str], None] | None = None,
@@ -333,8 +329,9 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
     simulations_before = evaluator.simulations
     reduced_error = 1 + config.extrapolation.tolerance
     groups = configurations(spec, hw, config, space)
-    stats = dict.fromkeys(("pruned_by_time", "pruned_by_memory", "dominated", "not_buildable",
-                           "finalists"), 0)
+    stats = dict.fromkeys(("pruned_by_time", "pruned_by_memory", "dominated",
+                           "pruned_by_copies", "not_buildable", "finalists"), 0)
+    pruned_as = {"sibling": "dominated", "unfit": "pruned_by_copies"}
     queue = _Queue()
     too_big: list[tuple[float, Candidate]] = []
     # Plans without offload whose time bounds an offloaded sibling's (rule 1 of the Note).
@@ -357,9 +354,9 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
     while queue.entries:
         key, kind, candidate, plan = queue.pop()
         if key * (1 + config.tolerance) >= best:
-            stats["dominated" if kind == "sibling" else "pruned_by_time"] += 1
+            stats[pruned_as.get(kind, "pruned_by_time")] += 1
             for _, _, _, rest, _, _ in queue.entries:
-                stats["dominated" if rest == "sibling" else "pruned_by_time"] += 1
+                stats[pruned_as.get(rest, "pruned_by_time")] += 1
             break
         now = time.monotonic()
         if progress is not None and now - last_report >= 1.0:
@@ -375,7 +372,7 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
             if sibling_floor.get(free, 0.0) > key:
                 queue.push(sibling_floor[free], "sibling", candidate)
                 continue
-            if _shape(candidate) in unbuildable:
+            if candidate.schedule_shape in unbuildable:
                 stats["not_buildable"] += 1
                 continue
             try:
@@ -386,6 +383,10 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                     if not offloaded:
                         too_big.append((evaluator.memory_bound(candidate), candidate))
                     continue
+                fit = evaluator.fitting_time_bound(candidate) if offloaded else 0.0
+                if fit > key:  # fitting takes longer than the key says (rule 2 of the Note)
+                    queue.push(fit, "unfit", candidate)
+                    continue
                 memory = evaluator.first_count_memory(candidate) if offloaded else None
                 if memory is not None and memory > budget * (
                         1 + config.extrapolation.memory_tolerance):
@@ -395,7 +396,7 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                 stats["finalists"] += memory is not None
                 plan = evaluator.evaluate(candidate, full=offloaded)
             except ConfigError:
-                unbuildable.add(_shape(candidate))
+                unbuildable.add(candidate.schedule_shape)
                 stats["not_buildable"] += 1
                 continue
             if candidate.offload == "none":
