@@ -71,6 +71,7 @@ from pipeoffload.planner.ratio import (
 )
 from pipeoffload.planner.reduced import Extrapolation
 from pipeoffload.planner.transformer import Recompute, TransformerSpec, as_recompute
+from pipeoffload.sim.collector import cyclic_gc_paused
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "v-min",
                      "grouped-interleaved")
@@ -314,6 +315,13 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
     """Search (Note: [branch and bound]); ``progress`` gets a status line about once a second.
     ``evaluator``: an earlier search's (``SearchResult.evaluator``) for the same model,
     hardware and config (``top_k`` and the space may differ): what it priced is reused."""
+    with cyclic_gc_paused():
+        return _search(spec, hw, config, space, progress, evaluator)
+
+
+def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: SearchSpace,
+            progress: Callable[[str], None] | None, evaluator: Evaluator | None
+            ) -> SearchResult:
     started = time.monotonic()
     budget = config.budget_bytes if config.budget_bytes is not None else hw.hbm_bytes
     host_budget = (config.host_budget_bytes if config.host_budget_bytes is not None
