@@ -287,7 +287,9 @@ def _variants(priced: Callable[[RunConfig], PieceCost], base: Candidate,
     offloads = [o for o in space.offload if base.pp > 1 or o == "none"]
     if base.chunks < 2:
         offloads = [o for o in offloads if o not in ("chunks:1", RECOMPUTE_AND_OFFLOAD)]
-    return [replace(base, recompute=r, offload=o) for r in kept for o in offloads]
+    return [Candidate(base.schedule, base.dp, base.tp, base.pp, base.chunks, base.micro_batch,
+                      base.microbatches, r, o, base.group_size)
+            for r in kept for o in offloads]
 
 
 @dataclass
@@ -343,8 +345,12 @@ def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: Se
     queue = _Queue()
     too_big: list[tuple[float, Candidate]] = []
     # Plans without offload whose time bounds an offloaded sibling's (rule 1 of the Note).
-    floors_siblings = {replace(c, offload="none") for variants in groups for c in variants
-                       if c.offload != "none"}
+    free_of: dict[Candidate, Candidate] = {}  # each variant's sibling without offload
+    for variants in groups:
+        without = {c.recompute: c for c in variants if c.offload == "none"}
+        for c in variants:
+            free_of[c] = without.get(c.recompute) or replace(c, offload="none")
+    floors_siblings = {free_of[c] for c in free_of if c.offload != "none"}
     for variants in groups:
         for candidate in variants:
             floor = evaluator.state_and_floor(candidate)
@@ -376,7 +382,7 @@ def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: Se
             stats["finalists"] += 1
             plan = evaluator.evaluate(candidate, full=True)
         else:
-            free = replace(candidate, offload="none")
+            free = free_of[candidate]
             if sibling_floor.get(free, 0.0) > key:
                 queue.push(sibling_floor[free], "sibling", candidate)
                 continue
