@@ -33,7 +33,7 @@ from pipeoffload.planner.evaluate import (
     Candidate,
     Evaluator,
 )
-from pipeoffload.planner.fit_bound import fitting_makespan_bound
+from pipeoffload.planner.fit_bound import fit_points, fitting_makespan_bound
 from pipeoffload.planner.hardware import hardware_preset
 from pipeoffload.planner.layer_work import NormKernel
 from pipeoffload.planner.optimizer import DP_COPY_BYTES, OptimizerSpec
@@ -133,7 +133,7 @@ def test_a_plan_that_fits_is_no_faster_than_its_fitting_bound(case, target: str,
     schedule, costs = case
     planned = add_offload(schedule, costs, target, policy).result
     peaks = planned.peak_bytes
-    counts = resident_counts(schedule)
+    counts = fit_points(schedule)
     rooms = [peak * slack for peak in peaks]
     bound = fitting_makespan_bound(counts, costs, schedule.stage_to_rank, rooms)
     assert bound <= planned.makespan

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
@@ -134,48 +133,28 @@ def kept_activation_floor(schedule: Schedule, stage_bytes: Sequence[float],
     return floors
 
 
-class RankOrder(NamedTuple):
-    """What the memory bounds read of one rank's order (Note: [kept activation]; Note:
-    [fitting time], planner/fit_bound.py). Compute counts are per stage, F, I, W and B, flat."""
-
-    stages: tuple[int, ...]  # the rank's stages, in order
-    vectors: dict[tuple[int, ...], tuple[int, ...]]
-    """Each distinct vector of resident microbatches per stage right after one of the rank's
-    forwards -> the compute counts the rank had run when it first appeared."""
-    totals: tuple[int, ...]  # the compute counts of the whole order
-
-
-ResidentCounts = list[RankOrder]
-
-_KIND_SLOT = {Kind.F: 0, Kind.I: 1, Kind.W: 2, Kind.B: 3}
+#: Per rank: its stages in order, and each distinct vector of resident microbatches per stage
+#: (in that order) right after one of its forwards (Note: [kept activation]).
+ResidentCounts = list[tuple[tuple[int, ...], frozenset[tuple[int, ...]]]]
 
 
 def resident_counts(schedule: Schedule) -> ResidentCounts:
     """What ``kept_activation_floor`` reads of the order, once per schedule: a steady state
     repeats its vectors, so a few stand for ~10^4 forwards and each further set of stage bytes
-    costs a few dot products (``kept_floor``). Each vector keeps the compute counts of its
-    first appearance: later ones have run at least as much of every kind."""
+    costs a few dot products (``kept_floor``)."""
     out = []
     for actions in schedule.ranks:
         stages = tuple(sorted({a[0] for a in actions}))
         slot = {stage: i for i, stage in enumerate(stages)}
         count = [0] * len(stages)
-        done = [0] * (4 * len(stages))
-        seen: dict[tuple[int, ...], tuple[int, ...]] = {}
+        seen: set[tuple[int, ...]] = set()
         for stage, kind, _ in actions:
-            at = _KIND_SLOT.get(kind)
-            if at is None:
-                continue
-            i = slot[stage]
-            done[4 * i + at] += 1
-            if at == 0:
-                count[i] += 1
-                vector = tuple(count)
-                if vector not in seen:
-                    seen[vector] = tuple(done)
-            elif at != 1:  # W or B frees the activation
-                count[i] -= 1
-        out.append(RankOrder(stages, seen, tuple(done)))
+            if kind is Kind.F:
+                count[slot[stage]] += 1
+                seen.add(tuple(count))
+            elif kind is Kind.W or kind is Kind.B:
+                count[slot[stage]] -= 1
+        out.append((stages, frozenset(seen)))
     return out
 
 
@@ -184,7 +163,7 @@ def kept_floor(counts: ResidentCounts, stage_bytes: Sequence[float],
     """``kept_activation_floor`` from ``resident_counts``: the same bound, its sums taken in
     another order (equal up to rounding)."""
     floors = []
-    for stages, vectors, _ in counts:
+    for stages, vectors in counts:
         if offloaded_stages >= len(stages):
             floors.append(0.0)
             continue

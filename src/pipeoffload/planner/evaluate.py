@@ -330,7 +330,7 @@ class Evaluator:
             states = rank_state(self.spec, pieces, schedule.stage_to_rank, layout, self.memory)
             rooms = [self.budget_bytes - state.total - self.memory.reserve_bytes
                      for state in states]
-            makespan = fitting_makespan_bound(self.runner.resident(schedule),
+            makespan = fitting_makespan_bound(self.runner.fit_points(schedule),
                                               self.costs(candidate), schedule.stage_to_rank,
                                               rooms)
             placement = self.stage_to_rank(candidate)

@@ -3,54 +3,110 @@ from its order, costs and the room activations have on each rank, before the off
 runs (planner/search.py keys such candidates by it).
 
 Note: [fitting time]
-Offload frees a rank's memory only as fast as its host link copies, and a fast step leaves
-little time to copy. Take rank r and the end e_k of its k-th forward F_k. The rank runs its
-compute one action at a time in program order (sim/simulator.py), so at e_k exactly the
-compute before F_k and F_k itself have run, and the activations live then (design.md's
-accounting: F start to W or B end) are those the order's resident-count vector right after F_k
-counts; L_k bytes. Under Note: [memory accounting] and [streaming offload] (sim/memory.py) an
-activation whose forward has ended counts at least its size minus the bytes its copy out has
-moved (a copy moves size / transfer time per second from its start; an activation copied back
-counts whole): for a copy still running the counted share is what the copy had not moved when
-the forward ended, and nothing counts below zero. Copies on one host-link queue run one at a
-time and none starts before the earliest forward of a rank on that link (a_s, Note: [makespan
-lower bound]), so by e_k rank r's copies have moved at most rate_r (e_k - c_r) bytes, rate_r
-the fastest any stage of the rank copies (bytes / ``transfer_time``) and c_r that earliest
-start. The peak activation is at least the level at e_k (the changes before it, in the
-simulator's order at ties, are a prefix of its sorted changes), so a plan fits only if
-    L_k - rate_r (e_k - c_r) <= room_r     (room_r: the budget less rank r's state and reserve).
-The rank still has to run its compute after F_k: R_k = the rank's total F, I, W and B time less
-what it had run by F_k (transfers, waits and recomputation only add), so makespan >= e_k + R_k.
-Together: a plan that fits has
-    makespan >= R_k + c_r + (L_k - room_r) / rate_r    for every (r, k) with L_k > room_r,
-and the bound is the largest of these (0 if none). Offload planning inserts transfers and waits
-into the order; it does not reorder, add or remove F, I, W or B (offload/plan.py), so the
-order's counts are the plan's. Any k may be used, so each rank's distinct resident vectors are
-read at their first appearance (``bounds.resident_counts``): later ones have run more and give
-smaller R_k. It holds for any offload target without recomputation (``all``, ``chunks:K``, ...)
-and for no-offload plans (rate 0: a vector over the room never fits); not for
-recompute-and-offload, whose recomputed forwards are not resident. tests/test_planner_bounds.py
-checks it against full offload plans of random shapes, costs and budgets.
+Offload frees a rank's memory only as fast as its host link copies. Take rank r and the end e_k
+of its k-th forward F_k. The rank runs its compute one action at a time in program order
+(sim/simulator.py), so at e_k exactly the compute before F_k and F_k itself have run, and the
+activations live then (design.md's accounting: F start to W or B end) are fixed by the order:
+the set A_k, L_k bytes. Under Note: [memory accounting] and [streaming offload] (sim/memory.py)
+an activation of A_k counts, at e_k, at least its size less the bytes its copy out has moved
+by e_k (a copy moves size / ``transfer_time`` bytes per second from its start; for a copy still
+running the counted share is what it had not moved when the forward ended; an activation copied
+back counts whole, one not offloaded whole). The changes up to e_k (in the simulator's order at
+ties, up to F_k's own) are a prefix of its sorted changes, so the peak is at least that level,
+and a plan whose activations fit in room_r (the budget less rank r's state and reserve) has
+moved, by e_k, at least need_k = L_k - room_r bytes of copies of A_k.
+Copies on one host-link queue run one at a time, and none starts before the earliest forward
+of a rank on that link (c_r, from a_s of Note: [makespan lower bound]); a copy moves at most
+rate_r bytes per second (the fastest of the rank's stages). Points k_1 < ... < k_n whose live
+sets are pairwise disjoint need copies of different activations, all moved by e_{k_n}:
+    rate_r (e_{k_n} - c_r) >= need_{k_1} + ... + need_{k_n}.
+The rank still has to run its compute after F_{k_n}: R_k = its total F, I, W and B time less
+what it had run by F_k (transfers, waits and recomputation only add), so makespan >= e_k + R_k,
+and a plan that fits has
+    makespan >= c_r + R_{k_n} + (need_{k_1} + ... + need_{k_n}) / rate_r
+for every such chain. A single point bounds a burst (a warm-up's forwards back to back); a
+chain, a steady state whose copies cannot keep up. Live sets of points j < k are disjoint
+exactly when the oldest activation live at k was made after F_j (a live activation is one
+interval of the order), so the best chain ending at each k is a prefix maximum away (one pass).
+Offload planning inserts transfers and waits into the order; it does not reorder, add or remove
+F, I, W or B (offload/plan.py), so the order's sets are the plan's. It holds for any offload
+target without recomputation (``all``, ``chunks:K``, ...), fetched or reloaded, and for plans
+without offload (rate 0: a point over the room never fits); not for recompute-and-offload,
+whose recomputed forwards are not resident. tests/test_planner_bounds.py checks it against
+offload plans of random shapes, costs, policies and rooms, and against full evaluations.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from pipeoffload.core.actions import Action, Kind
-from pipeoffload.planner.bounds import ResidentCounts, forward_starts
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.planner.bounds import forward_starts
 from pipeoffload.sim.costs import CostModel
 
 _KINDS = (Kind.F, Kind.I, Kind.W, Kind.B)
+_SLOT = {kind: i for i, kind in enumerate(_KINDS)}
 
 
-def fitting_makespan_bound(counts: ResidentCounts, costs: CostModel,
+class RankPoints(NamedTuple):
+    """One rank's order as Note: [fitting time] reads it, cost-free: per forward (a point),
+    in order, its live activations and what the rank had run by its end."""
+
+    stages: tuple[int, ...]  # the rank's stages
+    vectors: tuple[tuple[int, ...], ...]  # distinct live counts per stage (in ``stages`` order)
+    live: tuple[int, ...]  # per point, its index into ``vectors``
+    oldest: tuple[int, ...]  # per point, the point that made its oldest live activation
+    done: tuple[tuple[int, ...], ...]  # per point, F, I, W, B counts per stage, flat
+    totals: tuple[int, ...]  # the same counts for the whole order
+
+
+def fit_points(schedule: Schedule) -> list[RankPoints]:
+    """Per rank, the points of Note: [fitting time] (one pass over the order)."""
+    out = []
+    for actions in schedule.ranks:
+        stages = tuple(sorted({a[0] for a in actions}))
+        slot = {stage: i for i, stage in enumerate(stages)}
+        count = [0] * len(stages)
+        done = [0] * (4 * len(stages))
+        vector_id: dict[tuple[int, ...], int] = {}
+        made: dict[tuple[int, int], int] = {}  # live activation -> the point that made it
+        alive: list[bool] = []  # per point, whether the activation it made is still live
+        first = 0  # the earliest point whose activation is live
+        live, oldest, done_at = [], [], []
+        for stage, kind, mb in actions:
+            at = _SLOT.get(kind)
+            if at is None:
+                continue
+            i = slot[stage]
+            done[4 * i + at] += 1
+            if at == 0:
+                count[i] += 1
+                made[(stage, mb)] = len(live)
+                alive.append(True)
+                while not alive[first]:
+                    first += 1
+                live.append(vector_id.setdefault(tuple(count), len(vector_id)))
+                oldest.append(first)
+                done_at.append(tuple(done))
+            elif at != 1:  # W or B frees the activation
+                count[i] -= 1
+                point = made.pop((stage, mb), None)
+                if point is not None:
+                    alive[point] = False
+        out.append(RankPoints(stages, tuple(vector_id), tuple(live), tuple(oldest),
+                              tuple(done_at), tuple(done)))
+    return out
+
+
+def fitting_makespan_bound(points: Sequence[RankPoints], costs: CostModel,
                            stage_to_rank: tuple[int, ...], rooms: Sequence[float]) -> float:
     """A lower bound of the makespan of any offload plan (no recomputation) of the schedule
-    ``counts`` was read from (``bounds.resident_counts``) whose activations stay within
-    ``rooms[r]`` bytes on every rank r (Note: [fitting time]); math.inf when one cannot fit
-    however long it runs, 0.0 when nothing binds."""
+    ``points`` were read from (``fit_points``) whose activations stay within ``rooms[r]`` bytes
+    on every rank r (Note: [fitting time]); math.inf when one cannot fit however long it runs,
+    0.0 when nothing binds."""
     if costs.overlap_f_b is not None:
         raise ValueError("fitting_makespan_bound: overlapped F&B pairs shorten durations; "
                          "the bound assumes costs.overlap_f_b is None")
@@ -61,25 +117,33 @@ def fitting_makespan_bound(counts: ResidentCounts, costs: CostModel,
         link = rank // per_link
         link_start[link] = min(link_start.get(link, math.inf), starts[stage])
     bound = 0.0
-    for rank, (stages, vectors, totals) in enumerate(counts):
-        sizes = [costs.bytes_of(stage) or 0.0 for stage in stages]
-        durations = [costs.compute_time(Action(stage, kind, 0))
-                     for stage in stages for kind in _KINDS]
+    for rank, order in enumerate(points):
+        sizes = [costs.bytes_of(stage) or 0.0 for stage in order.stages]
+        needs = [sum(n * size for n, size in zip(vector, sizes)) - rooms[rank]
+                 for vector in order.vectors]
+        if max(needs, default=0.0) <= 0:
+            continue
         rate = 0.0
-        for stage, size in zip(stages, sizes):
+        for stage, size in zip(order.stages, sizes):
             if size > 0:
                 took = costs.transfer_time(stage, Kind.OFFLOAD)
                 rate = max(rate, size / took if took > 0 else math.inf)
         if rate == math.inf:
             continue  # copies take no time: memory binds nothing
-        total = sum(n * d for n, d in zip(totals, durations))
-        copies_from = link_start[rank // per_link]
-        for vector, done in vectors.items():
-            over = sum(n * size for n, size in zip(vector, sizes)) - rooms[rank]
-            if over <= 0:
-                continue
-            if rate == 0:
-                return math.inf
-            left = total - sum(n * d for n, d in zip(done, durations))
-            bound = max(bound, left + copies_from + over / rate)
+        if rate == 0:
+            return math.inf
+        durations = [costs.compute_time(Action(stage, kind, 0))
+                     for stage in order.stages for kind in _KINDS]
+        total = sum(n * d for n, d in zip(order.totals, durations))
+        best_before = [0.0]  # best_before[j]: the best chain over points before j (or none)
+        latest = 0.0
+        for k, (vector, first) in enumerate(zip(order.live, order.oldest)):
+            chain = max(needs[vector], 0.0) + best_before[first]
+            best_before.append(max(best_before[-1], chain))
+            if chain > 0:
+                left = total - sum(n * d for n, d in zip(order.done[k], durations))
+                latest = max(latest, left + chain / rate)
+        if latest > 0:
+            bound = max(bound, link_start[rank // per_link] + latest)
     return bound * (1 - 1e-9)  # its sums run in another order than the simulator's
+
