@@ -362,6 +362,7 @@ def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: Se
     feasible: dict[Candidate, Plan] = {}  # full or reduced, the latest of each candidate
     infeasible: list[Plan] = []
     sibling_floor: dict[Candidate, float] = {}  # the offload-free variant's time, from below
+    unpriced: set[Candidate] = set()  # offload-free variants over the budget, not yet simulated
     unbuildable: set[tuple] = set()
     best = math.inf  # the best full-simulated feasible step time
     last_report = started
@@ -391,16 +392,26 @@ def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: Se
                 continue
             try:
                 offloaded = candidate.offload != "none"
-                if (offloaded or candidate not in floors_siblings) and \
-                        evaluator.memory_bound(candidate) > budget:
+                if evaluator.memory_bound(candidate) > budget:
                     stats["pruned_by_memory"] += 1
                     if not offloaded:
                         too_big.append((evaluator.memory_bound(candidate), candidate))
+                        if candidate in floors_siblings:  # priced if a sibling needs its time
+                            unpriced.add(candidate)
                     continue
                 fit = evaluator.fitting_time_bound(candidate) if offloaded else 0.0
                 if fit > key:  # fitting takes longer than the key says (rule 2 of the Note)
                     queue.push(fit, "unfit", candidate)
                     continue
+                if free in unpriced:  # the sibling without offload, priced for its time now
+                    unpriced.discard(free)
+                    free_plan = evaluator.evaluate(free)
+                    infeasible.append(free_plan)
+                    sibling_floor[free] = (free_plan.step_time / reduced_error
+                                           if free_plan.extrapolated else free_plan.step_time)
+                    if sibling_floor[free] > key:
+                        queue.push(sibling_floor[free], "sibling", candidate)
+                        continue
                 memory = evaluator.first_count_memory(candidate) if offloaded else None
                 if memory is not None and memory > budget * (
                         1 + config.extrapolation.memory_tolerance):
