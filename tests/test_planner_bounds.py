@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeoffload.core import registry
-from pipeoffload.core.actions import Kind
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPolicy, add_offload
 from pipeoffload.offload.recompute import add_recompute
@@ -23,6 +23,7 @@ from pipeoffload.planner.bounds import (
     kept_floor,
     makespan_lower_bound,
     resident_counts,
+    stage_durations,
 )
 from pipeoffload.planner.costing import DEFAULT_FRAMEWORK, GIB, Framework, MemoryConfig
 from pipeoffload.planner.evaluate import (
@@ -143,6 +144,16 @@ def test_a_plan_that_fits_is_no_faster_than_its_fitting_bound(case, target: str,
     if max(bare.peak_bytes) > 0:
         assert fitting_makespan_bound(counts, without_copies, schedule.stage_to_rank,
                                       below) > bare.makespan
+
+
+@given(schedules_and_costs())
+def test_stage_durations_are_the_cost_models(case) -> None:
+    """The bounds' per-stage durations are ``compute_time``'s, bit for bit."""
+    _, costs = case
+    stages = len(costs.stage_time_scale)
+    durations = stage_durations(costs, stages + 1)
+    for kind, times in zip((Kind.F, Kind.I, Kind.W, Kind.B), durations):
+        assert times == [costs.compute_time(Action(s, kind, 0)) for s in range(stages + 1)]
 
 
 def test_whole_backward_families_are_the_ones_without_w() -> None:

@@ -42,9 +42,9 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import Kind
 from pipeoffload.core.schedule import Schedule
-from pipeoffload.planner.bounds import forward_starts
+from pipeoffload.planner.bounds import forward_starts, stage_durations
 from pipeoffload.sim.costs import CostModel
 
 _KINDS = (Kind.F, Kind.I, Kind.W, Kind.B)
@@ -110,7 +110,8 @@ def fitting_makespan_bound(points: Sequence[RankPoints], costs: CostModel,
     if costs.overlap_f_b is not None:
         raise ValueError("fitting_makespan_bound: overlapped F&B pairs shorten durations; "
                          "the bound assumes costs.overlap_f_b is None")
-    starts = forward_starts(costs, stage_to_rank)
+    per_kind = stage_durations(costs, len(stage_to_rank))  # F, I, W, B: the points' order
+    starts = forward_starts(costs, stage_to_rank, per_kind[0])
     per_link = costs.host_link.ranks_per_link
     link_start: dict[int, float] = {}
     for stage, rank in enumerate(stage_to_rank):
@@ -132,17 +133,19 @@ def fitting_makespan_bound(points: Sequence[RankPoints], costs: CostModel,
             continue  # copies take no time: memory binds nothing
         if rate == 0:
             return math.inf
-        durations = [costs.compute_time(Action(stage, kind, 0))
-                     for stage in order.stages for kind in _KINDS]
+        durations = [kind_times[stage] for stage in order.stages for kind_times in per_kind]
         total = sum(n * d for n, d in zip(order.totals, durations))
         best_before = [0.0]  # best_before[j]: the best chain over points before j (or none)
         latest = 0.0
         for k, (vector, first) in enumerate(zip(order.live, order.oldest)):
-            chain = max(needs[vector], 0.0) + best_before[first]
+            need = needs[vector]
+            if need <= 0:  # no better chain ends here: an earlier point ends it, sooner
+                best_before.append(best_before[-1])
+                continue
+            chain = need + best_before[first]
             best_before.append(max(best_before[-1], chain))
-            if chain > 0:
-                left = total - sum(n * d for n, d in zip(order.done[k], durations))
-                latest = max(latest, left + chain / rate)
+            left = total - sum(n * d for n, d in zip(order.done[k], durations))
+            latest = max(latest, left + chain / rate)
         if latest > 0:
             bound = max(bound, link_start[rank // per_link] + latest)
     return bound * (1 - 1e-9)  # its sums run in another order than the simulator's
