@@ -25,7 +25,10 @@ what it had run by F_k (transfers, waits and recomputation only add), so makespa
 and a plan that fits has
     makespan >= c_r + R_{k_n} + (need_{k_1} + ... + need_{k_n}) / rate_r
 for every such chain. A single point bounds a burst (a warm-up's forwards back to back); a
-chain, a steady state whose copies cannot keep up. Live sets of points j < k are disjoint
+chain, a steady state whose copies cannot keep up. Ranks that share a queue (``HostLink.
+ranks_per_link``) copy different activations on it, so one chain per rank, ending where each
+rank has at least R left, needs its summed bytes moved (at the fastest of their rates) by the
+latest end: makespan >= c + R + (sum of the chains) / rate. Live sets of points j < k are disjoint
 exactly when the oldest activation live at k was made after F_j (a live activation is one
 interval of the order), so the best chain ending at each k is a prefix maximum away (one pass).
 Offload planning inserts transfers and waits into the order; it does not reorder, add or remove
@@ -117,7 +120,8 @@ def fitting_makespan_bound(points: Sequence[RankPoints], costs: CostModel,
     for stage, rank in enumerate(stage_to_rank):
         link = rank // per_link
         link_start[link] = min(link_start.get(link, math.inf), starts[stage])
-    bound = 0.0
+    chains: dict[int, list[list[tuple[float, float]]]] = {}  # per link, its ranks' chains
+    rates: dict[int, float] = {}
     for rank, order in enumerate(points):
         sizes = [costs.bytes_of(stage) or 0.0 for stage in order.stages]
         needs = [sum(n * size for n, size in zip(vector, sizes)) - rooms[rank]
@@ -130,23 +134,42 @@ def fitting_makespan_bound(points: Sequence[RankPoints], costs: CostModel,
                 took = costs.transfer_time(stage, Kind.OFFLOAD)
                 rate = max(rate, size / took if took > 0 else math.inf)
         if rate == math.inf:
-            continue  # copies take no time: memory binds nothing
+            continue  # its copies take no time: its memory binds nothing
         if rate == 0:
             return math.inf
-        durations = [kind_times[stage] for stage in order.stages for kind_times in per_kind]
-        total = sum(n * d for n, d in zip(order.totals, durations))
-        best_before = [0.0]  # best_before[j]: the best chain over points before j (or none)
-        latest = 0.0
-        for k, (vector, first) in enumerate(zip(order.live, order.oldest)):
-            need = needs[vector]
-            if need <= 0:  # no better chain ends here: an earlier point ends it, sooner
-                best_before.append(best_before[-1])
-                continue
-            chain = need + best_before[first]
-            best_before.append(max(best_before[-1], chain))
-            left = total - sum(n * d for n, d in zip(order.done[k], durations))
-            latest = max(latest, left + chain / rate)
-        if latest > 0:
-            bound = max(bound, link_start[rank // per_link] + latest)
+        link = rank // per_link
+        rates[link] = max(rates.get(link, 0.0), rate)
+        chains.setdefault(link, []).append(_chains(order, needs, per_kind))
+    bound = 0.0
+    for link, ranks in chains.items():
+        # Ranks sharing a queue copy different activations: their chains add up, and all
+        # are done by the latest end, which leaves at least the smallest of their R.
+        floors = sorted({left for chain in ranks for left, _ in chain}, reverse=True)
+        at = [0] * len(ranks)
+        for floor in floors:
+            moved = 0.0
+            for r, chain in enumerate(ranks):
+                while at[r] < len(chain) and chain[at[r]][0] >= floor:
+                    at[r] += 1
+                moved += chain[at[r] - 1][1] if at[r] else 0.0
+            bound = max(bound, link_start[link] + floor + moved / rates[link])
     return bound * (1 - 1e-9)  # its sums run in another order than the simulator's
 
+
+def _chains(order: RankPoints, needs: list[float], per_kind: tuple[list[float], ...]
+            ) -> list[tuple[float, float]]:
+    """One rank's points with bytes to copy, in order: (R_k, the largest need over chains
+    ending at or before k) (Note: [fitting time])."""
+    durations = [kind_times[stage] for stage in order.stages for kind_times in per_kind]
+    total = sum(n * d for n, d in zip(order.totals, durations))
+    best_before = [0.0]  # best_before[j]: the best chain over points before j (or none)
+    out = []
+    for k, (vector, first) in enumerate(zip(order.live, order.oldest)):
+        need = needs[vector]
+        if need <= 0:  # no better chain ends here: an earlier point ends it, sooner
+            best_before.append(best_before[-1])
+            continue
+        best_before.append(max(best_before[-1], need + best_before[first]))
+        left = total - sum(n * d for n, d in zip(order.done[k], durations))
+        out.append((left, best_before[-1]))
+    return out
