@@ -26,7 +26,13 @@ time key, and the search takes the smallest key first:
    one). A plan without offload whose time no offloaded sibling needs (the verdict's search
    of plans without offload, planner/verdict.py) is first bounded in memory by its order
    (Note [kept activation]: exact without transfers, at the smallest count), as offloaded
-   ``chunks:K`` plans are.
+   ``chunks:K`` plans are; one over the budget whose siblings may need its time is simulated
+   only when the first of them gets to rule 2b.
+2b. an offloaded candidate (no recomputation) is keyed by the earliest step at which it could
+   fit (``Evaluator.fitting_time_bound``, planner/fit_bound.py, Note [fitting time]) before
+   the offload planner runs: when that is above its key, it goes back into the queue under it.
+   A plan that fits is no faster, and one that does not fit is never returned, so the key stays
+   a lower bound of what the candidate could contribute.
 3. the search stops when the smallest key times (1 + ``SearchConfig.tolerance``) reaches the
    best full-simulated step time found: nothing left can beat it by more than the tolerance.
 So the plan returned is one simulated in full, and no other candidate is faster than it by more
@@ -400,7 +406,7 @@ def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: Se
                             unpriced.add(candidate)
                     continue
                 fit = evaluator.fitting_time_bound(candidate) if offloaded else 0.0
-                if fit > key:  # fitting takes longer than the key says (rule 2 of the Note)
+                if fit > key:  # fitting takes longer than the key says (rule 2b of the Note)
                     queue.push(fit, "unfit", candidate)
                     continue
                 if free in unpriced:  # the sibling without offload, priced for its time now
