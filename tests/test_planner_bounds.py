@@ -119,7 +119,7 @@ def test_kept_floor_from_resident_counts_equals_the_pass_over_the_order(
             kept_activation_floor(schedule, sizes, offloaded), rel=1e-12, abs=1e-3)
 
 
-@slow
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedules_and_costs(), st.sampled_from(["all", "chunks:1", "fraction:1"]),
        st.sampled_from([OffloadPolicy(), OffloadPolicy(postpone_slack=0.5),
                         OffloadPolicy(max_pending_offloads=None),
@@ -146,6 +146,7 @@ def test_a_plan_that_fits_is_no_faster_than_its_fitting_bound(case, target: str,
                                       below) > bare.makespan
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedules_and_costs())
 def test_stage_durations_are_the_cost_models(case) -> None:
     """The bounds' per-stage durations are ``compute_time``'s, bit for bit."""
