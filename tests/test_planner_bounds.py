@@ -14,15 +14,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeoffload.core import registry
-from pipeoffload.core.actions import Kind
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.errors import ConfigError
-from pipeoffload.offload.plan import add_offload
+from pipeoffload.offload.plan import OffloadPolicy, add_offload
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.planner.bounds import (
     kept_activation_floor,
     kept_floor,
     makespan_lower_bound,
     resident_counts,
+    stage_durations,
 )
 from pipeoffload.planner.costing import DEFAULT_FRAMEWORK, GIB, Framework, MemoryConfig
 from pipeoffload.planner.evaluate import (
@@ -33,6 +34,7 @@ from pipeoffload.planner.evaluate import (
     Candidate,
     Evaluator,
 )
+from pipeoffload.planner.fit_bound import fit_points, fitting_makespan_bound
 from pipeoffload.planner.hardware import hardware_preset
 from pipeoffload.planner.layer_work import NormKernel
 from pipeoffload.planner.optimizer import DP_COPY_BYTES, OptimizerSpec
@@ -115,6 +117,44 @@ def test_kept_floor_from_resident_counts_equals_the_pass_over_the_order(
                                    max_size=schedule.num_stages))
         assert kept_floor(counts, sizes, offloaded) == pytest.approx(
             kept_activation_floor(schedule, sizes, offloaded), rel=1e-12, abs=1e-3)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedules_and_costs(), st.sampled_from(["all", "chunks:1", "fraction:1"]),
+       st.sampled_from([OffloadPolicy(), OffloadPolicy(postpone_slack=0.5),
+                        OffloadPolicy(max_pending_offloads=None),
+                        OffloadPolicy(fetch_on_use=True)]),
+       st.floats(1.0, 1.5))
+def test_a_plan_that_fits_is_no_faster_than_its_fitting_bound(case, target: str, policy,
+                                                              slack: float) -> None:
+    """Note: [fitting time]: with each rank's room set to the peak the offload plan reaches
+    (times ``slack``: the plan fits), the plan's makespan is at least the bound. Rooms that
+    tight make the bound as large as it gets for this plan; the bound must also see that a
+    plan without transfers cannot fit in less than its own peak."""
+    schedule, costs = case
+    planned = add_offload(schedule, costs, target, policy).result
+    peaks = planned.peak_bytes
+    counts = fit_points(schedule)
+    rooms = [peak * slack for peak in peaks]
+    bound = fitting_makespan_bound(counts, costs, schedule.stage_to_rank, rooms)
+    assert bound <= planned.makespan
+    bare = simulate(schedule, costs)
+    below = [peak * 0.999 - 1e-9 for peak in bare.peak_bytes]
+    without_copies = dataclasses.replace(costs, d2h_bytes_per_s=1e-300, offload_ratio=None)
+    if max(bare.peak_bytes) > 0:
+        assert fitting_makespan_bound(counts, without_copies, schedule.stage_to_rank,
+                                      below) > bare.makespan
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedules_and_costs())
+def test_stage_durations_are_the_cost_models(case) -> None:
+    """The bounds' per-stage durations are ``compute_time``'s, bit for bit."""
+    _, costs = case
+    stages = len(costs.stage_time_scale)
+    durations = stage_durations(costs, stages + 1)
+    for kind, times in zip((Kind.F, Kind.I, Kind.W, Kind.B), durations):
+        assert times == [costs.compute_time(Action(s, kind, 0)) for s in range(stages + 1)]
 
 
 def test_whole_backward_families_are_the_ones_without_w() -> None:
@@ -201,6 +241,11 @@ def test_planner_bounds_stay_below_a_full_evaluation(case) -> None:
     assert full.time_bound(candidate) <= plan.step_time * (1 + 1e-9)
     assert full.state_and_floor(candidate) <= plan.memory.total * (1 + 1e-9)
     assert full.memory_bound(candidate) <= plan.memory.total
+    # Note: [fitting time]: with the plan's own memory as the budget it fits, so its step time
+    # is at least the fitting bound.
+    tight = Evaluator(spec, hw, memory, plan.memory.total, Extrapolation(enabled=False),
+                      framework=framework)
+    assert tight.fitting_time_bound(candidate) <= plan.step_time
     if candidate.offload == "none":  # the order fixes the peak of a plan without transfers
         assert full.memory_bound(candidate) == pytest.approx(plan.memory.total, rel=2e-9)
     else:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
 
@@ -48,16 +48,10 @@ def makespan_lower_bound(costs: CostModel, stage_to_rank: tuple[int, ...], micro
         raise ValueError("makespan_lower_bound: overlapped F&B pairs shorten durations; "
                          "the bound assumes costs.overlap_f_b is None")
     stages = len(stage_to_rank)
-    f = [costs.compute_time(Action(s, Kind.F, 0)) for s in range(stages)]
-    i = [costs.compute_time(Action(s, Kind.I, 0)) for s in range(stages)]
-    w = [costs.compute_time(Action(s, Kind.W, 0)) for s in range(stages)]
-    x = i if split_backward else [costs.compute_time(Action(s, Kind.B, 0))
-                                  for s in range(stages)]
-    hop = [costs.p2p_time if s and stage_to_rank[s] != stage_to_rank[s - 1] else 0.0
-           for s in range(stages)]  # hop[s]: between stages s-1 and s
-    forward_start = [0.0] * stages
-    for s in range(1, stages):
-        forward_start[s] = forward_start[s - 1] + f[s - 1] + hop[s]
+    f, i, w, b = stage_durations(costs, stages)
+    x = i if split_backward else b
+    hop = _hops(costs, stage_to_rank)
+    forward_start = forward_starts(costs, stage_to_rank, f)
     backward_start = [0.0] * stages
     backward_start[-1] = forward_start[-1] + f[-1]
     for s in range(stages - 2, -1, -1):
@@ -82,6 +76,36 @@ def makespan_lower_bound(costs: CostModel, stage_to_rank: tuple[int, ...], micro
                     first_back + m * sum(i[s] + w[s] for s in mine),
                     first_back + m * sum(x[s] for s in mine) + last)
     return bound
+
+
+def _hops(costs: CostModel, stage_to_rank: tuple[int, ...]) -> list[float]:
+    """hop[s]: the p2p time between stages s-1 and s (0 on one rank)."""
+    return [costs.p2p_time if s and stage_to_rank[s] != stage_to_rank[s - 1] else 0.0
+            for s in range(len(stage_to_rank))]
+
+
+def stage_durations(costs: CostModel, stages: int
+                    ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per stage, the F, I, W and B durations of ``costs.compute_time``, the same products
+    without an Action per call."""
+    scales = [costs.scale(s) for s in range(stages)] if costs.stage_time_scale else \
+        [1.0] * stages
+    b = costs.i_time + costs.w_time
+    return ([costs.f_time * k for k in scales], [costs.i_time * k for k in scales],
+            [costs.w_time * k for k in scales], [b * k for k in scales])
+
+
+def forward_starts(costs: CostModel, stage_to_rank: tuple[int, ...],
+                   f: Sequence[float] | None = None) -> list[float]:
+    """Per stage, a_s of Note: [makespan lower bound]: no forward of stage s starts earlier.
+    ``f``: the forward durations (``stage_durations``), when the caller has them."""
+    if f is None:
+        f = stage_durations(costs, len(stage_to_rank))[0]
+    hop = _hops(costs, stage_to_rank)
+    start = [0.0] * len(stage_to_rank)
+    for s in range(1, len(stage_to_rank)):
+        start[s] = start[s - 1] + f[s - 1] + hop[s]
+    return start
 
 
 def kept_activation_floor(schedule: Schedule, stage_bytes: Sequence[float],

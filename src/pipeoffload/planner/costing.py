@@ -151,16 +151,25 @@ def split_layers(num_layers: int, stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def stage_costs(spec: TransformerSpec, hw: Hardware, layout: Layout) -> tuple[PieceCost, ...]:
+def run_parts(spec: TransformerSpec, hw: Hardware, run: RunConfig
+              ) -> tuple[PieceCost, PieceCost, PieceCost]:
+    """The layer, the embedding and the head of one microbatch under ``run``: what
+    ``stage_costs`` sums, the same for every layout with this run (a search keeps them)."""
+    return layer_cost(spec, hw, run), embedding_cost(spec, hw, run), head_cost(spec, hw, run)
+
+
+def stage_costs(spec: TransformerSpec, hw: Hardware, layout: Layout,
+                parts: tuple[PieceCost, PieceCost, PieceCost] | None = None
+                ) -> tuple[PieceCost, ...]:
     """One microbatch through each stage, in stage order (see the module docstring); the layer,
-    embedding and head are priced once and summed (``ratio.stage_cost`` for one stage)."""
+    embedding and head are priced once and summed (``ratio.stage_cost`` for one stage).
+    ``parts``: ``run_parts`` of ``layout.run``, when the caller has them."""
     counts = split_layers(spec.num_layers, layout.stages)
     last = len(counts) - 1
-    layer = layer_cost(spec, hw, layout.run)
+    layer, embedding, head = parts or run_parts(spec, hw, layout.run)
     by_count = {n: layer.times(n) for n in set(counts)}
-    first = embedding_cost(spec, hw, layout.run) + by_count[counts[0]]
+    first = embedding + by_count[counts[0]]
     stages = [first if s == 0 else by_count[n] for s, n in enumerate(counts)]
-    head = head_cost(spec, hw, layout.run)
     if spec.tied_embeddings and layout.pp == 1:  # one rank: the head uses the embedding itself
         head = dataclasses.replace(head, params=ParamCount(
             head.params.sharded - tied_embedding_params(spec, layout.tp), head.params.replicated))

@@ -28,12 +28,14 @@ from pipeoffload.planner.costing import (
     optimizer_seconds,
     peak_flops,
     rank_state,
+    run_parts,
     stage_costs,
     step_model_flops,
 )
+from pipeoffload.planner.fit_bound import fitting_makespan_bound
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.host_memory import node_host_bytes
-from pipeoffload.planner.ratio import PieceCost
+from pipeoffload.planner.ratio import PieceCost, RunConfig
 from pipeoffload.planner.reduced import Extrapolation as Extrapolation  # re-export
 from pipeoffload.planner.runs import RECOMPUTE_AND_OFFLOAD as RECOMPUTE_AND_OFFLOAD  # re-export
 from pipeoffload.planner.runs import Runner
@@ -96,6 +98,12 @@ class Candidate:
         if self.group_size is not None:
             options["group_size"] = self.group_size
         return options
+
+    @property
+    def schedule_shape(self) -> tuple:
+        """What the schedule family builds from: a shape that cannot be built fails for every
+        variant of it."""
+        return (self.schedule, self.pp, self.microbatches, self.chunks, self.group_size)
 
     def period(self) -> int:
         """Microbatches after which the schedule's pattern repeats (Note [reduced simulation])."""
@@ -181,6 +189,12 @@ class Plan:
         return self.simulated_microbatches != (self.candidate.microbatches,)
 
 
+def _layout_key(candidate: Candidate) -> tuple:
+    """What ``Candidate.layout_under`` reads of a candidate (one framework per Evaluator)."""
+    return (candidate.dp, candidate.tp, candidate.pp, candidate.chunks, candidate.micro_batch,
+            candidate.recompute, candidate.schedule in W_DEFERRED)
+
+
 class Evaluator:
     """Prices and simulates candidates of one model on one GPU; caches stage costs, cost
     models, bounds and built schedules (none depends on another candidate's costs), so a search
@@ -194,8 +208,11 @@ class Evaluator:
         self.host_budget_bytes = host_budget_bytes
         self.extrapolation = extrapolation or Extrapolation()
         self.framework = framework
-        self._pieces: dict[Layout, tuple[PieceCost, ...]] = {}
-        self._costs: dict[Layout, CostModel] = {}
+        # By _layout_key, which hashes faster than a Layout.
+        self._layouts: dict[tuple, Layout] = {}
+        self._pieces: dict[tuple, tuple[PieceCost, ...]] = {}
+        self._costs: dict[tuple, CostModel] = {}
+        self._parts: dict[RunConfig, tuple[PieceCost, PieceCost, PieceCost]] = {}
         self._bounds: dict[tuple, float] = {}
         # Plans by (candidate, counts simulated): the verdict's second search asks again.
         self._plans: dict[tuple[Candidate, tuple[int, ...]], Plan] = {}
@@ -207,20 +224,27 @@ class Evaluator:
         return self.runner.simulations
 
     def layout(self, candidate: Candidate) -> Layout:
-        return candidate.layout_under(self.framework)
+        key = _layout_key(candidate)
+        if key not in self._layouts:
+            self._layouts[key] = candidate.layout_under(self.framework)
+        return self._layouts[key]
 
     def pieces(self, candidate: Candidate) -> tuple[PieceCost, ...]:
-        layout = self.layout(candidate)
-        if layout not in self._pieces:
-            self._pieces[layout] = stage_costs(self.spec, self.hw, layout)
-        return self._pieces[layout]
+        key = _layout_key(candidate)
+        if key not in self._pieces:
+            layout = self.layout(candidate)
+            if layout.run not in self._parts:
+                self._parts[layout.run] = run_parts(self.spec, self.hw, layout.run)
+            self._pieces[key] = stage_costs(self.spec, self.hw, layout, self._parts[layout.run])
+        return self._pieces[key]
 
     def costs(self, candidate: Candidate) -> CostModel:
         """The simulator's cost model of the candidate's layout."""
-        layout = self.layout(candidate)
-        if layout not in self._costs:
-            self._costs[layout] = cost_model(self.pieces(candidate), self.spec, self.hw, layout)
-        return self._costs[layout]
+        key = _layout_key(candidate)
+        if key not in self._costs:
+            self._costs[key] = cost_model(self.pieces(candidate), self.spec, self.hw,
+                                          self.layout(candidate))
+        return self._costs[key]
 
     def schedule(self, candidate: Candidate, microbatches: int) -> Schedule:
         """The compute schedule (raises ConfigError when the family rejects the shape)."""
@@ -236,7 +260,7 @@ class Evaluator:
     def state_and_floor(self, candidate: Candidate) -> float:
         """A lower bound of the device memory: model state, the reserve, and the largest stage
         activation of one microbatch (a forward holds it whatever is offloaded)."""
-        key = ("memory", self.layout(candidate), candidate.schedule in V_SHAPED)
+        key = ("memory", _layout_key(candidate), candidate.schedule in V_SHAPED)
         if key not in self._bounds:
             pieces = self.pieces(candidate)
             placement = self.stage_to_rank(candidate)
@@ -277,14 +301,39 @@ class Evaluator:
         (planner/bounds.py, Note [makespan lower bound]) plus the exposed DP exchange and the
         optimizer step, as ``evaluate`` adds them."""
         recomputed = candidate.offload == RECOMPUTE_AND_OFFLOAD
-        layout = self.layout(candidate)
-        key = ("time", layout, candidate.schedule, candidate.microbatches, recomputed)
+        key = ("time", _layout_key(candidate), candidate.schedule, candidate.microbatches,
+               recomputed)
         if key not in self._bounds:
+            layout = self.layout(candidate)
             pieces = self.pieces(candidate)
             placement = self.stage_to_rank(candidate)
             makespan = makespan_lower_bound(self.costs(candidate), placement,
                                             candidate.microbatches,
                                             candidate.schedule not in WHOLE_BACKWARD, recomputed)
+            self._bounds[key] = (
+                makespan + dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory)
+                + optimizer_seconds(self.hw, pieces, placement, layout, self.memory))
+        return self._bounds[key]
+
+    def fitting_time_bound(self, candidate: Candidate) -> float:
+        """A lower bound of the step time of ``candidate`` if it fits in the device budget
+        (planner/fit_bound.py, Note [fitting time]: its copies must drain the activations
+        over the budget): its order at all m microbatches, its costs and the room each rank
+        leaves activations, plus the DP exchange and the optimizer step as ``evaluate`` adds
+        them. 0.0 for recompute-and-offload, which the bound does not cover."""
+        if candidate.offload == RECOMPUTE_AND_OFFLOAD:
+            return 0.0
+        key = ("fit", _layout_key(candidate), candidate.schedule_shape)
+        if key not in self._bounds:
+            schedule = self.schedule(candidate, candidate.microbatches)
+            pieces, layout = self.pieces(candidate), self.layout(candidate)
+            states = rank_state(self.spec, pieces, schedule.stage_to_rank, layout, self.memory)
+            rooms = [self.budget_bytes - state.total - self.memory.reserve_bytes
+                     for state in states]
+            makespan = fitting_makespan_bound(self.runner.fit_points(schedule),
+                                              self.costs(candidate), schedule.stage_to_rank,
+                                              rooms)
+            placement = self.stage_to_rank(candidate)
             self._bounds[key] = (
                 makespan + dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory)
                 + optimizer_seconds(self.hw, pieces, placement, layout, self.memory))

@@ -83,6 +83,7 @@ def result_json(result: SearchResult, inputs: dict[str, Any], *, fixed: bool = F
             "pruned_by_time": stats.pruned_by_time,
             "pruned_by_memory": stats.pruned_by_memory,
             "dominated": stats.dominated,
+            "pruned_by_copies": stats.pruned_by_copies,
             "not_buildable": stats.not_buildable,
             "finalists": stats.finalists,
             "seconds": stats.seconds,
@@ -132,7 +133,8 @@ def render_result(result: SearchResult, inputs_line: str, *, fixed: bool = False
     lines.append("")
     lines.append(f"searched {stats.configurations} configurations in {stats.seconds:.1f} s: "
                  f"{stats.simulated} simulations, {stats.pruned_by_time} pruned by time, "
-                 f"{stats.pruned_by_memory} by memory, {stats.dominated} dominated, "
+                 f"{stats.pruned_by_memory} by memory, {stats.pruned_by_copies} by copy rate, "
+                 f"{stats.dominated} dominated, "
                  f"{stats.not_buildable} not buildable, {stats.finalists} re-simulated in full")
     if any(plan.extrapolated for plan in result.candidates):
         lines.append("~: step time extrapolated from fewer microbatches (docs/planner.md); "

@@ -23,6 +23,7 @@ from pipeoffload.offload.plan import OffloadPlan, add_offload
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.targets import parse_target
 from pipeoffload.planner.bounds import ResidentCounts, kept_activation_floor, resident_counts
+from pipeoffload.planner.fit_bound import RankPoints, fit_points
 from pipeoffload.planner.host_memory import host_peak_bytes
 from pipeoffload.planner.reduced import Extrapolation, extrapolate
 from pipeoffload.sim.collector import cyclic_gc_paused
@@ -86,6 +87,7 @@ class Runner:
         self._graphs: dict[Hashable, tuple[Schedule, ComputeGraph]] = {}
         self._bare: dict[Hashable, tuple[Schedule, SimResult]] = {}
         self._resident: dict[Hashable, tuple[Schedule, ResidentCounts]] = {}
+        self._points: dict[Hashable, tuple[Schedule, list[RankPoints]]] = {}
         self.simulations = 0
 
     def schedule(self, name: str, pp: int, microbatches: int, options: dict[str, int]
@@ -101,6 +103,10 @@ class Runner:
     def resident(self, schedule: Schedule) -> ResidentCounts:
         """``bounds.resident_counts`` of ``schedule``, kept for the next stage bytes."""
         return _kept(self._resident, schedule, None, lambda: resident_counts(schedule))
+
+    def fit_points(self, schedule: Schedule) -> list[RankPoints]:
+        """``fit_bound.fit_points`` of ``schedule``, kept for the next costs."""
+        return _kept(self._points, schedule, None, lambda: fit_points(schedule))
 
     def run(self, schedule: Schedule, costs: CostModel, option: str,
             stage_bytes: list[float]) -> Run:

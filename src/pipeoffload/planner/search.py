@@ -26,7 +26,13 @@ time key, and the search takes the smallest key first:
    one). A plan without offload whose time no offloaded sibling needs (the verdict's search
    of plans without offload, planner/verdict.py) is first bounded in memory by its order
    (Note [kept activation]: exact without transfers, at the smallest count), as offloaded
-   ``chunks:K`` plans are.
+   ``chunks:K`` plans are; one over the budget whose siblings may need its time is simulated
+   only when the first of them gets to rule 2b.
+2b. an offloaded candidate (no recomputation) is keyed by the earliest step at which it could
+   fit (``Evaluator.fitting_time_bound``, planner/fit_bound.py, Note [fitting time]) before
+   the offload planner runs: when that is above its key, it goes back into the queue under it.
+   A plan that fits is no faster, and one that does not fit is never returned, so the key stays
+   a lower bound of what the candidate could contribute.
 3. the search stops when the smallest key times (1 + ``SearchConfig.tolerance``) reaches the
    best full-simulated step time found: nothing left can beat it by more than the tolerance.
 So the plan returned is one simulated in full, and no other candidate is faster than it by more
@@ -71,6 +77,7 @@ from pipeoffload.planner.ratio import (
 )
 from pipeoffload.planner.reduced import Extrapolation
 from pipeoffload.planner.transformer import Recompute, TransformerSpec, as_recompute
+from pipeoffload.sim.collector import cyclic_gc_paused
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "v-min",
                      "grouped-interleaved")
@@ -150,6 +157,9 @@ class SearchStats:
     pruned_by_time: int = 0
     pruned_by_memory: int = 0
     dominated: int = 0
+    pruned_by_copies: int = 0
+    """Offloaded variants that could fit only by a step slower than the best (Note:
+    [fitting time], planner/fit_bound.py)."""
     not_buildable: int = 0
     finalists: int = 0
     seconds: float = 0.0
@@ -283,7 +293,9 @@ def _variants(priced: Callable[[RunConfig], PieceCost], base: Candidate,
     offloads = [o for o in space.offload if base.pp > 1 or o == "none"]
     if base.chunks < 2:
         offloads = [o for o in offloads if o not in ("chunks:1", RECOMPUTE_AND_OFFLOAD)]
-    return [replace(base, recompute=r, offload=o) for r in kept for o in offloads]
+    return [Candidate(base.schedule, base.dp, base.tp, base.pp, base.chunks, base.micro_batch,
+                      base.microbatches, r, o, base.group_size)
+            for r in kept for o in offloads]
 
 
 @dataclass
@@ -304,13 +316,6 @@ class _Queue:
         return key, kind, candidate, plan
 
 
-def _shape(candidate: Candidate) -> tuple:
-    """What the schedule family builds from: a shape that cannot be built fails for every
-    variant of it."""
-    return (candidate.schedule, candidate.pp, candidate.microbatches, candidate.chunks,
-            candidate.group_size)
-
-
 def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
            space: SearchSpace = SearchSpace(),
            progress: Callable[[str], None] | None = None,
@@ -318,6 +323,13 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
     """Search (Note: [branch and bound]); ``progress`` gets a status line about once a second.
     ``evaluator``: an earlier search's (``SearchResult.evaluator``) for the same model,
     hardware and config (``top_k`` and the space may differ): what it priced is reused."""
+    with cyclic_gc_paused():
+        return _search(spec, hw, config, space, progress, evaluator)
+
+
+def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: SearchSpace,
+            progress: Callable[[str], None] | None, evaluator: Evaluator | None
+            ) -> SearchResult:
     started = time.monotonic()
     budget = config.budget_bytes if config.budget_bytes is not None else hw.hbm_bytes
     host_budget = (config.host_budget_bytes if config.host_budget_bytes is not None
@@ -333,13 +345,18 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
     simulations_before = evaluator.simulations
     reduced_error = 1 + config.extrapolation.tolerance
     groups = configurations(spec, hw, config, space)
-    stats = dict.fromkeys(("pruned_by_time", "pruned_by_memory", "dominated", "not_buildable",
-                           "finalists"), 0)
+    stats = dict.fromkeys(("pruned_by_time", "pruned_by_memory", "dominated",
+                           "pruned_by_copies", "not_buildable", "finalists"), 0)
+    pruned_as = {"sibling": "dominated", "unfit": "pruned_by_copies"}
     queue = _Queue()
     too_big: list[tuple[float, Candidate]] = []
     # Plans without offload whose time bounds an offloaded sibling's (rule 1 of the Note).
-    floors_siblings = {replace(c, offload="none") for variants in groups for c in variants
-                       if c.offload != "none"}
+    free_of: dict[Candidate, Candidate] = {}  # each variant's sibling without offload
+    for variants in groups:
+        without = {c.recompute: c for c in variants if c.offload == "none"}
+        for c in variants:
+            free_of[c] = without.get(c.recompute) or replace(c, offload="none")
+    floors_siblings = {free_of[c] for c in free_of if c.offload != "none"}
     for variants in groups:
         for candidate in variants:
             floor = evaluator.state_and_floor(candidate)
@@ -351,15 +368,16 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
     feasible: dict[Candidate, Plan] = {}  # full or reduced, the latest of each candidate
     infeasible: list[Plan] = []
     sibling_floor: dict[Candidate, float] = {}  # the offload-free variant's time, from below
+    unpriced: set[Candidate] = set()  # offload-free variants over the budget, not yet simulated
     unbuildable: set[tuple] = set()
     best = math.inf  # the best full-simulated feasible step time
     last_report = started
     while queue.entries:
         key, kind, candidate, plan = queue.pop()
         if key * (1 + config.tolerance) >= best:
-            stats["dominated" if kind == "sibling" else "pruned_by_time"] += 1
+            stats[pruned_as.get(kind, "pruned_by_time")] += 1
             for _, _, _, rest, _, _ in queue.entries:
-                stats["dominated" if rest == "sibling" else "pruned_by_time"] += 1
+                stats[pruned_as.get(rest, "pruned_by_time")] += 1
             break
         now = time.monotonic()
         if progress is not None and now - last_report >= 1.0:
@@ -371,21 +389,35 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
             stats["finalists"] += 1
             plan = evaluator.evaluate(candidate, full=True)
         else:
-            free = replace(candidate, offload="none")
+            free = free_of[candidate]
             if sibling_floor.get(free, 0.0) > key:
                 queue.push(sibling_floor[free], "sibling", candidate)
                 continue
-            if _shape(candidate) in unbuildable:
+            if candidate.schedule_shape in unbuildable:
                 stats["not_buildable"] += 1
                 continue
             try:
                 offloaded = candidate.offload != "none"
-                if (offloaded or candidate not in floors_siblings) and \
-                        evaluator.memory_bound(candidate) > budget:
+                if evaluator.memory_bound(candidate) > budget:
                     stats["pruned_by_memory"] += 1
                     if not offloaded:
                         too_big.append((evaluator.memory_bound(candidate), candidate))
+                        if candidate in floors_siblings:  # priced if a sibling needs its time
+                            unpriced.add(candidate)
                     continue
+                fit = evaluator.fitting_time_bound(candidate) if offloaded else 0.0
+                if fit > key:  # fitting takes longer than the key says (rule 2b of the Note)
+                    queue.push(fit, "unfit", candidate)
+                    continue
+                if free in unpriced:  # the sibling without offload, priced for its time now
+                    unpriced.discard(free)
+                    free_plan = evaluator.evaluate(free)
+                    infeasible.append(free_plan)
+                    sibling_floor[free] = (free_plan.step_time / reduced_error
+                                           if free_plan.extrapolated else free_plan.step_time)
+                    if sibling_floor[free] > key:
+                        queue.push(sibling_floor[free], "sibling", candidate)
+                        continue
                 memory = evaluator.first_count_memory(candidate) if offloaded else None
                 if memory is not None and memory > budget * (
                         1 + config.extrapolation.memory_tolerance):
@@ -395,7 +427,7 @@ def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                 stats["finalists"] += memory is not None
                 plan = evaluator.evaluate(candidate, full=offloaded)
             except ConfigError:
-                unbuildable.add(_shape(candidate))
+                unbuildable.add(candidate.schedule_shape)
                 stats["not_buildable"] += 1
                 continue
             if candidate.offload == "none":
