@@ -19,6 +19,7 @@ With unit costs every event falls on an integer time, so a one-slot filler delay
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
@@ -31,6 +32,8 @@ SlotFn = Callable[[int, Kind, int], float]
 """(stage, kind, microbatch) -> ideal slot; ties are broken by the order kinds are listed in."""
 
 _UNIT_TIME = {Kind.F: 1, Kind.I: 1, Kind.W: 1, Kind.B: 2}
+# An Action from a (stage, kind, microbatch) tuple without NamedTuple's Python-level __new__.
+_action = functools.partial(tuple.__new__, Action)
 
 
 def order_by_slot(
@@ -44,12 +47,14 @@ def order_by_slot(
     Ties go to the kind listed first in ``kinds``, then to the lower stage, then microbatch.
     """
     rank_count = max(stage_to_rank) + 1
-    keyed: list[list[tuple[float, int, int, int, Action]]] = [[] for _ in range(rank_count)]
+    keyed: list[list[tuple[float, int, int, int]]] = [[] for _ in range(rank_count)]
+    microbatch_range = range(microbatches)
     for stage, rank in enumerate(stage_to_rank):
         for tie, kind in enumerate(kinds):
-            for mb in range(microbatches):
-                keyed[rank].append((slot(stage, kind, mb), tie, stage, mb, Action(stage, kind, mb)))
-    return [[item[-1] for item in sorted(rank)] for rank in keyed]
+            keyed[rank].extend([(slot(stage, kind, mb), tie, stage, mb) for mb in microbatch_range])
+    # The keys are unique, so the sort never looks further; actions are made after it.
+    return [[_action((stage, kinds[tie], mb)) for _, tie, stage, mb in sorted(rank)]
+            for rank in keyed]
 
 
 def first_free_slot(taken: set[int], start: int, period: int) -> int:
