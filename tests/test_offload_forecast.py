@@ -9,6 +9,7 @@ from pipeoffload.api import plan_schedule
 from pipeoffload.core import registry
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.deps import Dependencies
+from pipeoffload.core.validate import validate
 from pipeoffload.offload.forecast import copy_out_ends, latest_starts
 from pipeoffload.offload.plan import OffloadPolicy
 from pipeoffload.sim.costs import CostModel, HostLink
@@ -117,3 +118,14 @@ def test_targets_that_skip_stalls_never_grow_the_makespan(name, pp, per_rank, co
     assert report.makespan_after <= report.makespan_before + 1e-9, report.summary()
     assert sum(report.stall_time) <= 1e-9, report.summary()
     assert all(a <= b + 1e-9 for a, b in zip(report.peak_after, report.peak_before))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "grouped-interleaved"])
+def test_zero_length_forwards_never_wait_for_a_later_forwards_copy(name):
+    """With f_time = 0 a later forward ends when an earlier one starts; postponing the earlier
+    one until the later one's copy is out would never end (it deadlocked at 1f1b p = 4)."""
+    costs = CostModel(f_time=0.0, i_time=1.0, w_time=0.0, offload_ratio=0.3)
+    options = {"chunks": 2} if name in ("interleaved-1f1b", "grouped-interleaved") else {}
+    plan = plan_schedule(name, 4, 8, "all", costs=costs, **options)
+    validate(plan.schedule)
+    assert plan.report.offloaded

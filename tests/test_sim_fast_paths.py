@@ -45,7 +45,7 @@ def _build(name: str, pp: int, mult: int) -> Schedule:
 schedules = st.builds(_build, st.sampled_from(NAMES), st.integers(2, 5), st.integers(2, 3))
 costs = st.builds(
     CostModel,
-    f_time=st.sampled_from([1.0, 1.5]),
+    f_time=st.sampled_from([0.0, 1.0, 1.5]),
     i_time=st.sampled_from([1.0, 2.0]),
     w_time=st.sampled_from([0.0, 1.0]),
     p2p_time=st.sampled_from([0.0, 0.25]),

@@ -293,7 +293,13 @@ class _Planner:
         """Add waits where copies out pile up (see postpone.postpone)."""
         limit = self.policy.max_pending_offloads
         assert limit is not None
-        return postpone(waits, copies, self._latest, limit, self.policy.stall_tolerance)
+        return postpone(waits, copies, self._latest, limit, self.policy.stall_tolerance,
+                        self._runs_before)
+
+    def _runs_before(self, item: Item, forward: Action) -> bool:
+        """Whether the item's forward comes before ``forward`` in their rank's program."""
+        order = self.layout.index[self.layout.rank_of[forward[0]]]
+        return order[(item[0], _F, item[1])] < order[forward]  # type: ignore[index]
 
     def floor_reason(self, rank: int) -> str:
         largest = max(self.units[s] for s in self.schedule.stages_on_rank(rank))

@@ -9,7 +9,7 @@ plan is simulated (``forecast_copies``).
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
 from operator import le
 
@@ -26,12 +26,15 @@ copies in issue order): parallel sequences, so that ``postpone`` can search and 
 
 
 def postpone(waits: dict[Action, Item], copies: list[RankCopies], latest: Mapping[Action, float],
-             limit: int, tolerance: float) -> bool:
+             limit: int, tolerance: float,
+             runs_before: Callable[[Item, Action], bool] = lambda item, forward: True) -> bool:
     """Before each forward that would start while more than ``limit`` copies out of its rank
     are unfinished, wait (add to ``waits``: forward -> item) for enough of them, their memory
     being freed first, or for as many as its slack allows: a wait never holds a forward past
     its ``latest`` start. One wait per copy (an action runs once). Returns whether it added
-    any. Only the last ``4 * (limit + 1)`` copies issued are looked at."""
+    any. Only the last ``4 * (limit + 1)`` copies issued are looked at, and only copies whose
+    forward ``runs_before`` this one in the rank's program: with zero-length forwards, a
+    later forward ends when this one starts, and waiting for its copy would never end."""
     changed = False
     awaited = set(waits.values())
     window = 4 * (limit + 1)
@@ -58,7 +61,8 @@ def postpone(waits: dict[Action, Item], copies: list[RankCopies], latest: Mappin
                                                                items[first:issued])
                              if end > after)
             affordable = [item for end, item in pending[:len(pending) - limit]
-                          if end <= latest[forward] + tolerance and item not in awaited]
+                          if end <= latest[forward] + tolerance and item not in awaited
+                          and runs_before(item, forward)]
             if affordable:
                 waits[forward] = affordable[-1]
                 awaited.add(affordable[-1])
