@@ -87,8 +87,9 @@ PLANNED = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "v-min",
 def test_reduced_step_time_is_within_tolerance_of_the_full_one(
         spec: TransformerSpec, name: str, pp: int, tp: int, periods: int, recompute: Recompute,
         offload: str, hardware: str, larger_group: bool) -> None:
-    """Over random models and planner layouts: whenever the reduced simulation extrapolates,
-    its step time is within ``Extrapolation.tolerance`` of simulating all m microbatches."""
+    """Over random models and planner layouts: whenever the reduced simulation extrapolates a
+    plan without offload (the ones the search reduces), its step time is within
+    ``Extrapolation.tolerance`` of simulating all m microbatches."""
     chunks = 2 if name in V_SHAPED or name in CHUNKED else 1
     if pp * chunks > spec.num_layers:
         chunks = 1 if name not in V_SHAPED and name not in CHUNKED else chunks
@@ -107,7 +108,12 @@ def test_reduced_step_time_is_within_tolerance_of_the_full_one(
     full = Evaluator(spec, hw, MemoryConfig(), math.inf,
                      Extrapolation(enabled=False)).evaluate(candidate)
     assert not full.extrapolated
-    if reduced.extrapolated:
+    if reduced.extrapolated and offload != "none":
+        # The search simulates offloaded plans in full (planner/search.py, rule 2): the
+        # offload planner's choices change with m, so short runs need not repeat a period
+        # of the full plan (Note [reduced simulation]); no tolerance is claimed for them.
+        pass
+    elif reduced.extrapolated:
         tolerance = Extrapolation().tolerance
         assert reduced.step_time == pytest.approx(full.step_time, rel=tolerance)
     else:

@@ -18,6 +18,12 @@ exactly; the offload planner's choices need not (which transfers it keeps, and w
 stall, can cycle over several periods), so a plan whose reduced runs stall for more than
 ``stall_tolerance`` of their makespan is simulated in full too.
 
+Plans with offload are simulated in full by the search (planner/search.py, rule 2): the offload
+planner's choices change with m, so its short runs need not repeat a period of the full plan
+(zbv, p 3, ``recompute-chunks:1+all`` offloads nothing at 7-13 microbatches and 3-12% at 16-49;
+extrapolated, its step time is -0.65% off at 31 and -0.85% at 49). Their reduced times serve
+only the nearest plan shown when nothing fits, and no tolerance is claimed for them.
+
 What remains is a transient longer than the check can see, whose error has no closed-form bound.
 tests/test_planner_reduced.py measures it against full simulations over random shapes and
 planner-like costs and keeps it within ``tolerance``; the search re-simulates in full every
