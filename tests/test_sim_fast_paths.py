@@ -176,3 +176,12 @@ def _count_breakers(schedule: Schedule, data: st.DataObject) -> list[Schedule]:
     retyped[rank][position] = Action(stage, kind, mb)
     dropped = [[a for a in r if a.microbatch != mb] for r in rows]
     return [schedule.with_ranks(r) for r in (repeated, retyped, dropped)]
+
+
+def test_dense_numbering_steps_aside_for_numbers_that_are_no_integers():
+    base = build_schedule("1f1b", 2, 2)
+    rows = [list(actions) for actions in base.ranks]
+    rows[1] = [Action(s, kind, float(m)) for s, kind, m in rows[1]]  # 1.0 == 1 as a key
+    floats = base.with_ranks(rows)
+    assert _dense_needs(floats, list(itertools.chain.from_iterable(floats.ranks))) is None
+    assert number(floats).needs == _keys_of_needs(floats) == number(base).needs

@@ -207,16 +207,19 @@ def _dense_needs(schedule: Schedule, actions: list[Action]) -> list[list[int]] |
     except TypeError:  # a marker without a microbatch
         return None
     at: dict[Kind, list[int]] = {}
-    for i, (s, kind, m) in enumerate(actions):
-        slots = at.get(kind)
-        if slots is None:
-            if kind not in _DEPENDENT:
-                return None
-            slots = at[kind] = [missing] * (stages * count)
-        k = m * stages + s
-        if slots[k] != missing:
-            return _REPEATED
-        slots[k] = i
+    try:
+        for i, (s, kind, m) in enumerate(actions):
+            slots = at.get(kind)
+            if slots is None:
+                if kind not in _DEPENDENT:
+                    return None
+                slots = at[kind] = [missing] * (stages * count)
+            k = m * stages + s
+            if slots[k] != missing:
+                return _REPEATED
+            slots[k] = i
+    except TypeError:  # a stage or microbatch that is no integer (e.g. 1.0): keys_of hashes it
+        return None
     none = [missing] * (stages * count)
     forward, split, full = at.get(_F, none), at.get(_I), at.get(_B, none)
     recv_f, recv_b = at.get(_RECV_F), at.get(_RECV_B)
