@@ -94,10 +94,8 @@ class Runner:
                  ) -> Schedule:
         """The registry's schedule (raises ConfigError when the family rejects the shape)."""
         key = (name, pp, microbatches, tuple(sorted(options.items())))
-        if key not in self._schedules:
-            with cyclic_gc_paused():  # 10^5 actions, no cycles (core/collector.py)
-                self._schedules[key] = registry.build_schedule(name, pp, microbatches,
-                                                               **options)
+        if key not in self._schedules:  # building pauses the collector itself (registry.py)
+            self._schedules[key] = registry.build_schedule(name, pp, microbatches, **options)
         return self._schedules[key]
 
     def resident(self, schedule: Schedule) -> ResidentCounts:
