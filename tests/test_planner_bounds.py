@@ -255,3 +255,25 @@ def test_planner_bounds_stay_below_a_full_evaluation(case) -> None:
     reduced = evaluator(Extrapolation(min_factor=1))
     assert reduced.memory_bound(candidate) <= reduced.evaluate(candidate).memory.total
     assert reduced.memory_bound(candidate) <= plan.memory.total
+
+
+@given(schedules_and_costs(), st.data())
+def test_kept_floor_without_offload_is_the_running_totals_peak(case, data: st.DataObject
+                                                                ) -> None:
+    """With nothing offloaded the bound is the peak of the bytes resident after each forward,
+    added at each F and taken away at each W / B in program order, bit for bit (the search
+    prices offload-free plans with it)."""
+    schedule, _ = case
+    sizes = data.draw(st.lists(st.floats(0.0, 1e9), min_size=schedule.num_stages,
+                               max_size=schedule.num_stages))
+    expected = []
+    for actions in schedule.ranks:
+        total = peak = 0.0
+        for stage, kind, _ in actions:
+            if kind is Kind.F:
+                total += sizes[stage]
+                peak = max(peak, total)
+            elif kind in (Kind.W, Kind.B):
+                total -= sizes[stage]
+        expected.append(peak)
+    assert kept_activation_floor(schedule, sizes, 0) == expected

@@ -29,11 +29,14 @@ tests/test_planner_bounds.py checks it against full simulations of random shapes
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 
-from pipeoffload.core.actions import Kind
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
+
+_F, _W, _B = Kind.F, Kind.W, Kind.B  # Note: [hot loops], core/actions.py
 
 
 def makespan_lower_bound(costs: CostModel, stage_to_rank: tuple[int, ...], microbatches: int,
@@ -122,6 +125,9 @@ def kept_activation_floor(schedule: Schedule, stage_bytes: Sequence[float],
     """
     floors = []
     for actions in schedule.ranks:
+        if offloaded_stages == 0:  # nothing to choose: the running total's peak
+            floors.append(_total_peak(actions, stage_bytes))
+            continue
         stages = sorted({a[0] for a in actions})
         if offloaded_stages >= len(stages):
             floors.append(0.0)
@@ -143,6 +149,16 @@ def kept_activation_floor(schedule: Schedule, stage_bytes: Sequence[float],
                 total -= stage_bytes[stage]
         floors.append(min(peak_without.values()))
     return floors
+
+
+def _total_peak(actions: Sequence[Action], stage_bytes: Sequence[float]) -> float:
+    """The most activation bytes resident right after a forward of ``actions`` (or 0), summed
+    in program order as ``kept_activation_floor`` sums them (a - b is a + (-b) in IEEE 754,
+    so ``accumulate`` gives the same totals bit for bit, and a total after a W or B never
+    exceeds the one before it)."""
+    changes = [stage_bytes[stage] if kind is _F else -stage_bytes[stage]
+               for stage, kind, _ in actions if kind is _F or kind is _W or kind is _B]
+    return max(0.0, max(itertools.accumulate(changes), default=0.0))
 
 
 #: Per rank: its stages in order, and each distinct vector of resident microbatches per stage
@@ -181,7 +197,9 @@ def kept_floor(counts: ResidentCounts, stage_bytes: Sequence[float],
             continue
         sizes = [stage_bytes[stage] for stage in stages]
         floors.append(min(
-            max((sum(n * size for i, (n, size) in enumerate(zip(vector, sizes))
-                     if i not in combo) for vector in vectors), default=0.0)
-            for combo in itertools.combinations(range(len(stages)), offloaded_stages)))
+            # An offloaded stage counts 0.0: adding 0.0 leaves a float sum as it was.
+            max((sum(map(operator.mul, vector, kept)) for vector in vectors), default=0.0)
+            for kept in ([0.0 if i in combo else size for i, size in enumerate(sizes)]
+                         for combo in itertools.combinations(range(len(stages)),
+                                                             offloaded_stages))))
     return floors
