@@ -3,7 +3,9 @@
   stages and microbatches are in range, else by asking ``Dependencies.keys_of`` per action:
   both must name the same dependencies, on valid schedules and on broken ones;
 - validate checks each (stage, microbatch)'s kinds in a list of masks where pairs are dense,
-  else in a dict of the pairs present: both must reject alike;
+  else in a dict of the pairs present: both must reject alike; and it first tries C-level
+  passes over whole ranks (placement, then one count per kind), which must accept exactly
+  what the per-action checks accept;
 - the simulator reads memory changes off its own arrays (``rank_changes``) and sums compute
   as it places it: both must equal what ``memory_changes`` and the sorted timeline give.
 """
@@ -16,13 +18,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeoffload.api import build_schedule, plan_schedule, schedule_names
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.deps import Dependencies, _dense_needs, number
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import (
+    _check_counts,
     _check_dense_counts,
     _check_indices_and_placement,
+    _check_progress,
     _check_sparse_counts,
+    _placed_plainly,
+    validate,
 )
 from pipeoffload.errors import ScheduleError
 from pipeoffload.offload.plan import OffloadPolicy
@@ -160,6 +166,38 @@ def test_dense_and_sparse_count_checks_reject_alike(schedule, data):
             except ScheduleError as error:
                 outcomes.append(str(error))
         assert outcomes[0] == outcomes[1]
+
+
+@slow
+@given(schedules, st.data())
+def test_validate_accepts_and_rejects_as_its_per_action_checks_do(schedule, data):
+    """validate's whole-rank passes (``_placed_plainly``, ``_counted_plainly``) only let it skip
+    the per-action checks: same verdict, same message, on valid and broken schedules."""
+    for variant in _variants(schedule, data) + _count_breakers(schedule, data):
+        outcomes = []
+        for check in (validate, _checked_action_by_action):
+            try:
+                check(variant)
+                outcomes.append(None)
+            except ScheduleError as error:
+                outcomes.append(str(error))
+        assert outcomes[0] == outcomes[1]
+
+
+def test_validate_whole_rank_pass_leaves_numbers_that_are_no_integers_to_the_checks():
+    """A microbatch 1.5 is in range but names no pair: one count per kind would miss that."""
+    base = build_schedule("1f1b", 2, 4)
+    rows = [list(actions) for actions in base.ranks]
+    stage, kind, _ = rows[0][0]
+    rows[0][0] = Action(stage, kind, 1.5)
+    assert _placed_plainly(base) and not _placed_plainly(base.with_ranks(rows))
+
+
+def _checked_action_by_action(schedule: Schedule) -> None:
+    _check_indices_and_placement(schedule)
+    work = schedule.without(*MARKER_KINDS)
+    _check_counts(work)
+    _check_progress(work)
 
 
 def _count_breakers(schedule: Schedule, data: st.DataObject) -> list[Schedule]:

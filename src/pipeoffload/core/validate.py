@@ -9,22 +9,60 @@ that no rank waits forever (found by running the schedule without a clock). torc
 
 from __future__ import annotations
 
+import collections
 import itertools
+import operator
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.deps import Dependencies
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 
+_STAGE, _KIND, _MICROBATCH = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+
 
 def validate(schedule: Schedule) -> Schedule:
     """Raise ScheduleError with rank, position and action if ``schedule`` cannot run; else
     return it unchanged (so it chains: ``validate(build(...))``)."""
-    _check_indices_and_placement(schedule)
+    plain = _placed_plainly(schedule)
+    if not plain:
+        _check_indices_and_placement(schedule)
     work = schedule.without(*MARKER_KINDS) if schedule.has_kind(*MARKER_KINDS) else schedule
-    _check_counts(work)
+    if not (plain and _counted_plainly(work)):
+        _check_counts(work)
     _check_progress(work)
     return schedule
+
+
+def _placed_plainly(schedule: Schedule) -> bool:
+    """Whether every action's microbatch is an integer in range and its stage on its rank, shown
+    by a few C-level passes per rank (no routes to follow); False sends the caller to the
+    per-action check, which also says what is wrong."""
+    if schedule.routes:
+        return False
+    count = schedule.microbatches
+    for rank, actions in enumerate(schedule.ranks):
+        if not actions:
+            continue
+        if not frozenset(schedule.stages_on_rank(rank)).issuperset(map(_STAGE, actions)):
+            return False
+        if not all(map(isinstance, map(_MICROBATCH, actions), itertools.repeat(int))):
+            return False  # a marker without a microbatch, or a microbatch that is no integer
+        if min(map(_MICROBATCH, actions)) < 0 or max(map(_MICROBATCH, actions)) >= count:
+            return False
+    return True
+
+
+def _counted_plainly(schedule: Schedule) -> bool:
+    """Whether no action repeats and each kind present appears once per (stage, microbatch),
+    those kinds making a valid pair: then every pair has exactly them (each kind's actions are
+    that many distinct pairs, all in range: ``_placed_plainly``). Family builds are like this;
+    anything else goes to ``_check_counts``, which finds and explains the problem."""
+    actions = list(itertools.chain.from_iterable(schedule.ranks))
+    per_kind = collections.Counter(map(_KIND, actions))
+    pairs = schedule.num_stages * schedule.microbatches
+    return (all(n == pairs for n in per_kind.values()) and len(set(actions)) == len(actions)
+            and _pair_problem(0, 0, frozenset(per_kind)) is None)
 
 
 def _fail(schedule: Schedule, message: str, rank: int, position: int, action: Action) -> None:

@@ -42,6 +42,7 @@ offload plans of random shapes, costs, policies and rooms, and against full eval
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -124,8 +125,7 @@ def fitting_makespan_bound(points: Sequence[RankPoints], costs: CostModel,
     rates: dict[int, float] = {}
     for rank, order in enumerate(points):
         sizes = [costs.bytes_of(stage) or 0.0 for stage in order.stages]
-        needs = [sum(n * size for n, size in zip(vector, sizes)) - rooms[rank]
-                 for vector in order.vectors]
+        needs = [sum(map(operator.mul, vector, sizes)) - rooms[rank] for vector in order.vectors]
         if max(needs, default=0.0) <= 0:
             continue
         rate = 0.0
@@ -161,7 +161,7 @@ def _chains(order: RankPoints, needs: list[float], per_kind: tuple[list[float], 
     """One rank's points with bytes to copy, in order: (R_k, the largest need over chains
     ending at or before k) (Note: [fitting time])."""
     durations = [kind_times[stage] for stage in order.stages for kind_times in per_kind]
-    total = sum(n * d for n, d in zip(order.totals, durations))
+    total = sum(map(operator.mul, order.totals, durations))
     best_before = [0.0]  # best_before[j]: the best chain over points before j (or none)
     out = []
     for k, (vector, first) in enumerate(zip(order.live, order.oldest)):
@@ -170,6 +170,6 @@ def _chains(order: RankPoints, needs: list[float], per_kind: tuple[list[float], 
             best_before.append(best_before[-1])
             continue
         best_before.append(max(best_before[-1], need + best_before[first]))
-        left = total - sum(n * d for n, d in zip(order.done[k], durations))
+        left = total - sum(map(operator.mul, order.done[k], durations))
         out.append((left, best_before[-1]))
     return out
