@@ -14,7 +14,7 @@ from functools import cache
 import pytest
 
 from pipeoffload.core.actions import Kind
-from pipeoffload.core.families.block import order_peaks, tighten
+from pipeoffload.core.families.block import order_by_slot, order_peaks, tighten
 from pipeoffload.core.registry import FAMILIES, build_schedule
 from pipeoffload.core.schedule import Placement, Schedule
 from pipeoffload.core.validate import validate
@@ -233,15 +233,27 @@ def test_tighten_never_raises_a_peak_or_the_makespan(name: str, p: int, m: int) 
     assert sorted(map(str, tightened.ranks[0])) == sorted(map(str, schedule.ranks[0]))
 
 
-def test_v_shape_orders_are_unchanged() -> None:
-    """The replay behind ZB-V / V-Half / V-Min (``tighten``) is tuned for speed; every order it
-    made when it was rewritten to run by index (recorded then, over this grid) must stay."""
+def test_block_orders_are_unchanged() -> None:
+    """Slot order and the replay behind ZB-V / V-Half / V-Min (``order_by_slot``, ``tighten``)
+    are tuned for speed; every order they made before (recorded then, over this grid) must
+    stay."""
     digest = hashlib.sha256()
-    for name in ("zbv", "v-half", "v-min"):
+    for name, options in (("zbv", {}), ("v-half", {}), ("v-min", {}), ("1f1b", {}),
+                          ("zb-h1", {}), ("zb-h2", {}), ("grouped-interleaved", {"chunks": 3})):
         for p, m in itertools.product((1, 2, 3, 4, 5, 6, 7, 8, 12), (1, 2, 3, 5, 8, 13, 24)):
-            ranks = build_schedule(name, p, m).ranks
+            try:
+                ranks = build_schedule(name, p, m, **options).ranks
+            except ConfigError:
+                continue
             digest.update(repr([[str(a) for a in actions] for actions in ranks]).encode())
-    assert digest.hexdigest() == V_SHAPE_DIGEST
+    assert digest.hexdigest() == BLOCK_DIGEST
 
 
-V_SHAPE_DIGEST = "ad39b0948e69fd9602bc3259e6dc68d41577b37779bd8e90c30c1d1a984e8e37"
+def test_slot_shifts_must_rise_from_zero() -> None:
+    with pytest.raises(ValueError, match="strictly increasing"):
+        order_by_slot([0, 1], 3, (Kind.F, Kind.B), lambda stage, kind: stage, [0, 3, 3])
+    with pytest.raises(ValueError, match="no integer"):
+        order_by_slot([0, 1], 2, (Kind.F, Kind.B), lambda stage, kind: 0.5, [0, 3])
+
+
+BLOCK_DIGEST = "cfcef4e8cb8263dc41fc17c18faed1a8c50e6611c778761091f8410566ec2951"

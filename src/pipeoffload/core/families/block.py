@@ -19,7 +19,8 @@ With unit costs every event falls on an integer time, so a one-slot filler delay
 
 from __future__ import annotations
 
-import functools
+import itertools
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
@@ -27,34 +28,56 @@ from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 
-SlotFn = Callable[[int, Kind, int], float]
-"""(stage, kind, microbatch) -> ideal slot; ties are broken by the order kinds are listed in."""
+FirstSlotFn = Callable[[int, Kind], int]
+"""(stage, kind) -> ideal slot of microbatch 0's pass; ties are broken by the order kinds are
+listed in, then by stage."""
 
 _UNIT_TIME = {Kind.F: 1, Kind.I: 1, Kind.W: 1, Kind.B: 2}
 _F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B  # Note: [hot loops], core/actions.py
-# An Action from a (stage, kind, microbatch) tuple without NamedTuple's Python-level __new__.
-_action = functools.partial(tuple.__new__, Action)
 
 
 def order_by_slot(
     stage_to_rank: Sequence[int],
     microbatches: int,
     kinds: Sequence[Kind],
-    slot: SlotFn,
+    first_slot: FirstSlotFn,
+    later: Sequence[int],
 ) -> list[list[Action]]:
-    """Each rank's actions of ``kinds`` (for every stage and microbatch) sorted by ideal slot.
+    """Each rank's actions of ``kinds`` (for every stage and microbatch) sorted by ideal slot:
+    ``first_slot(stage, kind) + later[mb]`` (``later[0] == 0``, strictly increasing: every
+    family repeats its block microbatch after microbatch, so one shift serves all passes).
 
-    Ties go to the kind listed first in ``kinds``, then to the lower stage, then microbatch.
+    Ties go to the kind listed first in ``kinds``, then to the lower stage. Each slot is made
+    one integer key, slot * width + (that pair's rank in the tie order), so that sorting and
+    building the actions run in C (about ten times faster than sorting tuples at p = 64).
     """
-    rank_count = max(stage_to_rank) + 1
-    keyed: list[list[tuple[float, int, int, int]]] = [[] for _ in range(rank_count)]
-    microbatch_range = range(microbatches)
+    later = list(later)
+    if (len(later) != microbatches or not all(map(isinstance, later, itertools.repeat(int)))
+            or later[:1] not in ([], [0]) or not all(map(operator.lt, later, later[1:]))):
+        raise ValueError("order_by_slot: later[mb] must be integers from 0, strictly increasing, "
+                         "one per microbatch")
+    stages_of: dict[int, list[int]] = {}
     for stage, rank in enumerate(stage_to_rank):
-        for tie, kind in enumerate(kinds):
-            keyed[rank].extend([(slot(stage, kind, mb), tie, stage, mb) for mb in microbatch_range])
-    # The keys are unique, so the sort never looks further; actions are made after it.
-    return [[_action((stage, kinds[tie], mb)) for _, tie, stage, mb in sorted(rank)]
-            for rank in keyed]
+        stages_of.setdefault(rank, []).append(stage)
+    out = []
+    for rank in range(max(stage_to_rank) + 1):
+        pairs = [(tie, stage) for tie in range(len(kinds)) for stage in stages_of.get(rank, ())]
+        width = len(pairs)
+        shifted = [shift * width for shift in later]
+        by_key: dict[int, Action] = {}
+        for position, (tie, stage) in enumerate(pairs):
+            kind = kinds[tie]
+            first = first_slot(stage, kind)
+            if not isinstance(first, int):
+                raise ValueError(f"order_by_slot: slot {first!r} of stage {stage} {kind.value} "
+                                 "is no integer")
+            # Actions made by tuple.__new__, without NamedTuple's Python-level __new__.
+            by_key.update(zip(map((first * width + position).__add__, shifted),
+                              map(tuple.__new__, itertools.repeat(Action),
+                                  zip(itertools.repeat(stage), itertools.repeat(kind),
+                                      range(microbatches)))))
+        out.append(list(map(by_key.__getitem__, sorted(by_key))))
+    return out
 
 
 def first_free_slot(taken: set[int], start: int, period: int) -> int:

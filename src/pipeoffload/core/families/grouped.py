@@ -24,6 +24,7 @@ divide m the last group is shorter and keeps the slots of a full one.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from pipeoffload.core.actions import Kind
@@ -51,18 +52,18 @@ def grouped_interleaved(pp: int, microbatches: int, chunks: int = 2,
         )
     v = chunks
 
-    def slot(stage: int, kind: Kind, mb: int) -> int:
+    def slot(stage: int, kind: Kind) -> int:  # of microbatch 0 (group 0, j = 0)
         chunk, rank = divmod(stage, pp)
-        group, j = divmod(mb, g)
-        start = 3 * g * v * group
         if kind is Kind.F:
-            return start + 3 * g * chunk + 3 * j + rank
-        backward = start + 3 * g * (v - 1) + pp + 3 * g * (v - 1 - chunk) + 3 * j \
-            + 2 * (pp - 1 - rank)
+            return 3 * g * chunk + rank
+        backward = 3 * g * (v - 1) + pp + 3 * g * (v - 1 - chunk) + 2 * (pp - 1 - rank)
         return backward if kind is Kind.I else backward + 1
 
+    # Microbatch j of group k: every pass 3 g v k + 3 j slots after microbatch 0's.
+    later = [3 * g * v * group + 3 * j for group, j in map(divmod, range(microbatches),
+                                                          itertools.repeat(g))]
     placement = loop_placement(pp, chunks)
-    ranks = order_by_slot(placement, microbatches, (Kind.F, Kind.I, Kind.W), slot)
+    ranks = order_by_slot(placement, microbatches, (Kind.F, Kind.I, Kind.W), slot, later)
     return validate(Schedule(ranks, placement, microbatches, NAME))
 
 

@@ -23,13 +23,12 @@ def one_f_one_b(pp: int, microbatches: int) -> Schedule:
     """1F1B on ``pp`` ranks, one stage each, with full backwards."""
     check_common(NAME, pp, microbatches)
 
-    def slot(stage: int, kind: Kind, mb: int) -> int:
-        if kind is Kind.F:
-            return stage + 3 * mb
-        return 3 * pp - 2 - 2 * stage + 3 * mb
+    def slot(stage: int, kind: Kind) -> int:  # microbatch mb's: 3 mb later
+        return stage if kind is Kind.F else 3 * pp - 2 - 2 * stage
 
     placement = loop_placement(pp, 1)
-    ranks = order_by_slot(placement, microbatches, (Kind.F, Kind.B), slot)
+    ranks = order_by_slot(placement, microbatches, (Kind.F, Kind.B), slot,
+                          range(0, 3 * microbatches, 3))
     return validate(Schedule(ranks, placement, microbatches, NAME))
 
 

@@ -83,8 +83,8 @@ def _v_half_slots(pp: int) -> dict[tuple[int, Kind], int]:
 def _build(name: str, pp: int, microbatches: int,
            slots: dict[tuple[int, Kind], int]) -> Schedule:
     placement = v_placement(pp)
-    ranks = order_by_slot(placement, microbatches, _KINDS,
-                          lambda stage, kind, mb: slots[stage, kind] + _PERIOD * mb)
+    ranks = order_by_slot(placement, microbatches, _KINDS, lambda stage, kind: slots[stage, kind],
+                          range(0, _PERIOD * microbatches, _PERIOD))
     block = Schedule(ranks, placement, microbatches, name)
     return validate(tighten(block, f_cap=order_peaks(block.ranks)))
 

@@ -36,12 +36,12 @@ def zb_h1(pp: int, microbatches: int) -> Schedule:
     """ZB-H1 on ``pp`` ranks: 1F1B's memory, about a third of its bubble."""
     check_common(H1, pp, microbatches)
 
-    def slot(stage: int, kind: Kind, mb: int) -> int:
+    def slot(stage: int, kind: Kind) -> int:  # microbatch mb's: 3 mb later
         offset = {Kind.F: stage, Kind.I: 3 * pp - 2 - 2 * stage, Kind.W: 3 * pp - 1 + stage}
-        return offset[kind] + 3 * mb
+        return offset[kind]
 
     placement = loop_placement(pp, 1)
-    ranks = order_by_slot(placement, microbatches, _KINDS, slot)
+    ranks = order_by_slot(placement, microbatches, _KINDS, slot, range(0, 3 * microbatches, 3))
     return validate(Schedule(ranks, placement, microbatches, H1))
 
 
@@ -55,12 +55,12 @@ def zb_h2(pp: int, microbatches: int) -> Schedule:
             f", or {H1} (same makespan from time 0, any microbatch count)"
         )
 
-    def slot(stage: int, kind: Kind, mb: int) -> int:
+    def slot(stage: int, kind: Kind) -> int:  # microbatch mb's: 3 mb later
         offset = {Kind.F: stage, Kind.I: 6 * pp - 5 - 5 * stage, Kind.W: 6 * pp - 4 + stage}
-        return offset[kind] + 3 * mb
+        return offset[kind]
 
     placement = loop_placement(pp, 1)
-    ranks = order_by_slot(placement, microbatches, _KINDS, slot)
+    ranks = order_by_slot(placement, microbatches, _KINDS, slot, range(0, 3 * microbatches, 3))
     return validate(Schedule(ranks, placement, microbatches, H2))
 
 
