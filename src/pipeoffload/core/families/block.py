@@ -149,13 +149,10 @@ def tighten(
                 return False
         return True
 
-    def choose(rank: int) -> int | None:
-        """The position in the rank's remaining order of what it runs now, if anything."""
+    def choose(rank: int, head_ready: bool) -> int | None:
+        """The position in the rank's remaining order of what it runs now, if anything, when
+        its head is not a ready F, I or B (the main loop takes those itself)."""
         todo = remaining[rank]
-        head = todo[0]
-        head_ready = ready(head)
-        if head_ready and kind_of[head] is not _W:
-            return 0
         if i_first:
             for position, index in enumerate(todo):
                 kind = kind_of[index]
@@ -186,19 +183,27 @@ def tighten(
                         if len(seen_stages) == stage_count[rank]:
                             break  # only each stage's next forward may be pulled
                     climb += 1
-                    rise = max(rise, climb)
+                    if climb > rise:
+                        rise = climb
                 elif kind is _W or kind is _B:
                     climb -= 1
         return None
 
     while left:
         for rank in range(ranks):
-            if free_at[rank] > now or not remaining[rank]:
+            todo = remaining[rank]
+            if free_at[rank] > now or not todo:
                 continue
-            position = choose(rank)
+            head = todo[0]
+            for dep in needs[head]:
+                if done[dep] > now:
+                    position = choose(rank, False)
+                    break
+            else:  # the head is ready: an F, I or B runs at once (most steps take this path)
+                position = 0 if kind_of[head] is not _W else choose(rank, True)
             if position is None:
                 continue
-            index = remaining[rank].pop(position)
+            index = todo.pop(position)
             kind = kind_of[index]
             if kind is _W:
                 ready_w[rank].remove(index)
