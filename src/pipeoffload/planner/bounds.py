@@ -161,15 +161,17 @@ def _total_peak(actions: Sequence[Action], stage_bytes: Sequence[float]) -> floa
     return max(0.0, max(itertools.accumulate(changes), default=0.0))
 
 
-#: Per rank: its stages in order, and each distinct vector of resident microbatches per stage
-#: (in that order) right after one of its forwards (Note: [kept activation]).
-ResidentCounts = list[tuple[tuple[int, ...], frozenset[tuple[int, ...]]]]
+#: Per rank: its stages in order, and the vectors of resident microbatches per stage (in that
+#: order) right after one of its forwards that no other such vector covers (Note: [kept
+#: activation]).
+ResidentCounts = list[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]]
 
 
 def resident_counts(schedule: Schedule) -> ResidentCounts:
     """What ``kept_activation_floor`` reads of the order, once per schedule: a steady state
-    repeats its vectors, so a few stand for ~10^4 forwards and each further set of stage bytes
-    costs a few dot products (``kept_floor``)."""
+    repeats its vectors, so a few stand for ~10^4 forwards, and of those only the ones no other
+    covers (at least as many of every stage) can hold the most bytes: each further set of
+    stage bytes costs a few dot products (``kept_floor``)."""
     out = []
     for actions in schedule.ranks:
         stages = tuple(sorted({a[0] for a in actions}))
@@ -182,14 +184,25 @@ def resident_counts(schedule: Schedule) -> ResidentCounts:
                 seen.add(tuple(count))
             elif kind is Kind.W or kind is Kind.B:
                 count[slot[stage]] -= 1
-        out.append((stages, frozenset(seen)))
+        out.append((stages, _uncovered(seen)))
     return out
+
+
+def _uncovered(vectors: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The vectors that no other one covers. For bytes b >= 0 a covered vector's dot product
+    is at most its cover's, rounding included (IEEE 754's products and sums are monotone), so
+    the largest product over these is the largest over all, bit for bit."""
+    kept: list[tuple[int, ...]] = []
+    for vector in sorted(vectors, key=sum, reverse=True):  # a cover comes before what it covers
+        if not any(all(map(operator.le, vector, other)) for other in kept):
+            kept.append(vector)
+    return tuple(kept)
 
 
 def kept_floor(counts: ResidentCounts, stage_bytes: Sequence[float],
                offloaded_stages: int) -> list[float]:
     """``kept_activation_floor`` from ``resident_counts``: the same bound, its sums taken in
-    another order (equal up to rounding)."""
+    another order (equal up to rounding); ``stage_bytes`` are sizes (>= 0)."""
     floors = []
     for stages, vectors in counts:
         if offloaded_stages >= len(stages):
