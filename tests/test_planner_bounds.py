@@ -19,6 +19,7 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPolicy, add_offload
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.planner.bounds import (
+    _uncovered,
     kept_activation_floor,
     kept_floor,
     makespan_lower_bound,
@@ -277,3 +278,16 @@ def test_kept_floor_without_offload_is_the_running_totals_peak(case, data: st.Da
                 total -= sizes[stage]
         expected.append(peak)
     assert kept_activation_floor(schedule, sizes, 0) == expected
+
+
+@given(st.sets(st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6)), min_size=1,
+               max_size=40),
+       st.lists(st.floats(0.0, 1e9), min_size=3, max_size=3), st.integers(0, 2))
+def test_uncovered_vectors_hold_the_largest_dot_product_bit_for_bit(vectors, sizes, offloaded
+                                                                   ) -> None:
+    """resident_counts keeps only vectors no other covers; kept_floor over them equals
+    kept_floor over every vector exactly, for any sizes >= 0 and chunks offloaded."""
+    stages = (0, 1, 2)
+    everything = kept_floor([(stages, tuple(vectors))], sizes, offloaded)
+    assert kept_floor([(stages, _uncovered(vectors))], sizes, offloaded) == everything
+    assert set(_uncovered(vectors)) <= vectors
