@@ -95,15 +95,10 @@ def order_peaks(ranks: Iterable[Sequence[Action]]) -> tuple[int, ...]:
     compute action at a time, so the order fixes this count).
     """
     peaks = []
-    for actions in ranks:
-        level = peak = 0
-        for action in actions:
-            if action.kind is Kind.F:
-                level += 1
-                peak = max(peak, level)
-            elif action.kind in (Kind.W, Kind.B):
-                level -= 1
-        peaks.append(peak)
+    for actions in ranks:  # the count only falls after a W or B: its peak follows an F
+        changes = [1 if kind is _F else -1 for _, kind, _ in actions
+                   if kind is _F or kind is _W or kind is _B]
+        peaks.append(max(0, max(itertools.accumulate(changes), default=0)))
     return tuple(peaks)
 
 
