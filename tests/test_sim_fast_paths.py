@@ -157,15 +157,8 @@ def test_dense_and_sparse_count_checks_reject_alike(schedule, data):
             _check_indices_and_placement(variant)  # what validate checks before the counts
         except ScheduleError:
             continue
-        outcomes = []
-        for check in (_check_dense_counts,
-                      lambda s: _check_sparse_counts(s, sum(map(len, s.ranks)))):
-            try:
-                check(variant)
-                outcomes.append(None)
-            except ScheduleError as error:
-                outcomes.append(str(error))
-        assert outcomes[0] == outcomes[1]
+        assert _outcome(_check_dense_counts, variant) == _outcome(
+            lambda s: _check_sparse_counts(s, sum(map(len, s.ranks))), variant)
 
 
 @slow
@@ -174,14 +167,16 @@ def test_validate_accepts_and_rejects_as_its_per_action_checks_do(schedule, data
     """validate's whole-rank passes (``_placed_plainly``, ``_counted_plainly``) only let it skip
     the per-action checks: same verdict, same message, on valid and broken schedules."""
     for variant in _variants(schedule, data) + _count_breakers(schedule, data):
-        outcomes = []
-        for check in (validate, _checked_action_by_action):
-            try:
-                check(variant)
-                outcomes.append(None)
-            except ScheduleError as error:
-                outcomes.append(str(error))
-        assert outcomes[0] == outcomes[1]
+        assert _outcome(validate, variant) == _outcome(_checked_action_by_action, variant)
+
+
+def _outcome(check, schedule: Schedule) -> str | None:
+    """The message ``check(schedule)`` raises, or None if it passes."""
+    try:
+        check(schedule)
+    except ScheduleError as error:
+        return str(error)
+    return None
 
 
 def test_validate_whole_rank_pass_leaves_numbers_that_are_no_integers_to_the_checks():
