@@ -191,10 +191,12 @@ class _Planner:
         """The schedule with the transfers and waits placed (placement.insert)."""
         return insert(self.layout, leads, waits, fetches)
 
-    def plan(self, chosen: Iterable[Item]) -> tuple[Schedule, SimResult, dict[Item, str]]:
+    def plan(self, chosen: Iterable[Item], keep_changes: bool = False
+             ) -> tuple[Schedule, SimResult, dict[Item, str]]:
         """Place transfers for ``chosen`` from a simulation, re-simulate, and repeat until
         nothing stalls; then postpone forwards that would start while too many copies out are
-        pending (only while that does not grow the makespan beyond ``postpone_slack``)."""
+        pending (only while that does not grow the makespan beyond ``postpone_slack``).
+        ``keep_changes``: the result keeps its memory changes (``simulate``)."""
         skipped: dict[Item, str] = {}
         items = []
         for item in chosen:
@@ -219,7 +221,7 @@ class _Planner:
                                                   out_ends if same else None))
         for _ in range(self.policy.max_rounds):
             planned = self.insert(leads, waits, fetches)
-            result = simulate(planned, self.costs)
+            result = simulate(planned, self.costs, keep_changes=keep_changes)
             if waits and result.makespan > self._horizon() + self.policy.stall_tolerance:
                 late = self._late_waits(waits, result)
                 if late and len(late) < len(waits):
@@ -255,7 +257,7 @@ class _Planner:
                 fetches.discard(item)
             waits = {f: it for f, it in waits.items() if it in leads or it in fetches}
             planned = self.insert(leads, waits, fetches)
-            result = simulate(planned, self.costs)
+            result = simulate(planned, self.costs, keep_changes=keep_changes)
         return planned, result, skipped
 
     def _stalled(self, item: Item, timing: dict[Action, TimedAction]) -> bool:
