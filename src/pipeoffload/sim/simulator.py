@@ -48,7 +48,6 @@ from __future__ import annotations
 import functools
 import heapq
 import operator
-from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -215,7 +214,7 @@ def _run(program: Program, costs: CostModel) -> _Run:
     stall = [0.0] * schedule.num_ranks
     waiting: dict[int, list[int]] = {}
     pending: list[tuple[float, int, int, int]] = []  # transfers: (ready, seq, rank, index)
-    channel_free: dict[tuple[int, str], float] = defaultdict(float)
+    channel_free = [0.0] * program.channels  # when each host-link queue is next free
     seq = 0
     # Backward passes that read a fetched activation queue for the host link like a transfer;
     # their rank's program is blocked until the read is placed (see [fetch on use]).
@@ -224,6 +223,7 @@ def _run(program: Program, costs: CostModel) -> _Run:
     paired: dict[int, float] = {}  # the backward of an overlapped pair -> its time factor
     pair_end: dict[int, float] = {}  # the forward of an overlapped pair -> when the pair ends
     overlap = costs.overlap_f_b
+    heappush, heappop = heapq.heappush, heapq.heappop
 
     def pair_factor(rank: int, forward: int, ready: float) -> float:
         """The time factor of ``forward`` and of its partner if they make an overlapped pair
@@ -263,7 +263,7 @@ def _run(program: Program, costs: CostModel) -> _Run:
                     waiting.setdefault(dep, []).append(rank)
                     pointer[rank], issue[rank], stall[rank] = i, now, stalled
                     return
-                if owner[dep] != rank:
+                if p2p and owner[dep] != rank:  # (adding 0.0 would change nothing)
                     at += p2p
                 if at > ready:
                     ready = at
@@ -304,7 +304,7 @@ def _run(program: Program, costs: CostModel) -> _Run:
             else:
                 if kind_step is _COPY_OUT:
                     ready = began[source[j]]  # see [streaming offload], sim/memory.py
-                heapq.heappush(pending, (ready, seq, rank, j))
+                heappush(pending, (ready, seq, rank, j))
                 seq += 1
                 if kind_step is _READ_PASS:
                     reading[j] = other
@@ -345,7 +345,6 @@ def _run(program: Program, costs: CostModel) -> _Run:
         runnable.append(rank)
 
     runnable = list(range(schedule.num_ranks))
-    heappop = heapq.heappop
     while True:
         while runnable:
             advance(runnable.pop())
