@@ -1,8 +1,7 @@
 """The simulator's fast paths give what the rules they stand for give, over the zoo (hypothesis):
 - core/deps.py numbers dependencies from per-kind lists (``_dense_needs``) where the schedule's
   stages and microbatches are in range, else by asking ``Dependencies.keys_of`` per action:
-  both must name the same dependencies, on valid schedules and on broken ones; it numbers an
-  offload plan from its plain schedule's numbers (``number_added``): the same again;
+  both must name the same dependencies, on valid schedules and on broken ones;
 - validate checks each (stage, microbatch)'s kinds in a list of masks where pairs are dense,
   else in a dict of the pairs present: both must reject alike;
 - the simulator reads memory changes off its own arrays (``rank_changes``) and sums compute
@@ -17,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeoffload.api import build_schedule, plan_schedule, schedule_names
-from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
-from pipeoffload.core.deps import Dependencies, _dense_needs, number, number_added
+from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.deps import Dependencies, _dense_needs, number
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import (
     _check_dense_counts,
@@ -106,20 +105,6 @@ def test_dense_numbering_names_the_dependencies_keys_of_names(schedule, data):
         actions = list(itertools.chain.from_iterable(variant.ranks))
         dense = _dense_needs(variant, actions)
         assert dense is None or dense == numbered.needs
-
-
-@slow
-@given(schedules, st.data())
-def test_numbering_a_plan_from_its_plain_schedule_equals_numbering_it_anew(schedule, data):
-    """``number_added`` renumbers the plain schedule's numbering and adds the transfers; it
-    must give what numbering the plan anew gives, and number anew what is not a plain schedule
-    plus transfers (explicit SEND / RECV, a dropped, moved or renamed action, a repeat)."""
-    variants = _variants(schedule, data)
-    repeated = [list(r) for r in variants[1].ranks]
-    repeated[0].append(repeated[0][-1])
-    for variant in [*variants, variants[1].with_ranks(repeated)]:
-        for base in (variant.without(*OFFLOAD_KINDS), schedule):
-            assert number_added(base, variant) == number(variant), variant.name
 
 
 def test_dense_numbering_steps_aside_where_it_does_not_apply():

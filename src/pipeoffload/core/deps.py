@@ -17,12 +17,10 @@ route needs no input and its last no output gradient (Note: [routes], core/sched
 
 from __future__ import annotations
 
-import bisect
-import collections
 import functools
 import itertools
 import operator
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from dataclasses import dataclass
 
 from pipeoffload.core.actions import Action, Kind
@@ -263,74 +261,3 @@ def _dense_needs(schedule: Schedule, actions: list[Action]) -> list[list[int]] |
         else:  # RECV_B: stage s + 1
             add([send_b[k + 1] if s + 1 < stages else missing])
     return needs
-
-
-def with_added(base: Schedule, ranks: Sequence[Sequence[Action]]) -> Schedule:
-    """``base.with_ranks(ranks)``, numbered from ``base.numbered`` (``number_added``) where
-    ``ranks`` are base's lists with the offload planner's actions added: every plan of one
-    planning call adds a few transfers to the same plain schedule, and renumbering that is
-    about half the work of numbering anew."""
-    schedule = base.with_ranks(ranks)
-    with cyclic_gc_paused():
-        numbered = number_added(base, schedule)
-    schedule.__dict__["numbered"] = numbered  # what the cached property would compute
-    return schedule
-
-
-def number_added(base: Schedule, schedule: Schedule) -> Numbered:
-    """``number(schedule)`` where ``schedule`` is ``base`` with OFFLOAD, RELOAD, FETCH and
-    OFFLOAD_WAIT actions added (Note: [data dependencies]): base's actions keep their
-    dependencies, renumbered, except that a backward pass also needs its item's RELOAD or
-    FETCH (right after its F, as ``keys_of`` lists them); each added action needs its F or its
-    OFFLOAD. Numbers ``schedule`` anew where that does not hold (base has such actions, or is
-    not what ``schedule`` is without them, or an added action appears twice)."""
-    numbered = base.numbered
-    actions = list(itertools.chain.from_iterable(schedule.ranks))
-    kinds = list(map(_KIND, actions))
-    added = list(map(_ADDED.__contains__, kinds))
-    kept = list(itertools.compress(itertools.count(), map(operator.not_, added)))
-    first = [0]
-    for acts in schedule.ranks:
-        first.append(first[-1] + len(acts))
-    if (numbered.repeated or len(first) != len(numbered.first)
-            or [bisect.bisect_left(kept, f) for f in first[:-1]] != numbered.first[:-1]
-            or list(map(actions.__getitem__, kept)) != numbered.actions):
-        return number(schedule)
-    missing = len(actions)
-    renumber = kept + [missing]  # base's index -> this one's (base's "missing" too)
-    at = renumber.__getitem__
-    needs: list[list[int]] = [[]] * missing
-    collections.deque(map(needs.__setitem__, kept, [list(map(at, deps))
-                                                    for deps in numbered.needs]), maxlen=0)
-
-    def where(kind: Kind) -> dict[tuple[int, int], int]:
-        """(stage, microbatch) -> the index of its action of ``kind``."""
-        places = list(itertools.compress(itertools.count(), map(operator.is_, kinds,
-                                                                itertools.repeat(kind))))
-        return dict(zip(map(_ITEM, map(actions.__getitem__, places)), places))
-
-    offload, reload, fetch, wait = map(where, (_OFFLOAD, _RELOAD, _FETCH, _OFFLOAD_WAIT))
-    if sum(map(len, (offload, reload, fetch, wait))) != len(actions) - len(kept):
-        return number(schedule)  # an added action twice
-    forward = where(_F)
-    for item, i in offload.items():
-        needs[i] = [forward.get(item, missing)]
-    for copies in (reload, fetch, wait):
-        for item, i in copies.items():
-            needs[i] = [offload.get(item, missing)]
-    if reload or fetch:
-        for i in itertools.compress(itertools.count(), map(_READS.__contains__, kinds)):
-            item = _ITEM(actions[i])
-            # After the F, in keys_of's order: RELOAD, FETCH (then RECOMPUTE, from base).
-            if item in fetch:
-                needs[i].insert(1, fetch[item])
-            if item in reload:
-                needs[i].insert(1, reload[item])
-    owner = list(itertools.chain.from_iterable(
-        map(itertools.repeat, range(len(schedule.ranks)), map(len, schedule.ranks))))
-    return Numbered(actions, first, owner, needs, False)
-
-
-_KIND, _ITEM = operator.itemgetter(1), operator.itemgetter(0, 2)
-_ADDED = frozenset({_OFFLOAD, _RELOAD, _FETCH, _OFFLOAD_WAIT})  # what offload plans add
-_READS = frozenset({_I, _B})  # the passes that need a RELOAD or FETCH

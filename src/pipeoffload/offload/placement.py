@@ -17,7 +17,6 @@ from itertools import islice
 from operator import le
 
 from pipeoffload.core.actions import Action, Kind
-from pipeoffload.core.deps import with_added
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.select import Item
 from pipeoffload.sim.simulator import SimResult
@@ -202,4 +201,4 @@ def insert(layout: Layout, leads: dict[Item, int], waits: dict[Action, Item],
             if behind is not None:
                 add(behind)
         planned.append(out)
-    return with_added(layout.schedule, planned)  # numbered from the plain schedule's numbers
+    return layout.schedule.with_ranks(planned)
