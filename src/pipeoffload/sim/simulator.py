@@ -280,8 +280,11 @@ def _run(program: Program, costs: CostModel) -> _Run:
                     took *= pair_factor(rank, j, ready)
                 done = ready + took  # finish(), inlined: this is the path most actions take
                 if is_compute[j]:  # compute blocks the rank's program
-                    waited = ready - other
-                    stalled += waited
+                    if ready > other:
+                        waited = ready - other
+                        stalled += waited
+                    else:  # most actions: no new float (adding 0.0 would change nothing)
+                        waited = 0.0
                     now = done
                     if counted[j]:
                         spent(done - ready)
