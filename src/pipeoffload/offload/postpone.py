@@ -48,7 +48,7 @@ def postpone(waits: dict[Action, Item], copies: list[RankCopies], latest: Mappin
             issued = bisect_right(f_ends, start, issued)  # copies issued by ``start``
             if issued <= limit or forward in waits:
                 continue
-            first = max(0, issued - window)
+            first = issued - window if issued > window else 0
             after = start + tolerance
             # Most forwards find at most ``limit`` recent copies pending: the (limit + 1)-th
             # latest end among them tells, without pairing ends with items.
