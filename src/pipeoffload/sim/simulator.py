@@ -113,7 +113,9 @@ class SimResult:
         return sum(self.stall_time)
 
     def rank_times(self, rank: int) -> tuple[list[float], list[float]]:
-        """When each action of the rank's program started and ended, by position."""
+        """When each action of the rank's program started and ended, by position (a FETCH
+        marker's own times; ``memory.rank_times`` of the timeline puts one of its reads there:
+        no memory change reads them)."""
         if self.program is None or self.times is None:
             return rank_times(self.schedule.ranks[rank], self.timeline[rank])
         here = slice(self.program.first[rank], self.program.first[rank + 1])
