@@ -38,12 +38,12 @@ class _Recorder:
         self._results: list[weakref.ref] = []
         original = plan_module._Planner.plan
 
-        def plan(planner, chosen):
+        def plan(planner, chosen, keep_changes=False):
             gc.collect()
             self.alive_at_start.append(sum(ref() is not None for ref in self._results))
             chosen = list(chosen)
             self.calls.append(chosen)
-            outcome = original(planner, chosen)
+            outcome = original(planner, chosen, keep_changes)
             self._results.append(weakref.ref(outcome[1]))
             return outcome
 

@@ -107,5 +107,5 @@ def test_tagged_changes_equal_a_full_sort(which, pp, per_rank, ratio, fetch, hal
     planned, result, _ = outcome
     for rank in range(schedule.num_ranks):
         items = planner.by_lifespan[rank]
-        fast = limit_module._tagged_changes(planned, result, rank, items, sizes, costs)
+        fast = limit_module._tagged_changes(planned, result, rank, items, sizes)
         assert fast == _reference_tagged_changes(planned, result, rank, items, sizes, costs)

@@ -7,7 +7,8 @@
   passes over whole ranks (placement, then one count per kind), which must accept exactly
   what the per-action checks accept;
 - the simulator reads memory changes off its own arrays (``rank_changes``) and sums compute
-  as it places it: both must equal what ``memory_changes`` and the sorted timeline give.
+  as it places it: both must equal what ``memory_changes`` and the sorted timeline give, and
+  so must the changes a result makes again or keeps (``SimResult.memory_changes``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pipeoffload.offload.plan import OffloadPolicy
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.runtime.lowering import with_comms
 from pipeoffload.sim.costs import CostModel, Duplex, HostLink
-from pipeoffload.sim.memory import curve, memory_changes
+from pipeoffload.sim.memory import curve, memory_changes, rank_times
 from pipeoffload.sim.simulator import activation_units, simulate
 
 NAMES = [name for name, _ in schedule_names()]
@@ -130,9 +131,20 @@ def test_simulated_memory_and_compute_equal_the_timeline_accounting(schedule, co
                          **_options(schedule))
     for planned in (plan.schedule, add_recompute(schedule, cost, "fraction:0.5").schedule):
         result = simulate(planned, cost)
+        kept = simulate(planned, cost, keep_changes=True)
         units = activation_units(planned, cost)
         for rank, timeline in enumerate(result.timeline):
-            points, top = curve(memory_changes(planned, timeline, cost), units)
+            changes = memory_changes(planned, timeline, cost)
+            # The result's own changes, made again from its arrays or kept, are these.
+            assert result.memory_changes(rank) == kept.memory_changes(rank) == changes
+            # As the timeline has them (a FETCH marker's position holds one of its reads there,
+            # its own times in the run: no reader looks at it).
+            read = [k is not Kind.FETCH for _, k, _ in planned.ranks[rank]]
+            for run_times, timeline_times in zip(result.rank_times(rank),
+                                                 rank_times(planned.ranks[rank], timeline)):
+                assert list(itertools.compress(run_times, read)) == \
+                    list(itertools.compress(timeline_times, read))
+            points, top = curve(changes, units)
             assert result.memory[rank] == points
             assert result.peak_activation[rank] == top
             compute = sum([t.end - t.start for t in timeline

@@ -148,6 +148,7 @@ class Forwards:
         for f_start, f_end, rank, item in self.by_start:
             if item in wanted:
                 q = queue[rank]
-                begin = max(f_start, free[q])
-                free[q] = ends[item] = max(begin + copy_time[item[0]], f_end)
+                begin = free[q] if free[q] > f_start else f_start  # max(), without a call
+                done = begin + copy_time[item[0]]
+                free[q] = ends[item] = f_end if f_end > done else done
         return ends

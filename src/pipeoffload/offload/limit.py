@@ -22,30 +22,30 @@ that foresaw the final plan's peak exactly, not planned again.
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_left
 from collections.abc import Sequence
-from itertools import accumulate, compress
-from operator import itemgetter
+from itertools import accumulate, compress, count, repeat
+from operator import gt, is_, itemgetter
 from typing import TYPE_CHECKING
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.report import OffloadPlan
 from pipeoffload.offload.select import Item
 from pipeoffload.offload.targets import OffloadTarget
-from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.memory import streamed_fraction
-from pipeoffload.sim.simulator import SimResult, TimedAction
+from pipeoffload.sim.simulator import SimResult
 
 if TYPE_CHECKING:
     from pipeoffload.offload.plan import _Planner
 
 Outcome = tuple[Schedule, SimResult, dict[Item, str]]
 _TOLERANCE = 1e-9  # a peak this far above the limit still meets it (float sums)
-_WEIGHT, _TAG = itemgetter(3), itemgetter(4)  # of a (time, order, place, weight, tag) change
+_KIND, _ITEM = itemgetter(1), itemgetter(0, 2)  # an action's kind, its (stage, microbatch)
 
 # The kinds as module names (Note: [hot loops], core/actions.py).
-_F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B
-_OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.RECOMPUTE
+_F, _OFFLOAD, _RELOAD, _FETCH = Kind.F, Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH
+_LAST_PASS = frozenset({Kind.W, Kind.B})
 
 
 def plan_limit(planner: _Planner, target: OffloadTarget) -> OffloadPlan:
@@ -64,7 +64,7 @@ def plan_limit(planner: _Planner, target: OffloadTarget) -> OffloadPlan:
 
     def attempt(prefix: Sequence[int]) -> tuple[Outcome, tuple[float, ...]]:
         chosen = [item for r in ranks for item in planner.by_lifespan[r][: prefix[r]]]
-        outcome = planner.plan(chosen)
+        outcome = planner.plan(chosen, keep_changes=True)  # the estimate reads them
         result = outcome[1]
         peaks = result.peak_bytes if target.in_bytes else result.peak_activation
         assert peaks is not None
@@ -135,7 +135,7 @@ def _estimate(outcome: Outcome, rank: int, planner: _Planner, sizes: Sequence[fl
     outcome's own prefix, whose curve that is), and the peak that memory has there."""
     schedule, result, _ = outcome
     items = planner.by_lifespan[rank]
-    weights, tags = _tagged_changes(schedule, result, rank, items, sizes, planner.costs)
+    weights, tags = _tagged_changes(schedule, result, rank, items, sizes)
     return _shortest_prefix(weights, tags, lo, len(items), limit)
 
 
@@ -150,23 +150,26 @@ def _shortest_prefix(weights: Sequence[float], tags: Sequence[int], lo: int, hi:
     offloaded) are left out. The peak falls as k grows: each tagged group only adds memory.
 
     Bisection; which changes count at k is kept in a bytearray that each step updates where
-    the tags between the old and the new k are, instead of comparing every tag again."""
-    at_tag: dict[int, list[int]] = {}  # tag -> where its changes are (tags < hi only)
-    for j, tag in enumerate(tags):
-        if tag < hi:
-            at_tag.setdefault(tag, []).append(j)
+    the tags between the old and the new k are (found by bisection in the changes tagged below
+    hi, sorted by tag), instead of comparing every tag again."""
+    below = list(compress(count(), map(gt, repeat(hi), tags)))  # where tags < hi are
+    below.sort(key=tags.__getitem__)  # by tag, then by place
+    below_tags = list(map(tags.__getitem__, below))
+    # The weights side by side in memory: each step reads them all, and floats scattered
+    # over a large heap (a plan at p = 64, m = 1024) cost a cache miss each.
+    values = array("d", weights)
     counted = bytearray(b"\x01") * len(tags)  # at k = 0 every change counts
     k = 0
     peaks: dict[int, float] = {}
 
     def peak_at(mid: int) -> float:
         nonlocal k
-        step = 1 if mid > k else 0  # left out (k rising) or counted again (k falling)
-        for tag in range(min(k, mid), max(k, mid)):
-            for j in at_tag.get(tag, ()):
-                counted[j] = 1 - step
+        flag = 0 if mid > k else 1  # left out (k rising) or counted again (k falling)
+        for j in below[bisect_left(below_tags, min(k, mid)):
+                       bisect_left(below_tags, max(k, mid))]:
+            counted[j] = flag
         k = mid
-        peaks[mid] = max(accumulate(compress(weights, counted), initial=0.0))
+        peaks[mid] = max(accumulate(compress(values, counted), initial=0.0))
         return peaks[mid]
 
     while lo < hi:
@@ -179,131 +182,79 @@ def _shortest_prefix(weights: Sequence[float], tags: Sequence[int], lo: int, hi:
 
 
 def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Sequence[Item],
-                    sizes: Sequence[float], costs: CostModel) -> tuple[list[float], list[int]]:
+                    sizes: Sequence[float]) -> tuple[list[float], list[int]]:
     """The rank's memory changes in ``result`` (tagged ``len(items)``: always counted) and, for
     each offloaded item at index i of ``items``, the changes that keep it on the device from its
-    F to its last backward instead (tagged i: counted while i is outside the prefix), ordered as
-    sim/memory.py orders them (by time, then program order).
+    F to its last backward instead (tagged i: counted while i is outside the prefix), in order.
 
-    The untagged changes are sim/memory.py's ``memory_changes`` (its notes [memory accounting]
-    and [streaming offload]), made here in the one read of the timeline that also finds the
-    tagged ones (tests/test_offload_limit_exact.py holds them to ``memory_changes``). Each
-    tagged change but a fetched item's free has the time and order key of the change it cancels
-    (its twin) and goes right before it when its weight is not larger (the order a sort by
-    (time, order, weight, tag) gives: a cancelled pair never shows as a spike), else right
-    after: the third key below. Assumes what validate checks: each item has one I or one B.
-    Order keys are sim/memory.py's halved (action i's start i, its end i + 0.5, a copy out's
-    end i + 0.25, a copy back's start j - 0.25 for its backward j): the same order.
+    The untagged changes are the simulation's own (``SimResult.memory_changes``: sim/memory.py's
+    rule, notes [memory accounting] and [streaming offload]). Each tagged change cancels one of
+    the item's (its twin): the share of the F's activation that streams out, from the F's start
+    to the copy out's end; the copy back; or, where nothing is copied back (a fetched item,
+    which frees nothing when its last pass ends), the free at that end. It has its twin's time
+    and program order and goes right before it when its weight is not larger, else right after:
+    the order a sort by (time, order, weight, tag) gives, so a cancelled pair never shows as a
+    spike (tests/test_offload_limit_exact.py holds the two equal). Changes are read back to
+    their actions by their program order (sim/memory.py ``Change``). Assumes what validate
+    checks: each item has one I or one B, and one W or B.
     """
-    order = _program_order(schedule, result, rank)
+    actions = schedule.ranks[rank]
+    kinds = list(map(_KIND, actions))
+    offloaded = set(map(_ITEM, compress(actions, map(is_, kinds, repeat(_OFFLOAD)))))
+    tag_of = {item: tag for tag, item in enumerate(items) if item in offloaded}
+    reloaded = set(map(_ITEM, compress(actions, map(is_, kinds, repeat(_RELOAD)))))
+    changes = result.memory_changes(rank)
+    # Offloaded, fetched: held until its last pass ends while it is not offloaded, but it
+    # frees nothing there (no change to cancel): its tagged free comes alone.
+    fetched = set(map(_ITEM, compress(actions, map(is_, kinds, repeat(_FETCH)))))
+    if fetched and tag_of:
+        end = result.rank_times(rank)[1]
+        alone = [(end[i], 2 * i + 1, actions[i][0], -1.0)
+                 for i in compress(count(), map(_LAST_PASS.__contains__, kinds))
+                 if _ITEM(actions[i]) in fetched and _ITEM(actions[i]) in tag_of
+                 and _ITEM(actions[i]) not in reloaded]
+        if alone:
+            changes = sorted(changes + alone)
     always = len(items)
-    freed = [-size for size in sizes]
-    forwards: list[tuple[TimedAction, int]] = []  # (timing, order)
-    copies: dict[Item, TimedAction] = {}
-    reloads: list[TimedAction] = []
-    # (time, order, place, weight, tag): the last backward passes' frees, as made here
-    ends: list[tuple[float, float, int, float, int]] = []
-    fetched: set[Item] = set()
-    recomputes: list[tuple[float, int, int, Item]] = []
-    timeline = result.timeline[rank]
-    # A TimedAction is (rank, action, start, end, lane, stall); only the fields each kind
-    # needs are read (the timeline is large: every object touched costs).
-    for t in timeline:
-        action = t[1]
-        kind = action[1]
-        if kind is _F:
-            forwards.append((t, order[action]))
-        elif kind is _W or kind is _B:
-            ends.append((t[3], order[action] + 0.5, 1, freed[action[0]], always))
-        elif kind is _OFFLOAD:
-            copies[(action[0], action[2])] = t
-        elif kind is _RELOAD:
-            reloads.append(t)
-        elif kind is _FETCH:
-            fetched.add((action[0], action[2]))
-        elif kind is _RECOMPUTE:
-            recomputes.append((t[2], order[action], action[0], (action[0], action[2])))
-    tag_of = {item: index for index, item in enumerate(items)}
-    recomputed = {item for _, _, _, item in recomputes}
-    copy_time = {s: costs.transfer_time(s, _OFFLOAD) for s in {s for s, _ in copies}}
-    # The changes in four streams, each already in order (a rank's forwards, its copies out,
-    # copies back and last backward passes each run in time and program order), so that the
-    # sort below only merges them.
-    starts: list[tuple[float, float, int, float, int]] = []
-    copied: list[tuple[float, float, int, float, int]] = []
-    tagged: dict[Item, int] = {}  # offloaded items of ``items`` -> their tags
-    for (_, (s, _, m), start, end, _, _), at in forwards:
-        item = (s, m)
-        copy = copies.get(item) if copies else None
-        if copy is None:
-            if item not in recomputed:
-                starts.append((start, at, 1, sizes[s], always))
+    weights: list[float] = []
+    tags: list[int] = []
+    weigh, tag_as = weights.append, tags.append
+    for _, order, s, factor in changes:
+        weight = sizes[s] * factor
+        i = int(order + 0.5) >> 1  # the action that made the change (see Change)
+        tag = tag_of.get((s, actions[i][2])) if tag_of else None
+        if tag is None:
+            weigh(weight)
+            tag_as(always)
             continue
         size = sizes[s]
-        part = streamed_fraction(start, end, copy[2], copy_time[s])
-        held, out = size * part, size * -part
-        copy_end = copy[3]
-        tag = tag_of.get(item)
-        if tag is None:
-            starts.append((start, at, 1, held, always))
-            copied.append((copy_end, at + 0.25, 1, out, always))
+        role = order - 2 * i
+        if role == 0:  # its F starts: the share that streams out stays
+            if kinds[i] is not _F:  # a RECOMPUTE: nothing to cancel
+                weigh(weight)
+                tag_as(always)
+                continue
+            twin = size * (1.0 - factor)
+        elif role == 0.5:  # its copy out ends: what it freed stays
+            twin = size * -factor
+        elif role == -0.5:  # its copy back: nothing to allocate, it stayed
+            twin = -size
+        else:  # its last pass ends: the free of what stayed, after the plain one if any
+            item = (s, actions[i][2])
+            if item in reloaded:
+                weigh(weight)
+                tag_as(always)
+            elif item in fetched:
+                weigh(weight)
+                tag_as(tag)
+            else:
+                weights += (weight, weight)
+                tags += (always, tag)
             continue
-        tagged[item] = tag
-        kept = size * (1.0 - part)
-        if kept <= held:
-            starts += ((start, at, 0, kept, tag), (start, at, 1, held, always))
+        if twin <= weight:
+            weights += (twin, weight)
+            tags += (tag, always)
         else:
-            starts += ((start, at, 1, held, always), (start, at, 2, kept, tag))
-        if held <= out:
-            copied += ((copy_end, at + 0.25, 0, held, tag), (copy_end, at + 0.25, 1, out, always))
-        else:
-            copied += ((copy_end, at + 0.25, 1, out, always), (copy_end, at + 0.25, 2, held, tag))
-    back: list[tuple[float, float, int, float, int]] = []
-    for _, action, start, _, _, _ in reloads:
-        s, _, m = action
-        size = sizes[s]
-        # A copy back allocates right before the item's first backward pass.
-        at = order.get((s, _I, m))  # type: ignore[call-overload]
-        if at is None:
-            at = order.get((s, _B, m), order[action])  # type: ignore[call-overload]
-        tag = tagged.pop((s, m), None)
-        if tag is None:
-            back.append((start, at - 0.25, 1, size, always))
-        elif -size <= size:
-            back += ((start, at - 0.25, 0, -size, tag), (start, at - 0.25, 1, size, always))
-        else:
-            back += ((start, at - 0.25, 1, size, always), (start, at - 0.25, 2, -size, tag))
-    if fetched or tagged:  # offloaded, not copied back: on the device until the last pass ends
-        ends = _last_pass_ends(timeline, order, freed, fetched, tagged, always)
-    entries = starts + copied + back + ends
-    for start, at, s, _ in recomputes:
-        entries.append((start, at, 1, sizes[s], always))
-    entries.sort()
-    return list(map(_WEIGHT, entries)), list(map(_TAG, entries))
-
-
-def _last_pass_ends(timeline: Sequence[TimedAction], order: dict[Action, int],
-                    freed: Sequence[float], fetched: set[Item], tagged: dict[Item, int],
-                    always: int) -> list[tuple[float, float, int, float, int]]:
-    """The frees at the ends of last backward passes (W, or B) where some items are fetched
-    or not copied back: a fetched item frees nothing there (sim/memory.py), and each of
-    ``tagged`` (offloaded, not copied back) is held until then while it is not offloaded."""
-    ends = []
-    for _, action, _, end, _, _ in timeline:
-        s, kind, m = action
-        if kind is _W or kind is _B:
-            at = order[action] + 0.5
-            if (s, m) not in fetched:
-                ends.append((end, at, 1, freed[s], always))
-            if (s, m) in tagged:
-                ends.append((end, at, 2, freed[s], tagged[(s, m)]))
-    return ends
-
-
-def _program_order(schedule: Schedule, result: SimResult, rank: int) -> dict[Action, int]:
-    """action -> a number increasing along the rank's program: the simulation's own numbering
-    when it ran ``schedule`` (no dictionary to build), else the action's place."""
-    program = result.program
-    if program is not None and program.schedule is schedule:
-        return program.index
-    return {action: i for i, action in enumerate(schedule.ranks[rank])}
+            weights += (weight, twin)
+            tags += (always, tag)
+    return weights, tags

@@ -123,7 +123,11 @@ def place_reloads(layout: Layout, items: Iterable[Item], timing: Timing,
         for b_index, f_index, item in backwards:
             if item not in wanted:
                 continue
-            finish = min(ready[b_index] - margin, next_start)
+            # min() and max() as conditionals (the same pick, ties included): one call
+            # fewer per item, at 10^5 items per plan.
+            finish = ready[b_index] - margin
+            if next_start < finish:
+                finish = next_start
             latest = finish - reload_time[item[0]]
             # The program reaches the point before compute[j] when compute[j-1] ends: the
             # latest point after the F that it reaches by ``latest``.
@@ -145,7 +149,9 @@ def place_reloads(layout: Layout, items: Iterable[Item], timing: Timing,
                                      "its copies cannot hide behind compute (stall)")
                     continue
             leads[item] = b_index - j
-            next_start = min(next_start, max(issue, out_end))
+            free = out_end if out_end > issue else issue
+            if free < next_start:
+                next_start = free
     return leads
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain, compress, repeat
+from operator import is_, itemgetter
 
 from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
@@ -58,6 +60,7 @@ __all__ = ["OffloadPlan", "OffloadPolicy", "OffloadReport", "Skipped", "add_offl
 
 # The kinds as module names (Note: [hot loops], core/actions.py).
 _F, _I, _B, _OFFLOAD, _RECOMPUTE = Kind.F, Kind.I, Kind.B, Kind.OFFLOAD, Kind.RECOMPUTE
+_STAGE, _KIND, _ITEM = itemgetter(0), itemgetter(1), itemgetter(0, 2)  # of an Action
 
 
 @dataclass(frozen=True)
@@ -191,10 +194,12 @@ class _Planner:
         """The schedule with the transfers and waits placed (placement.insert)."""
         return insert(self.layout, leads, waits, fetches)
 
-    def plan(self, chosen: Iterable[Item]) -> tuple[Schedule, SimResult, dict[Item, str]]:
+    def plan(self, chosen: Iterable[Item], keep_changes: bool = False
+             ) -> tuple[Schedule, SimResult, dict[Item, str]]:
         """Place transfers for ``chosen`` from a simulation, re-simulate, and repeat until
         nothing stalls; then postpone forwards that would start while too many copies out are
-        pending (only while that does not grow the makespan beyond ``postpone_slack``)."""
+        pending (only while that does not grow the makespan beyond ``postpone_slack``).
+        ``keep_changes``: the result keeps its memory changes (``simulate``)."""
         skipped: dict[Item, str] = {}
         items = []
         for item in chosen:
@@ -219,7 +224,7 @@ class _Planner:
                                                   out_ends if same else None))
         for _ in range(self.policy.max_rounds):
             planned = self.insert(leads, waits, fetches)
-            result = simulate(planned, self.costs)
+            result = simulate(planned, self.costs, keep_changes=keep_changes)
             if waits and result.makespan > self._horizon() + self.policy.stall_tolerance:
                 late = self._late_waits(waits, result)
                 if late and len(late) < len(waits):
@@ -255,7 +260,7 @@ class _Planner:
                 fetches.discard(item)
             waits = {f: it for f, it in waits.items() if it in leads or it in fetches}
             planned = self.insert(leads, waits, fetches)
-            result = simulate(planned, self.costs)
+            result = simulate(planned, self.costs, keep_changes=keep_changes)
         return planned, result, skipped
 
     def _stalled(self, item: Item, timing: dict[Action, TimedAction]) -> bool:
@@ -318,12 +323,13 @@ class _Planner:
 
     def report(self, target: OffloadTarget, planned: Schedule, result: SimResult,
                skipped: dict[Item, str], notes: tuple[str, ...]) -> OffloadPlan:
-        offloaded = tuple(sorted([(a[0], a[2]) for acts in planned.ranks for a in acts
-                                  if a[1] is _OFFLOAD]))
+        offloaded = tuple(sorted(map(_ITEM, _of_kind(chain.from_iterable(planned.ranks),
+                                                     _OFFLOAD))))
         if target.kind is not TargetKind.NONE and not offloaded and skipped:
             reasons = sorted({why for why in skipped.values()})
             notes = notes + ("nothing could be offloaded: " + "; ".join(reasons),)
-        total = sum(self.units[s] for acts in self.layout.compute for s, k, _ in acts if k is _F)
+        total = sum(map(self.units.__getitem__, map(_STAGE, _of_kind(
+            chain.from_iterable(self.layout.compute), _F))))  # in program order, as before
         moved_units = sum(self.units[s] for s, _ in offloaded)
         # Byte peaks exist exactly when every stage's activation size is known.
         bytes_moved = None if self.base.peak_bytes is None else float(
@@ -346,6 +352,12 @@ class _Planner:
             notes=notes,
         )
         return OffloadPlan(schedule=planned, report=report, result=result)
+
+
+def _of_kind(actions: Iterable[Action], kind: Kind) -> list[Action]:
+    """The actions of ``kind``, in order, picked out in C (Note: [hot loops], core/actions.py)."""
+    actions = list(actions)
+    return list(compress(actions, map(is_, map(_KIND, actions), repeat(kind))))
 
 
 def _timing(result: SimResult) -> dict[Action, TimedAction]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import islice
-from operator import le
+from itertools import compress, count, islice, repeat
+from operator import is_, itemgetter, le
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.offload.forecast import Forwards
@@ -48,7 +48,7 @@ def postpone(waits: dict[Action, Item], copies: list[RankCopies], latest: Mappin
             issued = bisect_right(f_ends, start, issued)  # copies issued by ``start``
             if issued <= limit or forward in waits:
                 continue
-            first = max(0, issued - window)
+            first = issued - window if issued > window else 0
             after = start + tolerance
             # Most forwards find at most ``limit`` recent copies pending: the (limit + 1)-th
             # latest end among them tells, without pairing ends with items.
@@ -81,23 +81,19 @@ def late_waits(waits: dict[Action, Item], result: SimResult, latest: Mapping[Act
 def simulated_copies(result: SimResult) -> list[RankCopies]:
     """Each rank's forwards and copies out as ``result`` ran them."""
     out: list[RankCopies] = []
-    for rank_timeline in result.timeline:
-        forwards: list[tuple[float, Action]] = []
-        f_end: dict[Item, float] = {}
-        copies: list[tuple[Item, float]] = []
-        # One pass, reading only the fields each kind needs: the timeline is large, and each
-        # object touched costs more than the work on it. A TimedAction is (rank, action,
-        # start, end, lane, stall).
-        for t in rank_timeline:
-            action = t[1]
-            kind = action[1]
-            if kind is _F:
-                forwards.append((t[2], action))
-                f_end[(action[0], action[2])] = t[3]
-            elif kind is _OFFLOAD:
-                copies.append(((action[0], action[2]), t[3]))
-        forwards.sort()
-        offloads = sorted([(f_end[item], end, item) for item, end in copies])
+    for rank, actions in enumerate(result.schedule.ranks):
+        # Read by position in the rank's program, the two kinds picked out in C: the timeline
+        # is large, mostly neither, and each of its objects touched costs (Note: [hot loops],
+        # core/actions.py).
+        start, end = result.rank_times(rank)
+        kinds = list(map(_KIND, actions))
+        forward = list(compress(count(), map(is_, kinds, repeat(_F))))
+        copied = list(compress(count(), map(is_, kinds, repeat(_OFFLOAD))))
+        forwards = sorted(zip(map(start.__getitem__, forward), map(actions.__getitem__, forward)))
+        f_end = dict(zip(map(_ITEM, map(actions.__getitem__, forward)),
+                         map(end.__getitem__, forward)))
+        items = list(map(_ITEM, map(actions.__getitem__, copied)))
+        offloads = sorted(zip(map(f_end.__getitem__, items), map(end.__getitem__, copied), items))
         out.append(_rank_copies(forwards, offloads))
     return out
 
@@ -126,3 +122,4 @@ def _rank_copies(forwards: list[tuple[float, Action]],
 
 
 _F, _OFFLOAD = Kind.F, Kind.OFFLOAD  # Note: [hot loops], core/actions.py
+_KIND, _ITEM = itemgetter(1), itemgetter(0, 2)  # of an Action: its (stage, microbatch)

@@ -17,7 +17,11 @@ if TYPE_CHECKING:
 
 Change = tuple[float, float, int, float]
 """(time, program order, stage, factor): the stage's activation size times ``factor`` (+1 when
-it is allocated, -1 when freed, a share while it streams out) changes the level at ``time``."""
+it is allocated, -1 when freed, a share while it streams out) changes the level at ``time``.
+The program order of a change made by the rank's i-th action is 2i at its start (a forward or
+a RECOMPUTE allocates), 2i + 1 at its end (a last backward pass frees); a copy out of forward
+i ends at 2i + 0.5; a copy back allocates at 2b - 0.5 for its first backward pass b (or at
+its own position, without one). offload/limit.py reads changes back to actions by these."""
 
 _TIME, _KIND = itemgetter(0), itemgetter(1)
 # The kinds as module names (Note: [hot loops], core/actions.py).
@@ -61,14 +65,26 @@ def memory_changes(schedule: Schedule, rank_timeline: Sequence[TimedAction],
     if not rank_timeline:
         return []
     actions = schedule.ranks[rank_timeline[0].rank]
+    start, end = rank_times(actions, rank_timeline)
+    return rank_changes(actions, start, end, copy_seconds(schedule, costs))
+
+
+def rank_times(actions: Sequence[Action], rank_timeline: Sequence[TimedAction]
+               ) -> tuple[list[float], list[float]]:
+    """When each of a rank's ``actions`` started and ended in its timeline, by position (0.0
+    for an action the timeline lacks)."""
     position = {a: i for i, a in enumerate(actions)}
     start = [0.0] * len(actions)
     end = [0.0] * len(actions)
     for _, action, began, ended, _, _ in rank_timeline:
         i = position[action]  # a FETCH read lands on its marker, which no change reads
         start[i], end[i] = began, ended
-    copy_seconds = [costs.transfer_time(s, _OFFLOAD) for s in range(schedule.num_stages)]
-    return rank_changes(actions, start, end, copy_seconds)
+    return start, end
+
+
+def copy_seconds(schedule: Schedule, costs: CostModel) -> list[float]:
+    """Each stage's OFFLOAD time: ``rank_changes``'s last argument."""
+    return [costs.transfer_time(s, _OFFLOAD) for s in range(schedule.num_stages)]
 
 
 def rank_changes(actions: Sequence[Action], start: Sequence[float], end: Sequence[float],
@@ -126,10 +142,13 @@ def streamed_fraction(f_start: float, f_end: float, copy_start: float, copy_time
     if copy_start >= f_end:
         return 1.0
     f_time = f_end - f_start
-    before = (copy_start - f_start) / f_time if f_time > 0 else 1.0
     if copy_time <= f_time or copy_time <= 0:
-        return min(1.0, max(0.0, before))
-    return min(1.0, max(0.0, 1.0 - (f_end - copy_start) / copy_time))
+        share = (copy_start - f_start) / f_time if f_time > 0 else 1.0
+    else:
+        share = 1.0 - (f_end - copy_start) / copy_time
+    # Clamped to [0, 1] as min(1.0, max(0.0, share)) would, without two calls per forward.
+    share = share if share > 0.0 else 0.0
+    return share if share < 1.0 else 1.0
 
 
 def curve(changes: list[Change], sizes: Sequence[float]

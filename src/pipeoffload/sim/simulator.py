@@ -48,7 +48,6 @@ from __future__ import annotations
 import functools
 import heapq
 import operator
-from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -58,7 +57,7 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ScheduleError
 from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.memory import curve, peak, rank_changes
+from pipeoffload.sim.memory import Change, copy_seconds, curve, peak, rank_changes, rank_times
 from pipeoffload.sim.program import Program, Step
 
 
@@ -102,10 +101,34 @@ class SimResult:
     program: Program | None = field(default=None, repr=False, compare=False)
     """The numbered schedule the run used, for passes that walk the same dependencies again
     (offload/forecast.py); None where a result was made another way."""
+    times: tuple[list[float], list[float]] | None = field(default=None, repr=False,
+                                                          compare=False)
+    """When each action of ``program`` started and ended, by its index (what ``memory``
+    was read off; references to the timeline's floats)."""
+    changes: tuple[list[Change], ...] | None = field(default=None, repr=False, compare=False)
+    """Each rank's memory changes, where ``simulate`` was asked to keep them."""
 
     @property
     def total_stall_time(self) -> float:
         return sum(self.stall_time)
+
+    def rank_times(self, rank: int) -> tuple[list[float], list[float]]:
+        """When each action of the rank's program started and ended, by position (a FETCH
+        marker's own times; ``memory.rank_times`` of the timeline puts one of its reads there:
+        no memory change reads them)."""
+        if self.program is None or self.times is None:
+            return rank_times(self.schedule.ranks[rank], self.timeline[rank])
+        here = slice(self.program.first[rank], self.program.first[rank + 1])
+        return self.times[0][here], self.times[1][here]
+
+    def memory_changes(self, rank: int) -> list[Change]:
+        """The rank's memory changes, sorted (sim/memory.py ``rank_changes``): what
+        ``memory[rank]`` sums; the kept list itself (not to be changed) where ``simulate``
+        kept them, else made again."""
+        if self.changes is not None:
+            return self.changes[rank]
+        return rank_changes(self.schedule.ranks[rank], *self.rank_times(rank),
+                            copy_seconds(self.schedule, self.costs))
 
     def timed(self, action: Action) -> TimedAction:
         """The timing of one action (linear search; for tests and reports, not hot loops)."""
@@ -116,16 +139,19 @@ class SimResult:
         raise KeyError(f"{action} is not in the schedule")
 
 
-def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
+def simulate(schedule: Schedule, costs: CostModel | None = None, *,
+             keep_changes: bool = False) -> SimResult:
     """Run ``schedule`` on the cost model's clock; raise ScheduleError on a deadlock. torch's
     markers (UNSHARD / RESHARD / REDUCE_GRAD) cost no time: they are left out of the run and of
-    the result (Note: [torch markers], core/actions.py)."""
+    the result (Note: [torch markers], core/actions.py). ``keep_changes``: keep each rank's
+    memory changes on the result (``SimResult.memory_changes``; about 100 bytes a change,
+    ~4 per offloaded activation) for a caller that reads them all again."""
     costs = costs or CostModel()
     if schedule.has_kind(*MARKER_KINDS):
         schedule = schedule.without(*MARKER_KINDS)
     with cyclic_gc_paused():
         program = Program(schedule, costs)
-        return _summarise(schedule, costs, _run(program, costs), program)
+        return _summarise(schedule, costs, _run(program, costs), program, keep_changes)
 
 
 def _lane(kind: Kind) -> Lane:
@@ -190,7 +216,7 @@ def _run(program: Program, costs: CostModel) -> _Run:
     stall = [0.0] * schedule.num_ranks
     waiting: dict[int, list[int]] = {}
     pending: list[tuple[float, int, int, int]] = []  # transfers: (ready, seq, rank, index)
-    channel_free: dict[tuple[int, str], float] = defaultdict(float)
+    channel_free = [0.0] * program.channels  # when each host-link queue is next free
     seq = 0
     # Backward passes that read a fetched activation queue for the host link like a transfer;
     # their rank's program is blocked until the read is placed (see [fetch on use]).
@@ -199,6 +225,7 @@ def _run(program: Program, costs: CostModel) -> _Run:
     paired: dict[int, float] = {}  # the backward of an overlapped pair -> its time factor
     pair_end: dict[int, float] = {}  # the forward of an overlapped pair -> when the pair ends
     overlap = costs.overlap_f_b
+    heappush, heappop = heapq.heappush, heapq.heappop
 
     def pair_factor(rank: int, forward: int, ready: float) -> float:
         """The time factor of ``forward`` and of its partner if they make an overlapped pair
@@ -238,7 +265,7 @@ def _run(program: Program, costs: CostModel) -> _Run:
                     waiting.setdefault(dep, []).append(rank)
                     pointer[rank], issue[rank], stall[rank] = i, now, stalled
                     return
-                if owner[dep] != rank:
+                if p2p and owner[dep] != rank:  # (adding 0.0 would change nothing)
                     at += p2p
                 if at > ready:
                     ready = at
@@ -255,8 +282,11 @@ def _run(program: Program, costs: CostModel) -> _Run:
                     took *= pair_factor(rank, j, ready)
                 done = ready + took  # finish(), inlined: this is the path most actions take
                 if is_compute[j]:  # compute blocks the rank's program
-                    waited = ready - other
-                    stalled += waited
+                    if ready > other:
+                        waited = ready - other
+                        stalled += waited
+                    else:  # most actions: no new float (adding 0.0 would change nothing)
+                        waited = 0.0
                     now = done
                     if counted[j]:
                         spent(done - ready)
@@ -279,7 +309,7 @@ def _run(program: Program, costs: CostModel) -> _Run:
             else:
                 if kind_step is _COPY_OUT:
                     ready = began[source[j]]  # see [streaming offload], sim/memory.py
-                heapq.heappush(pending, (ready, seq, rank, j))
+                heappush(pending, (ready, seq, rank, j))
                 seq += 1
                 if kind_step is _READ_PASS:
                     reading[j] = other
@@ -320,7 +350,6 @@ def _run(program: Program, costs: CostModel) -> _Run:
         runnable.append(rank)
 
     runnable = list(range(schedule.num_ranks))
-    heappop = heapq.heappop
     while True:
         while runnable:
             advance(runnable.pop())
@@ -378,17 +407,20 @@ def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
     return tuple(units)
 
 
-def _summarise(schedule: Schedule, costs: CostModel, run: _Run, program: Program) -> SimResult:
+def _summarise(schedule: Schedule, costs: CostModel, run: _Run, program: Program,
+               keep_changes: bool = False) -> SimResult:
     timed, first = run.timed, program.first
     units = activation_units(schedule, costs)
     byte_sizes = [costs.bytes_of(s) for s in range(schedule.num_stages)]
     have_bytes = all(b is not None for b in byte_sizes)
-    copy_seconds = [costs.transfer_time(s, Kind.OFFLOAD) for s in range(schedule.num_stages)]
-    memory, peaks, peak_bytes = [], [], []
+    copy_time = copy_seconds(schedule, costs)
+    memory, peaks, peak_bytes, kept = [], [], [], []
     for rank, actions in enumerate(schedule.ranks):
         here = slice(first[rank], first[rank + 1])
-        changes = rank_changes(actions, run.started[here], run.ended[here], copy_seconds)
+        changes = rank_changes(actions, run.started[here], run.ended[here], copy_time)
         points, top = curve(changes, units)
+        if keep_changes:
+            kept.append(changes)
         memory.append(points)
         peaks.append(top)
         if have_bytes:
@@ -408,4 +440,6 @@ def _summarise(schedule: Schedule, costs: CostModel, run: _Run, program: Program
         memory=tuple(memory),
         stall_time=tuple(run.stall),
         program=program,
+        times=(run.started, run.ended),
+        changes=tuple(kept) if keep_changes else None,
     )
