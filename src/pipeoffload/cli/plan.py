@@ -180,8 +180,8 @@ def _every_dimension_fixed(args: argparse.Namespace, space) -> bool:  # space: S
 def cmd_plan(args: argparse.Namespace) -> int:
     # The searches keep ~10^6 objects without cycles in their evaluator's caches until _plan
     # returns (core/collector.py). With the collector paused until then it never scans them:
-    # re-enabled when the first search returned, its next collection walked them all (about
-    # 0.15 s per search at 1T scale, measured by benchmarks/planner_search.py).
+    # re-enabled when each search returned, its next collections walked them all (0.34-0.40 s
+    # per command at 1T scale, timed with gc.callbacks).
     with cyclic_gc_paused():
         return _plan(args)
 

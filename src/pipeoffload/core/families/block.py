@@ -49,7 +49,8 @@ def order_by_slot(
 
     Ties go to the kind listed first in ``kinds``, then to the lower stage. Each slot is made
     one integer key, slot * width + (that pair's rank in the tie order), so that sorting and
-    building the actions run in C (about ten times faster than sorting tuples at p = 64).
+    building the actions run in C (75 -> 45 ms for zbv at p = 64, m = 256, against sorting
+    (slot, kind, stage, microbatch) tuples made by a slot function per action).
     """
     later = list(later)
     if (len(later) != microbatches or not all(map(isinstance, later, itertools.repeat(int)))
@@ -162,8 +163,10 @@ def tighten(
                 if done[needs[index][0]] <= now:
                     return todo.index(index)
         if f_cap is not None:
-            # _pull_fits for each candidate in one pass: ``rise`` is the most the level climbs
-            # at an F of the order before ``position`` (0 if it never climbs).
+            # A pulled F runs before everything listed ahead of it, so each F among those then
+            # holds one more: it fits if the level plus one plus ``rise`` (the most the level
+            # climbs at an F before ``position``, 0 if it never does) stays within the cap.
+            # One pass answers this for every candidate.
             seen_stages: set[int] = set()
             climb = rise = 0
             fits_below = f_cap[rank] - level[rank] - 1
