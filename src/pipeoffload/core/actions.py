@@ -17,7 +17,10 @@ when the token has none.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from enum import Enum
+from itertools import compress, count, repeat
+from operator import is_, itemgetter
 from typing import NamedTuple
 
 from pipeoffload.core.errors import ParseError
@@ -104,6 +107,22 @@ class Action(NamedTuple):
 
     def __repr__(self) -> str:
         return f"Action({self})"
+
+
+_ITEM = itemgetter(0, 2)  # an action's (stage, microbatch)
+
+
+def positions_of(values: Sequence[object], wanted: object) -> list[int]:
+    """The positions where ``values`` holds ``wanted`` (by identity: kinds and the simulator's
+    steps are enum members), found in C: the passes that pick one kind out of 10^5-10^6
+    actions (Note: [hot loops])."""
+    return list(compress(count(), map(is_, values, repeat(wanted))))
+
+
+def items_of(actions: Sequence[Action], kinds: Sequence[Kind], kind: Kind
+             ) -> set[tuple[int, int]]:
+    """The (stage, microbatch) of each of ``actions`` of ``kind`` (``kinds``: their kinds)."""
+    return set(map(_ITEM, map(actions.__getitem__, positions_of(kinds, kind))))
 
 
 # Longest kinds first so that "SEND_F" is never read as "S..." and "RECV_B" never as "RECV".

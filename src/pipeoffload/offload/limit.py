@@ -26,10 +26,10 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import accumulate, compress, count, repeat
-from operator import gt, is_, itemgetter
+from operator import gt, itemgetter
 from typing import TYPE_CHECKING
 
-from pipeoffload.core.actions import Kind
+from pipeoffload.core.actions import Kind, items_of
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.report import OffloadPlan
 from pipeoffload.offload.select import Item
@@ -200,19 +200,19 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
     """
     actions = schedule.ranks[rank]
     kinds = list(map(_KIND, actions))
-    offloaded = set(map(_ITEM, compress(actions, map(is_, kinds, repeat(_OFFLOAD)))))
+    offloaded = items_of(actions, kinds, _OFFLOAD)
     tag_of = {item: tag for tag, item in enumerate(items) if item in offloaded}
-    reloaded = set(map(_ITEM, compress(actions, map(is_, kinds, repeat(_RELOAD)))))
+    reloaded = items_of(actions, kinds, _RELOAD)
     changes = result.memory_changes(rank)
     # Offloaded, fetched: held until its last pass ends while it is not offloaded, but it
     # frees nothing there (no change to cancel): its tagged free comes alone.
-    fetched = set(map(_ITEM, compress(actions, map(is_, kinds, repeat(_FETCH)))))
-    if fetched and tag_of:
+    fetched = items_of(actions, kinds, _FETCH)
+    held = (fetched & tag_of.keys()) - reloaded
+    if held:
         end = result.rank_times(rank)[1]
         alone = [(end[i], 2 * i + 1, actions[i][0], -1.0)
                  for i in compress(count(), map(_LAST_PASS.__contains__, kinds))
-                 if _ITEM(actions[i]) in fetched and _ITEM(actions[i]) in tag_of
-                 and _ITEM(actions[i]) not in reloaded]
+                 if _ITEM(actions[i]) in held]
         if alone:
             changes = sorted(changes + alone)
     always = len(items)

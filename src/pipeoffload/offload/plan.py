@@ -32,11 +32,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import chain, compress, repeat
-from operator import is_, itemgetter
+from itertools import chain
+from operator import itemgetter
 
 from pipeoffload.checks import check_number, check_optional
-from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
+from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind, positions_of
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
 from pipeoffload.offload.forecast import Forwards, LatestStarts
@@ -357,7 +357,7 @@ class _Planner:
 def _of_kind(actions: Iterable[Action], kind: Kind) -> list[Action]:
     """The actions of ``kind``, in order, picked out in C (Note: [hot loops], core/actions.py)."""
     actions = list(actions)
-    return list(compress(actions, map(is_, map(_KIND, actions), repeat(kind))))
+    return list(map(actions.__getitem__, positions_of(list(map(_KIND, actions)), kind)))
 
 
 def _timing(result: SimResult) -> dict[Action, TimedAction]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import compress, count, islice, repeat
-from operator import is_, itemgetter, le
+from itertools import islice
+from operator import itemgetter, le
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import Action, Kind, positions_of
 from pipeoffload.offload.forecast import Forwards
 from pipeoffload.offload.select import Item
 from pipeoffload.sim.simulator import SimResult
@@ -87,8 +87,8 @@ def simulated_copies(result: SimResult) -> list[RankCopies]:
         # core/actions.py).
         start, end = result.rank_times(rank)
         kinds = list(map(_KIND, actions))
-        forward = list(compress(count(), map(is_, kinds, repeat(_F))))
-        copied = list(compress(count(), map(is_, kinds, repeat(_OFFLOAD))))
+        forward = positions_of(kinds, _F)
+        copied = positions_of(kinds, _OFFLOAD)
         forwards = sorted(zip(map(start.__getitem__, forward), map(actions.__getitem__, forward)))
         f_end = dict(zip(map(_ITEM, map(actions.__getitem__, forward)),
                          map(end.__getitem__, forward)))

@@ -10,10 +10,9 @@ import operator
 from collections import deque
 from collections.abc import Iterable
 from enum import IntEnum
-from itertools import compress, count, repeat
-from operator import getitem, is_
+from operator import getitem
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import Action, Kind, items_of, positions_of
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
@@ -36,7 +35,7 @@ _STEPS = {kind: Step.RUN for kind in Kind} | {
 _BLOCKS = {kind: kind.blocks for kind in Kind}
 _IS_COMPUTE = {kind: kind.is_compute for kind in Kind}
 _IS_FORWARD = {kind: kind is Kind.F for kind in Kind}
-_KIND, _STAGE, _ITEM = operator.itemgetter(1), operator.itemgetter(0), operator.itemgetter(0, 2)
+_KIND, _STAGE = operator.itemgetter(1), operator.itemgetter(0)
 _RUN, _COPY_OUT, _COPY_BACK = Step.RUN, Step.COPY_OUT, Step.COPY_BACK
 _FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
 
@@ -66,7 +65,7 @@ class Program:
         fetch, read_pass = Kind.FETCH, Step.READ_PASS
         kinds = list(map(_KIND, actions))
         self.step = list(map(_STEPS.__getitem__, kinds))
-        fetched = set(map(_ITEM, compress(actions, map(is_, kinds, repeat(fetch)))))
+        fetched = items_of(actions, kinds, fetch)
         if fetched:
             self.step = [read_pass if kind in _PASSES and (s, m) in fetched else step
                          for (s, kind, m), step in zip(actions, self.step)]
@@ -85,7 +84,7 @@ class Program:
                             (_READ_PASS, Kind.RELOAD)):
             # Each step's actions found, looked up and written in C: a plan at p = 64,
             # m = 1024 has ~5 x 10^5 copies.
-            where = list(compress(count(), map(is_, self.step, repeat(step))))
+            where = positions_of(self.step, step)
             if not where:
                 continue
             channel = [numbers.setdefault(costs.host_link.channel(rank, queue), len(numbers))
