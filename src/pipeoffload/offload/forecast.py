@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.offload.select import Item
-from pipeoffload.sim.program import Program
 from pipeoffload.sim.simulator import SimResult, TimedAction
 
 
@@ -27,7 +26,7 @@ def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
     transfers included (a conservative reading of non-blocking actions: less slack, never
     more), and a dependency across ranks costs the cost model's P2P latency.
     """
-    program = result.program or Program(result.schedule, result.costs)
+    program = result.program
     actions, owner, needs, index = program.actions, program.owner, program.needs, program.index
     p2p = result.costs.p2p_time
     count = len(actions)

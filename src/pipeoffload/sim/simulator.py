@@ -50,6 +50,7 @@ import heapq
 import operator
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import repeat
 from typing import NamedTuple
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
@@ -57,7 +58,7 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ScheduleError
 from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.memory import Change, copy_seconds, curve, peak, rank_changes, rank_times
+from pipeoffload.sim.memory import Change, copy_seconds, curve, peak, rank_changes
 from pipeoffload.sim.program import Program, Step
 
 
@@ -90,23 +91,41 @@ class SimResult:
 
     schedule: Schedule
     costs: CostModel
-    timeline: tuple[tuple[TimedAction, ...], ...]
     makespan: float
     compute_time: tuple[float, ...]
     bubble_rate: float
     peak_activation: tuple[float, ...]
     peak_bytes: tuple[float, ...] | None
-    memory: tuple[tuple[tuple[float, float], ...], ...]
     stall_time: tuple[float, ...]
-    program: Program | None = field(default=None, repr=False, compare=False)
+    program: Program = field(repr=False, compare=False)
     """The numbered schedule the run used, for passes that walk the same dependencies again
-    (offload/forecast.py); None where a result was made another way."""
-    times: tuple[list[float], list[float]] | None = field(default=None, repr=False,
-                                                          compare=False)
+    (offload/forecast.py)."""
+    times: tuple[list[float], list[float]] = field(repr=False, compare=False)
     """When each action of ``program`` started and ended, by its index (what ``memory``
-    was read off; references to the timeline's floats)."""
+    is read off; the timeline's floats)."""
     changes: tuple[list[Change], ...] | None = field(default=None, repr=False, compare=False)
     """Each rank's memory changes, where ``simulate`` was asked to keep them."""
+    run: _Run | None = field(default=None, repr=False, compare=False)
+    """The event loop's record, which ``timeline`` is made from."""
+
+    # The timeline and the memory curves are made when first read: a plan at p = 64,
+    # m = 1024 has 1.3 M timed actions and 1.7 M curve points, which the offload planner's
+    # probes never read (they read peaks, times and changes). Both are fixed by the result's
+    # other fields (the schedule, the cost model and the run), so equality needs neither.
+    @functools.cached_property
+    def timeline(self) -> tuple[tuple[TimedAction, ...], ...]:
+        """Per rank, when each action ran on its lane, sorted by (start, end); a FETCH read
+        (Note: [fetch on use]) shows right before its pass's entry at equal times."""
+        assert self.run is not None
+        return _timeline(self.program, self.run)
+
+    @functools.cached_property
+    def memory(self) -> tuple[tuple[tuple[float, float], ...], ...]:
+        """Per rank, the resident-activation curve as (time, units) points, one after each
+        change, from (0, 0)."""
+        units = activation_units(self.schedule, self.costs)
+        return tuple(curve(self.memory_changes(rank), units)[0]
+                     for rank in range(self.schedule.num_ranks))
 
     @property
     def total_stall_time(self) -> float:
@@ -116,8 +135,6 @@ class SimResult:
         """When each action of the rank's program started and ended, by position (a FETCH
         marker's own times; ``memory.rank_times`` of the timeline puts one of its reads there:
         no memory change reads them)."""
-        if self.program is None or self.times is None:
-            return rank_times(self.schedule.ranks[rank], self.timeline[rank])
         here = slice(self.program.first[rank], self.program.first[rank + 1])
         return self.times[0][here], self.times[1][here]
 
@@ -177,17 +194,21 @@ _FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
 
 
 class _Run(NamedTuple):
-    """What the event loop leaves: per rank the timeline (sorted by start, end), the stall and
-    the seconds of each F, I, W and B in program order; per program index when the action
-    started and ended on its lane (the timeline's times, for the memory accounting)."""
+    """What the event loop leaves: per rank the order it timed the rank's actions in (an
+    index, or ``~index`` for the FETCH read of that pass, see ``reads``), the stall and the
+    seconds of each F, I, W and B in program order; per program index when the action started
+    and ended on its lane (for the memory accounting and the timeline), the waits of those that
+    stalled, and each FETCH read's (start, end) by its pass's index."""
 
-    timed: list[list[TimedAction]]
+    order: list[list[int]]
     stall: list[float]
     passes: list[list[float]]
     started: list[float]
     ended: list[float]
     """Its largest is the timeline's latest end: a FETCH marker ends when its rank reaches it
     or its copy out ends, whichever is later, and a FETCH read before its pass ends."""
+    waits: dict[int, float]
+    reads: dict[int, tuple[float, float]]
 
 
 def _run(program: Program, costs: CostModel) -> _Run:
@@ -202,14 +223,16 @@ def _run(program: Program, costs: CostModel) -> _Run:
     channel, copy_time, source = program.channel, program.copy_time, program.source
     owner, p2p = program.owner, costs.p2p_time
     kinds = list(map(_KIND, actions))
-    lane = list(map(_LANES.__getitem__, kinds))
     end: list[float | None] = [None] * (len(actions) + 1)  # the last: a dependency never done
     began = [0.0] * len(actions)  # starts (a copy out streams from its forward's)
     counted = list(map(_COUNTED.__getitem__, kinds))  # what compute_time sums
     not_copy_back = [k is not _COPY_BACK and k is not _FETCH_MARK for k in step]
     passes: list[list[float]] = [[] for _ in schedule.ranks]  # their seconds, program order
     pair_done: dict[int, float] = {}  # a paired forward's lane end (``end`` has the pair's)
-    timed: list[list[TimedAction]] = [[] for _ in schedule.ranks]
+    # The timeline is recorded as indices, made into TimedActions only if read (_timeline).
+    order: list[list[int]] = [[] for _ in schedule.ranks]
+    waits: dict[int, float] = {}  # index -> how long it stalled, where it did
+    reads: dict[int, tuple[float, float]] = {}  # a read pass's index -> its FETCH read
     pointer = program.first[:-1]
     stop = program.first[1:]
     issue = [0.0] * schedule.num_ranks  # when each rank's program reached its current action
@@ -256,7 +279,7 @@ def _run(program: Program, costs: CostModel) -> _Run:
             return
         i, last = pointer[rank], stop[rank]
         now, stalled = issue[rank], stall[rank]
-        record, spent = timed[rank].append, passes[rank].append
+        record, spent = order[rank].append, passes[rank].append
         while i < last:
             ready = other = now  # all dependencies allow / all but copies back allow
             for dep in needs[i]:
@@ -282,20 +305,16 @@ def _run(program: Program, costs: CostModel) -> _Run:
                     took *= pair_factor(rank, j, ready)
                 done = ready + took  # finish(), inlined: this is the path most actions take
                 if is_compute[j]:  # compute blocks the rank's program
-                    if ready > other:
-                        waited = ready - other
+                    if ready > other:  # (most actions do not: no new float)
+                        waited = waits[j] = ready - other
                         stalled += waited
-                    else:  # most actions: no new float (adding 0.0 would change nothing)
-                        waited = 0.0
                     now = done
                     if counted[j]:
                         spent(done - ready)
-                else:
-                    waited = 0.0
-                    if blocks[j]:
-                        now = done
+                elif blocks[j]:
+                    now = done
                 began[j] = ready
-                record(_timed_action((rank, actions[j], ready, done, lane[j], waited)))
+                record(j)
                 end[j] = done
                 woken = waiting.pop(j, None)
                 if woken:
@@ -317,8 +336,8 @@ def _run(program: Program, costs: CostModel) -> _Run:
                     break
         pointer[rank], issue[rank], stall[rank] = i, now, stalled
 
-    def finish(rank: int, j: int, start: float, stop: float, waited: float = 0.0) -> None:
-        timed[rank].append(_timed_action((rank, actions[j], start, stop, lane[j], waited)))
+    def finish(rank: int, j: int, start: float, stop: float) -> None:
+        order[rank].append(j)
         began[j] = start
         end[j] = stop
         woken = waiting.pop(j, None)
@@ -335,17 +354,15 @@ def _run(program: Program, costs: CostModel) -> _Run:
 
     def place_read(rank: int, j: int, ready: float) -> None:
         """A backward pass of a fetched activation, with its read on the H2D queue."""
-        start, stop = occupy(j, ready)
-        action = actions[j]
-        fetch = Action(action.stage, Kind.FETCH, action.microbatch)
-        timed[rank].append(TimedAction(rank, fetch, start, stop, Lane.H2D))
+        reads[j] = occupy(j, ready)
+        order[rank].append(~j)  # the read's entry, right before its pass's
         took = duration[j]
-        begin = max(ready, stop - took)  # a slow read stretches the pass: counted as a wait
-        waited = begin - reading.pop(j)
+        begin = max(ready, reads[j][1] - took)  # a slow read stretches the pass: a wait
+        waited = waits[j] = begin - reading.pop(j)
         stall[rank] += waited
         issue[rank] = begin + took
         blocked[rank] = False
-        finish(rank, j, begin, begin + took, waited)
+        finish(rank, j, begin, begin + took)
         passes[rank].append((begin + took) - begin)  # a read pass is an I, W or B
         runnable.append(rank)
 
@@ -369,7 +386,7 @@ def _run(program: Program, costs: CostModel) -> _Run:
         if until > done:  # type: ignore[operator]
             done = until
         channel_free[queue] = done  # type: ignore[assignment]
-        timed[rank].append(_timed_action((rank, actions[j], start, done, lane[j], 0.0)))
+        order[rank].append(j)
         began[j] = start
         end[j] = done
         woken = waiting.pop(j, None)
@@ -386,12 +403,38 @@ def _run(program: Program, costs: CostModel) -> _Run:
             "pipeoffload.core.validate.validate(schedule) explains what each one waits for",
             rank=rank, position=at[rank], action=actions[pointer[rank]],
         )
-    for rank_timeline in timed:
-        rank_timeline.sort(key=_BY_START_END)
     ended = end[:-1]
     for j, done in pair_done.items():
         ended[j] = done
-    return _Run(timed, stall, passes, began, ended)
+    return _Run(order, stall, passes, began, ended, waits, reads)
+
+
+def _timeline(program: Program, run: _Run) -> tuple[tuple[TimedAction, ...], ...]:
+    """``SimResult.timeline`` from the event loop's record: each rank's entries in the order
+    they were timed, sorted (stably) by (start, end)."""
+    actions, started, ended = program.actions, run.started, run.ended
+    lane = list(map(_LANES.__getitem__, map(_KIND, actions)))
+    waited = run.waits.get
+    timeline = []
+    for rank, order in enumerate(run.order):
+        if run.reads and min(order, default=0) < 0:
+            rows = [_timed_action((rank, actions[j], started[j], ended[j], lane[j],
+                                   waited(j, 0.0))) if j >= 0 else _read(rank, ~j, program, run)
+                    for j in order]
+        else:  # every entry an action's own, made in C
+            rows = list(map(_timed_action, zip(
+                repeat(rank), map(actions.__getitem__, order), map(started.__getitem__, order),
+                map(ended.__getitem__, order), map(lane.__getitem__, order),
+                map(waited, order, repeat(0.0)))))
+        rows.sort(key=_BY_START_END)
+        timeline.append(tuple(rows))
+    return tuple(timeline)
+
+
+def _read(rank: int, j: int, program: Program, run: _Run) -> TimedAction:
+    """The FETCH read of pass ``j`` (Note: [fetch on use])."""
+    stage, _, microbatch = program.actions[j]
+    return TimedAction(rank, Action(stage, Kind.FETCH, microbatch), *run.reads[j], Lane.H2D)
 
 
 def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
@@ -409,20 +452,18 @@ def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
 
 def _summarise(schedule: Schedule, costs: CostModel, run: _Run, program: Program,
                keep_changes: bool = False) -> SimResult:
-    timed, first = run.timed, program.first
+    first = program.first
     units = activation_units(schedule, costs)
     byte_sizes = [costs.bytes_of(s) for s in range(schedule.num_stages)]
     have_bytes = all(b is not None for b in byte_sizes)
     copy_time = copy_seconds(schedule, costs)
-    memory, peaks, peak_bytes, kept = [], [], [], []
+    peaks, peak_bytes, kept = [], [], []
     for rank, actions in enumerate(schedule.ranks):
         here = slice(first[rank], first[rank + 1])
         changes = rank_changes(actions, run.started[here], run.ended[here], copy_time)
-        points, top = curve(changes, units)
         if keep_changes:
             kept.append(changes)
-        memory.append(points)
-        peaks.append(top)
+        peaks.append(peak(changes, units))
         if have_bytes:
             peak_bytes.append(peak(changes, byte_sizes))  # type: ignore[arg-type]
     makespan = max(run.ended, default=0.0)  # as the timeline's: see _Run
@@ -431,15 +472,14 @@ def _summarise(schedule: Schedule, costs: CostModel, run: _Run, program: Program
     return SimResult(
         schedule=schedule,
         costs=costs,
-        timeline=tuple(tuple(r) for r in timed),
         makespan=makespan,
         compute_time=compute,
         bubble_rate=bubble,
         peak_activation=tuple(peaks),
         peak_bytes=tuple(peak_bytes) if have_bytes else None,
-        memory=tuple(memory),
         stall_time=tuple(run.stall),
         program=program,
         times=(run.started, run.ended),
         changes=tuple(kept) if keep_changes else None,
+        run=run,
     )
