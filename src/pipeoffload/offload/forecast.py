@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Iterator, Mapping
+from itertools import chain, repeat
+from operator import itemgetter
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import Action, Kind, positions_of
 from pipeoffload.offload.select import Item
-from pipeoffload.sim.simulator import SimResult, TimedAction
+from pipeoffload.sim.simulator import SimResult
+
+_KIND, _ITEM = itemgetter(1), itemgetter(0, 2)  # an action's kind, its (stage, microbatch)
 
 
 def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
@@ -112,30 +116,35 @@ class Forwards:
         self.result = result
 
     @functools.cached_property
-    def _timed(self) -> list[list[TimedAction]]:
-        """Each rank's forwards as timed (one read of the timeline: reads cost more than the
-        work on what they find)."""
-        forward = Kind.F  # Note: [hot loops], core/actions.py
-        return [[t for t in timeline if t[1][1] is forward] for timeline in self.result.timeline]
+    def _timed(self) -> list[tuple[list[Action], list[float], list[float]]]:
+        """Each rank's forwards, their starts and their ends, read by position in the rank's
+        program in C (Note: [hot loops], core/actions.py)."""
+        out = []
+        for rank, actions in enumerate(self.result.schedule.ranks):
+            start, end = self.result.rank_times(rank)
+            where = positions_of(list(map(_KIND, actions)), Kind.F)
+            out.append((list(map(actions.__getitem__, where)),
+                        list(map(start.__getitem__, where)), list(map(end.__getitem__, where))))
+        return out
 
     @functools.cached_property
     def by_start(self) -> list[tuple[float, float, int, Item]]:
         """Every forward as (start, end, rank, item), in that order."""
-        # A TimedAction is (rank, action, start, end, lane, stall): unpacked, not by name.
-        return sorted([(start, end, rank, (stage, microbatch)) for timed in self._timed
-                       for rank, (stage, _, microbatch), start, end, _, _ in timed])
+        return sorted(chain.from_iterable(
+            zip(starts, ends, repeat(rank), map(_ITEM, forwards))
+            for rank, (forwards, starts, ends) in enumerate(self._timed)))
 
     @functools.cached_property
     def per_rank(self) -> list[tuple[list[tuple[float, Action]], list[tuple[float, Item]]]]:
         """Each rank's forwards as (start, action) and as (end, item), each list sorted."""
-        return [(sorted([(t[2], t[1]) for t in timed]),
-                 sorted([(t[3], (t[1][0], t[1][2])) for t in timed])) for timed in self._timed]
+        return [(sorted(zip(starts, forwards)), sorted(zip(ends, map(_ITEM, forwards))))
+                for forwards, starts, ends in self._timed]
 
     def copy_out_ends(self, items: Iterable[Item]) -> dict[Item, float]:
         """``copy_out_ends`` of this simulation."""
         costs = self.result.costs
         wanted = set(items)
-        ranks = len(self.result.timeline)
+        ranks = self.result.schedule.num_ranks
         # Each rank's device-to-host queue, numbered: ranks may share a host link.
         queues: dict[tuple[int, str], int] = {}
         queue = [queues.setdefault(costs.host_link.channel(r, Kind.OFFLOAD), len(queues))

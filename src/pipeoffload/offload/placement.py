@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
-from itertools import islice
-from operator import le
+from itertools import compress, count, islice
+from operator import itemgetter, le, sub
 
-from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.actions import Action, Kind, positions_of
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.select import Item
 from pipeoffload.sim.simulator import SimResult
@@ -25,6 +25,7 @@ from pipeoffload.sim.simulator import SimResult
 _F, _I, _B, _OFFLOAD = Kind.F, Kind.I, Kind.B, Kind.OFFLOAD
 _RELOAD, _FETCH, _OFFLOAD_WAIT = Kind.RELOAD, Kind.FETCH, Kind.OFFLOAD_WAIT
 _COMPUTE = frozenset(kind for kind in Kind if kind.is_compute)
+_KIND, _ITEM = itemgetter(1), itemgetter(0, 2)  # an action's kind, its (stage, microbatch)
 # Action from a full tuple of its fields, without NamedTuple's Python-level __new__.
 _action = functools.partial(tuple.__new__, Action)
 
@@ -77,24 +78,22 @@ class Timing:
         self.ends: list[list[float]] = []
         self.ready: list[list[float]] = []
         self.copied: dict[Item, float] = {}
-        copied = self.copied
-        for rank, timeline in enumerate(result.timeline):
-            index = layout.index[rank]
-            count = len(layout.compute[rank])
-            ends, ready = [0.0] * count, [0.0] * count
-            # One pass, reading only the fields needed: the timeline is large, and each object
-            # touched costs more than the work on it. A TimedAction is (rank, action, start,
-            # end, lane, stall).
-            for t in timeline:
-                action = t[1]
-                i = index.get(action)
-                if i is not None:
-                    ends[i] = t[3]
-                    ready[i] = t[2] - t[5]
-                elif action[1] is _OFFLOAD:
-                    copied[(action[0], action[2])] = t[3]
-            self.ends.append(ends)
-            self.ready.append(ready)
+        # Read by position in each rank's program, in C (Note: [hot loops], core/actions.py):
+        # a plan's compute actions are the plain schedule's, in the same order.
+        for rank, actions in enumerate(result.schedule.ranks):
+            start, end = result.rank_times(rank)
+            kinds = list(map(_KIND, actions))
+            where = list(compress(count(), map(_COMPUTE.__contains__, kinds)))
+            if list(map(actions.__getitem__, where)) != layout.compute[rank]:
+                raise AssertionError(f"rank {rank}: the result's compute actions are not the "
+                                     "layout's")
+            waits = result.rank_waits(rank)
+            self.ends.append(list(map(end.__getitem__, where)))
+            self.ready.append(list(map(sub, map(start.__getitem__, where),
+                                       map(waits.__getitem__, where))))
+            copies = positions_of(kinds, _OFFLOAD)
+            self.copied.update(zip(map(_ITEM, map(actions.__getitem__, copies)),
+                                   map(end.__getitem__, copies)))
         # A rank's compute runs one action at a time, so its ends never fall: searchable.
         self.ordered = [all(map(le, ends, islice(ends, 1, None))) for ends in self.ends]
 

@@ -6,12 +6,17 @@ would otherwise sit on the device, so both take the longest-lived activations fi
 
 from __future__ import annotations
 
-from pipeoffload.core.actions import Kind
+from itertools import repeat
+from operator import itemgetter, neg, sub
+
+from pipeoffload.core.actions import Kind, positions_of
 from pipeoffload.offload.targets import OffloadTarget, TargetKind
 from pipeoffload.sim.simulator import SimResult
 
 Item = tuple[int, int]  # (stage, microbatch)
 _F, _W, _B = Kind.F, Kind.W, Kind.B  # Note: [hot loops], core/actions.py
+_KIND, _ITEM = itemgetter(1), itemgetter(0, 2)  # an action's kind, its (stage, microbatch)
+_STAGE, _MICROBATCH, _LAST = itemgetter(0), itemgetter(1), itemgetter(-1)  # of an item
 
 
 class Lifespans:
@@ -21,36 +26,31 @@ class Lifespans:
     def __init__(self, result: SimResult) -> None:
         schedule = result.schedule
         self.schedule = schedule
-        # One pass over the timeline: each item's F start and W (else B) end.
-        born: dict[Item, float] = {}
-        freed_w: dict[Item, float] = {}
-        freed_b: dict[Item, float] = {}
-        # Only the fields each kind needs are read (each object touched costs, at 10^6
-        # actions); a TimedAction is (rank, action, start, end, lane, stall).
-        for rank in result.timeline:
-            for t in rank:
-                action = t[1]
-                kind = action[1]
-                if kind is _F:
-                    born[(action[0], action[2])] = t[2]
-                elif kind is _W:
-                    freed_w[(action[0], action[2])] = t[3]
-                elif kind is _B:
-                    freed_b[(action[0], action[2])] = t[3]
         reversed_order = [_bit_reversed(m, schedule.microbatches)
                           for m in range(schedule.microbatches)]
         self.lifespan: dict[Item, float] = {}
         self.by_rank: list[list[Item]] = []
-        lifespan = self.lifespan
-        for actions in schedule.ranks:
-            items = [(a[0], a[2]) for a in actions if a[1] is _F]
-            for item in items:
-                end = freed_w[item] if item in freed_w else freed_b[item]
-                lifespan[item] = end - born[item]
+        for rank, actions in enumerate(schedule.ranks):
+            # Each item's F start and W (else B) end, read by position in the rank's program
+            # in C (Note: [hot loops], core/actions.py): 10^6 actions at p = 64, m = 1024.
+            start, end = result.rank_times(rank)
+            kinds = list(map(_KIND, actions))
+            forwards = positions_of(kinds, _F)
+            items = list(map(_ITEM, map(actions.__getitem__, forwards)))
+            freed: dict[Item, float] = {}
+            for last in (_B, _W):  # a W's end where there is one
+                where = positions_of(kinds, last)
+                freed.update(zip(map(_ITEM, map(actions.__getitem__, where)),
+                                 map(end.__getitem__, where)))
+            spans = list(map(sub, map(freed.__getitem__, items), map(start.__getitem__, forwards)))
+            self.lifespan.update(zip(items, spans))
             # Equal lifespans (a steady state) are taken in bit-reversed microbatch order, so
             # any prefix spreads evenly over time and lowers the whole plateau, not one end.
-            items.sort(key=lambda it: (-round(lifespan[it], 9), reversed_order[it[1]], it[0]))
-            self.by_rank.append(items)
+            # The keys (-span, reversed microbatch, stage) differ for any two items.
+            keys = zip(map(neg, map(round, spans, repeat(9))),
+                       map(reversed_order.__getitem__, map(_MICROBATCH, items)),
+                       map(_STAGE, items), items)
+            self.by_rank.append(list(map(_LAST, sorted(keys))))
 
     def stages_by_lifespan(self, rank: int) -> list[int]:
         """The rank's stages (chunks), longest total lifespan first."""

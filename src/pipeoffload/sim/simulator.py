@@ -103,10 +103,10 @@ class SimResult:
     times: tuple[list[float], list[float]] = field(repr=False, compare=False)
     """When each action of ``program`` started and ended, by its index (what ``memory``
     is read off; the timeline's floats)."""
+    run: _Run = field(repr=False, compare=False)
+    """The event loop's record, which ``timeline`` is made from."""
     changes: tuple[list[Change], ...] | None = field(default=None, repr=False, compare=False)
     """Each rank's memory changes, where ``simulate`` was asked to keep them."""
-    run: _Run | None = field(default=None, repr=False, compare=False)
-    """The event loop's record, which ``timeline`` is made from."""
 
     # The timeline and the memory curves are made when first read: a plan at p = 64,
     # m = 1024 has 1.3 M timed actions and 1.7 M curve points, which the offload planner's
@@ -116,7 +116,6 @@ class SimResult:
     def timeline(self) -> tuple[tuple[TimedAction, ...], ...]:
         """Per rank, when each action ran on its lane, sorted by (start, end); a FETCH read
         (Note: [fetch on use]) shows right before its pass's entry at equal times."""
-        assert self.run is not None
         return _timeline(self.program, self.run)
 
     @functools.cached_property
@@ -137,6 +136,13 @@ class SimResult:
         no memory change reads them)."""
         here = slice(self.program.first[rank], self.program.first[rank + 1])
         return self.times[0][here], self.times[1][here]
+
+    def rank_waits(self, rank: int) -> list[float]:
+        """How long each action of the rank's program waited for a copy back or a read beyond
+        its other inputs (the timeline's ``stall``), by position."""
+        first = self.program.first[rank]
+        return list(map(self.run.waits.get, range(first, self.program.first[rank + 1]),
+                        repeat(0.0)))
 
     def memory_changes(self, rank: int) -> list[Change]:
         """The rank's memory changes, sorted (sim/memory.py ``rank_changes``): what
