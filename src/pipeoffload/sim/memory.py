@@ -3,9 +3,9 @@ runtime's meter (design.md), read off a simulated timeline."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import accumulate, chain, compress, count
-from operator import itemgetter
+from operator import itemgetter, mul
 from typing import TYPE_CHECKING
 
 from pipeoffload.core.actions import Action, Kind
@@ -23,7 +23,8 @@ a RECOMPUTE allocates), 2i + 1 at its end (a last backward pass frees); a copy o
 i ends at 2i + 0.5; a copy back allocates at 2b - 0.5 for its first backward pass b (or at
 its own position, without one). offload/limit.py reads changes back to actions by these."""
 
-_TIME, _KIND = itemgetter(0), itemgetter(1)
+_TIME, _KIND = itemgetter(0), itemgetter(1)  # of a Change; of an Action
+_STAGE, _FACTOR = itemgetter(2), itemgetter(3)  # of a Change
 # The kinds as module names (Note: [hot loops], core/actions.py).
 _F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B
 _OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.RECOMPUTE
@@ -159,11 +160,15 @@ def curve(changes: list[Change], sizes: Sequence[float]
 
 
 def peak(changes: list[Change], sizes: Sequence[float]) -> float:
-    """The highest level ``curve`` would reach."""
-    return max(_levels(changes, sizes))
+    """The highest level ``curve`` would reach (the same sums, made in C)."""
+    return max(accumulate(_weights(changes, sizes), initial=0.0))
 
 
 def _levels(changes: list[Change], sizes: Sequence[float]) -> list[float]:
     """0.0, then the level after each change (summed in order, as a running total would)."""
-    return list(accumulate([sizes[stage] * factor for _, _, stage, factor in changes],
-                           initial=0.0))
+    return list(accumulate(_weights(changes, sizes), initial=0.0))
+
+
+def _weights(changes: list[Change], sizes: Sequence[float]) -> Iterator[float]:
+    """Each change's size times its factor."""
+    return map(mul, map(sizes.__getitem__, map(_STAGE, changes)), map(_FACTOR, changes))
