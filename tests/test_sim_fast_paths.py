@@ -8,7 +8,9 @@
   what the per-action checks accept;
 - the simulator reads memory changes off its own arrays (``rank_changes``) and sums compute
   as it places it: both must equal what ``memory_changes`` and the sorted timeline give, and
-  so must the changes a result makes again or keeps (``SimResult.memory_changes``).
+  so must the changes a result makes again or keeps (``SimResult.memory_changes``); the
+  timeline is made from the run's record only when read, and each action's start, end and
+  wait by program position (what the offload planner reads instead) must be the timeline's.
 """
 
 from __future__ import annotations
@@ -144,6 +146,10 @@ def test_simulated_memory_and_compute_equal_the_timeline_accounting(schedule, co
                                                  rank_times(planned.ranks[rank], timeline)):
                 assert list(itertools.compress(run_times, read)) == \
                     list(itertools.compress(timeline_times, read))
+            # So are the waits the planner reads by position (offload/placement.py Timing).
+            stalls = {t.action: t.stall for t in timeline if t.action.kind is not Kind.FETCH}
+            assert list(itertools.compress(result.rank_waits(rank), read)) == \
+                [stalls[action] for action in itertools.compress(planned.ranks[rank], read)]
             points, top = curve(changes, units)
             assert result.memory[rank] == points
             assert result.peak_activation[rank] == top
