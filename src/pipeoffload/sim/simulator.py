@@ -114,8 +114,9 @@ class SimResult:
     # other fields (the schedule, the cost model and the run), so equality needs neither.
     @functools.cached_property
     def timeline(self) -> tuple[tuple[TimedAction, ...], ...]:
-        """Per rank, when each action ran on its lane, sorted by (start, end); a FETCH read
-        (Note: [fetch on use]) shows right before its pass's entry at equal times."""
+        """Per rank, when each action ran on its lane, sorted by (start, end) and, at equal
+        times, in the order the run timed them; each FETCH read (Note: [fetch on use]) is an
+        entry of its own on the H2D lane, timed right before its pass."""
         return _timeline(self.program, self.run)
 
     @functools.cached_property
