@@ -14,11 +14,11 @@ from collections.abc import Iterable, Iterator, Mapping
 from itertools import chain, repeat
 from operator import itemgetter
 
-from pipeoffload.core.actions import Action, Kind, positions_of
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.offload.select import Item
 from pipeoffload.sim.simulator import SimResult
 
-_KIND, _ITEM = itemgetter(1), itemgetter(0, 2)  # an action's kind, its (stage, microbatch)
+_ITEM = itemgetter(0, 2)  # an action's (stage, microbatch)
 
 
 def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
@@ -117,15 +117,9 @@ class Forwards:
 
     @functools.cached_property
     def _timed(self) -> list[tuple[list[Action], list[float], list[float]]]:
-        """Each rank's forwards, their starts and their ends, read by position in the rank's
-        program in C (Note: [hot loops], core/actions.py)."""
-        out = []
-        for rank, actions in enumerate(self.result.schedule.ranks):
-            start, end = self.result.rank_times(rank)
-            where = positions_of(list(map(_KIND, actions)), Kind.F)
-            out.append((list(map(actions.__getitem__, where)),
-                        list(map(start.__getitem__, where)), list(map(end.__getitem__, where))))
-        return out
+        """Each rank's forwards, their starts and their ends (``SimResult.kind_times``)."""
+        return [self.result.kind_times(rank, Kind.F)[0]
+                for rank in range(self.result.schedule.num_ranks)]
 
     @functools.cached_property
     def by_start(self) -> list[tuple[float, float, int, Item]]:

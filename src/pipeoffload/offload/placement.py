@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from itertools import compress, count, islice
 from operator import itemgetter, le, sub
 
-from pipeoffload.core.actions import Action, Kind, positions_of
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.select import Item
 from pipeoffload.sim.simulator import SimResult
@@ -91,9 +91,8 @@ class Timing:
             self.ends.append(list(map(end.__getitem__, where)))
             self.ready.append(list(map(sub, map(start.__getitem__, where),
                                        map(waits.__getitem__, where))))
-            copies = positions_of(kinds, _OFFLOAD)
-            self.copied.update(zip(map(_ITEM, map(actions.__getitem__, copies)),
-                                   map(end.__getitem__, copies)))
+            copies, _, copy_ends = result.kind_times(rank, _OFFLOAD)[0]
+            self.copied.update(zip(map(_ITEM, copies), copy_ends))
         # A rank's compute runs one action at a time, so its ends never fall: searchable.
         self.ordered = [all(map(le, ends, islice(ends, 1, None))) for ends in self.ends]
 

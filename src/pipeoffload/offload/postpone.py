@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
 from operator import itemgetter, le
 
-from pipeoffload.core.actions import Action, Kind, positions_of
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.offload.forecast import Forwards
 from pipeoffload.offload.select import Item
 from pipeoffload.sim.simulator import SimResult
@@ -81,20 +81,14 @@ def late_waits(waits: dict[Action, Item], result: SimResult, latest: Mapping[Act
 def simulated_copies(result: SimResult) -> list[RankCopies]:
     """Each rank's forwards and copies out as ``result`` ran them."""
     out: list[RankCopies] = []
-    for rank, actions in enumerate(result.schedule.ranks):
-        # Read by position in the rank's program, the two kinds picked out in C: the timeline
-        # is large, mostly neither, and each of its objects touched costs (Note: [hot loops],
-        # core/actions.py).
-        start, end = result.rank_times(rank)
-        kinds = list(map(_KIND, actions))
-        forward = positions_of(kinds, _F)
-        copied = positions_of(kinds, _OFFLOAD)
-        forwards = sorted(zip(map(start.__getitem__, forward), map(actions.__getitem__, forward)))
-        f_end = dict(zip(map(_ITEM, map(actions.__getitem__, forward)),
-                         map(end.__getitem__, forward)))
-        items = list(map(_ITEM, map(actions.__getitem__, copied)))
-        offloads = sorted(zip(map(f_end.__getitem__, items), map(end.__getitem__, copied), items))
-        out.append(_rank_copies(forwards, offloads))
+    for rank in range(result.schedule.num_ranks):
+        # Read by position in the rank's program, not off the timeline (SimResult.kind_times).
+        (forwards, f_starts, f_ends), (copies, _, copy_ends) = result.kind_times(rank, _F,
+                                                                                _OFFLOAD)
+        f_end = dict(zip(map(_ITEM, forwards), f_ends))
+        items = list(map(_ITEM, copies))
+        offloads = sorted(zip(map(f_end.__getitem__, items), copy_ends, items))
+        out.append(_rank_copies(sorted(zip(f_starts, forwards)), offloads))
     return out
 
 
@@ -122,4 +116,4 @@ def _rank_copies(forwards: list[tuple[float, Action]],
 
 
 _F, _OFFLOAD = Kind.F, Kind.OFFLOAD  # Note: [hot loops], core/actions.py
-_KIND, _ITEM = itemgetter(1), itemgetter(0, 2)  # of an Action: its (stage, microbatch)
+_ITEM = itemgetter(0, 2)  # of an Action: its (stage, microbatch)

@@ -9,13 +9,13 @@ from __future__ import annotations
 from itertools import repeat
 from operator import itemgetter, neg, sub
 
-from pipeoffload.core.actions import Kind, positions_of
+from pipeoffload.core.actions import Kind
 from pipeoffload.offload.targets import OffloadTarget, TargetKind
 from pipeoffload.sim.simulator import SimResult
 
 Item = tuple[int, int]  # (stage, microbatch)
 _F, _W, _B = Kind.F, Kind.W, Kind.B  # Note: [hot loops], core/actions.py
-_KIND, _ITEM = itemgetter(1), itemgetter(0, 2)  # an action's kind, its (stage, microbatch)
+_ITEM = itemgetter(0, 2)  # an action's (stage, microbatch)
 _STAGE, _MICROBATCH, _LAST = itemgetter(0), itemgetter(1), itemgetter(-1)  # of an item
 
 
@@ -30,19 +30,15 @@ class Lifespans:
                           for m in range(schedule.microbatches)]
         self.lifespan: dict[Item, float] = {}
         self.by_rank: list[list[Item]] = []
-        for rank, actions in enumerate(schedule.ranks):
-            # Each item's F start and W (else B) end, read by position in the rank's program
-            # in C (Note: [hot loops], core/actions.py): 10^6 actions at p = 64, m = 1024.
-            start, end = result.rank_times(rank)
-            kinds = list(map(_KIND, actions))
-            forwards = positions_of(kinds, _F)
-            items = list(map(_ITEM, map(actions.__getitem__, forwards)))
+        for rank in range(schedule.num_ranks):
+            # Each item's F start and W (else B) end, read by position in the rank's program,
+            # not off the timeline (SimResult.kind_times): 10^6 actions at p = 64, m = 1024.
+            (forwards, starts, _), *lasts = result.kind_times(rank, _F, _B, _W)
+            items = list(map(_ITEM, forwards))
             freed: dict[Item, float] = {}
-            for last in (_B, _W):  # a W's end where there is one
-                where = positions_of(kinds, last)
-                freed.update(zip(map(_ITEM, map(actions.__getitem__, where)),
-                                 map(end.__getitem__, where)))
-            spans = list(map(sub, map(freed.__getitem__, items), map(start.__getitem__, forwards)))
+            for last, _, ends in lasts:  # a W's end where there is one
+                freed.update(zip(map(_ITEM, last), ends))
+            spans = list(map(sub, map(freed.__getitem__, items), starts))
             self.lifespan.update(zip(items, spans))
             # Equal lifespans (a steady state) are taken in bit-reversed microbatch order, so
             # any prefix spreads evenly over time and lowers the whole plateau, not one end.

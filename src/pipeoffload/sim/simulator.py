@@ -53,7 +53,7 @@ from enum import Enum
 from itertools import repeat
 from typing import NamedTuple
 
-from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
+from pipeoffload.core.actions import MARKER_KINDS, Action, Kind, positions_of
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ScheduleError
 from pipeoffload.sim.collector import cyclic_gc_paused
@@ -137,6 +137,21 @@ class SimResult:
         no memory change reads them)."""
         here = slice(self.program.first[rank], self.program.first[rank + 1])
         return self.times[0][here], self.times[1][here]
+
+    def kind_times(self, rank: int, *kinds: Kind
+                   ) -> list[tuple[list[Action], list[float], list[float]]]:
+        """For each of ``kinds``: the rank's actions of that kind in program order, when each
+        started and when it ended, picked out by position in C (the offload planner's passes
+        read these instead of the timeline: Note: [hot loops], core/actions.py)."""
+        actions = self.schedule.ranks[rank]
+        start, end = self.rank_times(rank)
+        kind_at = list(map(_KIND, actions))
+        out = []
+        for kind in kinds:
+            where = positions_of(kind_at, kind)
+            out.append((list(map(actions.__getitem__, where)), list(map(start.__getitem__, where)),
+                        list(map(end.__getitem__, where))))
+        return out
 
     def rank_waits(self, rank: int) -> list[float]:
         """How long each action of the rank's program waited for a copy back or a read beyond
