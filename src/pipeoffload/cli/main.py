@@ -191,7 +191,7 @@ def _simulate_json(plan) -> dict:
 def _marker_notes(schedule) -> list[str]:
     from pipeoffload.core.actions import MARKER_KINDS
 
-    if not schedule.has_kind(*MARKER_KINDS):  # one C-level pass (10^6 actions at p = 64)
+    if not schedule.has_kind(*MARKER_KINDS):  # found once per schedule (Schedule.kind_set)
         return []
     kinds = sorted({a.kind.value for row in schedule.ranks for a in row if a.kind in MARKER_KINDS})
     return [f"torch's {' / '.join(kinds)} actions are markers: kept in the schedule (and in "

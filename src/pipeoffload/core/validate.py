@@ -27,7 +27,7 @@ def validate(schedule: Schedule) -> Schedule:
     plain = _placed_plainly(schedule)
     if not plain:
         _check_indices_and_placement(schedule)
-    work = schedule.without(*MARKER_KINDS) if schedule.has_kind(*MARKER_KINDS) else schedule
+    work = schedule.without(*MARKER_KINDS)  # itself when it has none
     if not (plain and _counted_plainly(work)):
         _check_counts(work)
     _check_progress(work)

@@ -128,8 +128,7 @@ class Pipeline:
     ) -> None:
         self.config = config or RuntimeConfig()
         self.schedule = validate(schedule)
-        if schedule.has_kind(*MARKER_KINDS):
-            schedule = schedule.without(*MARKER_KINDS)
+        schedule = schedule.without(*MARKER_KINDS)  # itself when it has none
         self.meter = meter
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:

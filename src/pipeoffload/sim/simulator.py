@@ -186,8 +186,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *,
     memory changes on the result (``SimResult.memory_changes``; about 100 bytes a change,
     ~4 per offloaded activation) for a caller that reads them all again."""
     costs = costs or CostModel()
-    if schedule.has_kind(*MARKER_KINDS):
-        schedule = schedule.without(*MARKER_KINDS)
+    schedule = schedule.without(*MARKER_KINDS)  # itself when it has none
     with cyclic_gc_paused():
         program = Program(schedule, costs)
         return _summarise(schedule, costs, _run(program, costs), program, keep_changes)
