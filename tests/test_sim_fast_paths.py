@@ -10,7 +10,8 @@
   as it places it: both must equal what ``memory_changes`` and the sorted timeline give, and
   so must the changes a result makes again or keeps (``SimResult.memory_changes``); the
   timeline is made from the run's record only when read, and each action's start, end and
-  wait by program position (what the offload planner reads instead) must be the timeline's.
+  wait by program position, and the kinds picked out by it (what the offload planner reads
+  instead), must be the timeline's.
 """
 
 from __future__ import annotations
@@ -148,6 +149,14 @@ def test_simulated_memory_and_compute_equal_the_timeline_accounting(schedule, co
                                                  rank_times(planned.ranks[rank], timeline)):
                 assert list(itertools.compress(run_times, read)) == \
                     list(itertools.compress(timeline_times, read))
+            # So are the kinds the offload passes pick out by position (SimResult.kind_times).
+            timed = {t.action: t for t in timeline if t.action.kind is not Kind.FETCH}
+            for kind, (picked, starts, ends) in zip(
+                    (Kind.F, Kind.OFFLOAD, Kind.W, Kind.B),
+                    result.kind_times(rank, Kind.F, Kind.OFFLOAD, Kind.W, Kind.B)):
+                assert picked == [a for a in planned.ranks[rank] if a.kind is kind]
+                assert starts == [timed[a].start for a in picked]
+                assert ends == [timed[a].end for a in picked]
             # So are the waits the planner reads by position (offload/placement.py Timing).
             stalls = {t.action: t.stall for t in timeline if t.action.kind is not Kind.FETCH}
             assert list(itertools.compress(result.rank_waits(rank), read)) == \
