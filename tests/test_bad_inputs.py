@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from patience import PATIENCE, PATIENCE_S
+from terminal import AS_FROM_A_TERMINAL
 
 from pipeoffload.cli.main import main
 from pipeoffload.errors import PipeoffloadError
@@ -401,7 +402,8 @@ def test_ctrl_c_stops_every_rank_and_names_the_latest_checkpoint(tmp) -> None:
     import subprocess
 
     proc = subprocess.Popen(
-        [*("pipeoffload", "train", "--model", "tiny", "--pp", "2", "--batch-size", "8",
+        [*AS_FROM_A_TERMINAL,  # SIGINT as a terminal gives it, not as inherited
+         *("pipeoffload", "train", "--model", "tiny", "--pp", "2", "--batch-size", "8",
            "--microbatches", "4", "--steps", "400", "--log-every", "1", "--no-png",
            "--p2p-timeout", PATIENCE, "--checkpoint-every", "1"),
          "--checkpoint-dir", str(tmp / "ck")],

@@ -21,13 +21,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from terminal import AS_FROM_A_TERMINAL, UNDER_NOHUP, signals_at
 from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
 from test_train import _children, _is_zombie, needs_gloo, stage_tensors
 from test_train import tiny_config as tiny_batch16
 
 from pipeoffload.training import checkpoint as ckpt
 from pipeoffload.training.launch import LaunchConfig, Topology, launch
-from pipeoffload.training.signals import StopRequest, stop_on_signals, stop_status
+from pipeoffload.training.signals import (
+    StopRequest,
+    recording_signals,
+    stop_on_signals,
+    stop_status,
+)
 from pipeoffload.training.train import train
 
 linux = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
@@ -40,15 +46,34 @@ def tiny_config(**changes):
 
 
 def test_a_stop_signal_sets_the_request_and_the_handlers_come_back() -> None:
-    before = signal.getsignal(signal.SIGTERM)
-    with stop_on_signals() as stop:
-        assert not stop
-        os.kill(os.getpid(), signal.SIGHUP)
-        os.kill(os.getpid(), signal.SIGTERM)  # a second request changes nothing
-        time.sleep(0.01)  # handlers run between bytecodes of the main thread
-        assert (stop.signum, stop.reason) == (signal.SIGHUP, "received SIGHUP")
-    assert signal.getsignal(signal.SIGTERM) is before
+    with signals_at(signal.SIG_DFL, signal.SIGTERM, signal.SIGHUP):
+        with stop_on_signals() as stop:
+            assert not stop
+            os.kill(os.getpid(), signal.SIGHUP)
+            os.kill(os.getpid(), signal.SIGTERM)  # a second request changes nothing
+            time.sleep(0.01)  # handlers run between bytecodes of the main thread
+            assert (stop.signum, stop.reason) == (signal.SIGHUP, "received SIGHUP")
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
     assert stop_status(signal.SIGTERM) == 143 and stop_status(signal.SIGHUP) == 129
+
+
+def test_a_signal_ignored_at_the_start_stays_ignored_as_under_nohup() -> None:
+    with signals_at(signal.SIG_IGN, signal.SIGHUP), signals_at(signal.SIG_DFL, signal.SIGTERM):
+        received: list[int] = []
+        with stop_on_signals() as stop, recording_signals(received):
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.01)  # handlers run between bytecodes of the main thread
+            assert not stop and received == []
+            os.kill(os.getpid(), signal.SIGTERM)  # what is not ignored still stops the run
+            time.sleep(0.01)
+            assert received == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        with stop_on_signals() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+            assert stop.signum == signal.SIGTERM
 
 
 def test_a_stopped_run_saves_its_step_and_resumes_bitwise(tmp_path: Path) -> None:
@@ -111,8 +136,9 @@ def _when_ready(folder: Path, n: int, then) -> threading.Thread:
 def test_the_launcher_forwards_a_stop_signal_and_returns_its_status(
         tmp_path: Path, capfd, signum: int) -> None:
     _when_ready(tmp_path, 3, lambda: os.kill(os.getpid(), signum))
-    rc = launch([sys.executable, "-c", CHILD, "wait", str(tmp_path)],
-                LaunchConfig(nprocs=3, grace_s=60, stop_timeout_s=60))
+    with signals_at(signal.SIG_DFL, signum):  # as a terminal gives it (tests/terminal.py)
+        rc = launch([sys.executable, "-c", CHILD, "wait", str(tmp_path)],
+                    LaunchConfig(nprocs=3, grace_s=60, stop_timeout_s=60))
     err = capfd.readouterr().err
     name = signal.Signals(signum).name
     assert rc == 128 + signum, err
@@ -191,8 +217,8 @@ def test_sigterm_sighup_sigkill_to_the_launcher_stop_every_worker_and_resume_bit
     process group and SIGKILL to the launcher; each leaves no worker behind and a checkpoint of
     the step every rank stopped after, and the whole chain equals one uninterrupted run."""
     root, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-    argv = [sys.executable, "-m", "pipeoffload.cli", "train", *TRAIN, "--checkpoint-dir",
-            str(root), "--metrics", str(metrics)]
+    argv = [*AS_FROM_A_TERMINAL, sys.executable, "-m", "pipeoffload.cli", "train", *TRAIN,
+            "--checkpoint-dir", str(root), "--metrics", str(metrics)]
     done = 0
     for signum, group in ((signal.SIGTERM, False), (signal.SIGHUP, True),
                           (signal.SIGKILL, False)):
@@ -232,3 +258,39 @@ def test_sigterm_sighup_sigkill_to_the_launcher_stop_every_worker_and_resume_bit
     ours = stage_tensors(root / f"step_{done:08d}")
     theirs = stage_tensors(Path(reference.checkpoint))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@needs_gloo
+@linux
+@pytest.mark.slow
+def test_a_run_under_nohup_trains_through_sighup_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """nohup ignores SIGHUP so that a run outlives its terminal: the launcher and its workers
+    (the ignored signal is inherited across exec) train on through a SIGHUP to the process
+    group, and a SIGTERM after it stops them as usual (had any process taken the SIGHUP, the
+    run would stop by it: the first request wins)."""
+    root = tmp_path / "ck"
+    argv = [*UNDER_NOHUP, sys.executable, "-m", "pipeoffload.cli", "train", *TRAIN,
+            "--checkpoint-dir", str(root)]
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        steps = (int(m.group(1)) for line in proc.stdout
+                 if (m := re.match(r"step +(\d+)/", line)))
+        first = next(steps, None)
+        assert first is not None, proc.stderr.read()[-3000:]
+        workers = _children(proc.pid)
+        assert sorted(workers) == [0, 1]
+        os.killpg(proc.pid, signal.SIGHUP)
+        later = next((s for s in steps if s >= first + 2), None)  # training goes on
+        assert later is not None, "the run ended after SIGHUP under nohup"
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)  # bounds a hang; not a speed claim
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    step = ckpt.read_manifest(ckpt.find_checkpoint("latest", root)).step
+    assert proc.returncode == stop_status(signal.SIGTERM), err[-3000:]
+    assert (f"stopped by SIGTERM (received SIGTERM) after step {step} of 100000; "
+            f"checkpoint {root / f'step_{step:08d}'}") in err
+    assert "launch: stopped by SIGTERM (sent to the launcher)" in err
+    assert step >= later

@@ -17,6 +17,9 @@ SIGINT and SIGQUIT to its workers and kills them 30 s later (``--shutdown-timeou
   through a thread that polls ``os.getppid()`` (any POSIX; it also covers the parent dying
   before the prctl call). Its stdout and stderr then lead nowhere, so they are pointed at
   /dev/null before anything more is printed, and the run stops as on SIGTERM.
+- A signal ignored when the run starts stays ignored: ``nohup`` ignores SIGHUP so that a run
+  outlives its terminal, and shells and Python itself (for SIGINT) keep an inherited SIG_IGN
+  the same way. Workers inherit the launcher's ignored signals across exec.
 PR_SET_PDEATHSIG fires when the *thread* that forked the child exits; our launcher forks from
 its main thread, which outlives the children, but torchrun's agent may not, so under torchrun
 only the polling is used.
@@ -94,12 +97,18 @@ def silence_output() -> None:
         os.close(devnull)
 
 
+def not_ignored(signals: Sequence[int]) -> list[int]:
+    """The ``signals`` this process does not ignore: one ignored on purpose (``nohup``'s SIGHUP)
+    stays ignored (see Note: [stopping on a signal])."""
+    return [s for s in signals if signal.getsignal(s) != signal.SIG_IGN]
+
+
 @contextmanager
 def stop_on_signals(request: StopRequest | None = None,
                     signals: Sequence[int] = STOP_SIGNALS) -> Iterator[StopRequest]:
-    """Turn ``signals`` into ``request.request(signum)`` while the block runs, then restore the
-    previous handlers. Outside the main thread Python cannot install handlers: the request is
-    then only set by ``watch_parent`` or by the caller."""
+    """Turn ``signals`` (those not ignored) into ``request.request(signum)`` while the block
+    runs, then restore the previous handlers. Outside the main thread Python cannot install
+    handlers: the request is then only set by ``watch_parent`` or by the caller."""
     request = request if request is not None else StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request
@@ -108,7 +117,7 @@ def stop_on_signals(request: StopRequest | None = None,
     def handler(signum: int, frame: object) -> None:
         request.request(signum)
 
-    previous = {s: signal.signal(s, handler) for s in signals}
+    previous = {s: signal.signal(s, handler) for s in not_ignored(signals)}
     try:
         yield request
     finally:
@@ -143,14 +152,14 @@ def watch_parent(request: StopRequest, parent_pid: int, *, death_signal: bool,
 
 @contextmanager
 def recording_signals(received: list[int]) -> Iterator[None]:
-    """For a launcher: while the block runs, SIGTERM and SIGHUP are appended to ``received``
-    (its supervising loop forwards them to the workers) instead of ending it; only from the
-    main thread."""
+    """For a launcher: while the block runs, SIGTERM and SIGHUP (unless ignored) are appended to
+    ``received`` (its supervising loop forwards them to the workers) instead of ending it; only
+    from the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {s: signal.signal(s, lambda signum, frame: received.append(signum))
-                for s in STOP_SIGNALS}
+                for s in not_ignored(STOP_SIGNALS)}
     try:
         yield
     finally:
