@@ -30,7 +30,9 @@ def started_with(action: signal.Handlers, *signals: int) -> tuple[str, ...]:
 
 
 AS_FROM_A_TERMINAL = started_with(signal.SIG_DFL, *STOP_SIGNALS)
-UNDER_NOHUP = started_with(signal.SIG_IGN, signal.SIGHUP)
+# nohup from a terminal: SIGHUP ignored, SIGINT and SIGTERM at their defaults.
+UNDER_NOHUP = (*started_with(signal.SIG_DFL, signal.SIGINT, signal.SIGTERM),
+               *started_with(signal.SIG_IGN, signal.SIGHUP))
 
 
 @contextmanager
