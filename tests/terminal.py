@@ -19,7 +19,7 @@ _SETTER = ("import os, signal, sys\n"
            "    signal.signal(getattr(signal, name), action)\n"
            "os.execvp(sys.argv[3], sys.argv[3:])")
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)
+TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)  # what a run is sent
 
 
 def started_with(action: signal.Handlers, *signals: int) -> tuple[str, ...]:
@@ -29,7 +29,7 @@ def started_with(action: signal.Handlers, *signals: int) -> tuple[str, ...]:
     return (sys.executable, "-c", _SETTER, action.name, names)
 
 
-AS_FROM_A_TERMINAL = started_with(signal.SIG_DFL, *STOP_SIGNALS)
+AS_FROM_A_TERMINAL = started_with(signal.SIG_DFL, *TERMINAL_SIGNALS)
 # nohup from a terminal: SIGHUP ignored, SIGINT and SIGTERM at their defaults.
 UNDER_NOHUP = (*started_with(signal.SIG_DFL, signal.SIGINT, signal.SIGTERM),
                *started_with(signal.SIG_IGN, signal.SIGHUP))

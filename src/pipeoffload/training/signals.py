@@ -33,8 +33,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 # The launcher gives its pid to the workers it starts, so they know it is their parent.
@@ -97,10 +98,21 @@ def silence_output() -> None:
         os.close(devnull)
 
 
-def not_ignored(signals: Sequence[int]) -> list[int]:
-    """The ``signals`` this process does not ignore: one ignored on purpose (``nohup``'s SIGHUP)
-    stays ignored (see Note: [stopping on a signal])."""
-    return [s for s in signals if signal.getsignal(s) != signal.SIG_IGN]
+@contextmanager
+def _handling(signals: Sequence[int], handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for each of ``signals`` while the block runs, then the previous handlers.
+    A signal ignored on entry (``nohup``'s SIGHUP) stays ignored (Note: [stopping on a
+    signal]); outside the main thread, where Python cannot install handlers, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in signals
+                if signal.getsignal(s) != signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 @contextmanager
@@ -110,19 +122,8 @@ def stop_on_signals(request: StopRequest | None = None,
     runs, then restore the previous handlers. Outside the main thread Python cannot install
     handlers: the request is then only set by ``watch_parent`` or by the caller."""
     request = request if request is not None else StopRequest()
-    if threading.current_thread() is not threading.main_thread():
+    with _handling(signals, lambda signum, frame: request.request(signum)):
         yield request
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        request.request(signum)
-
-    previous = {s: signal.signal(s, handler) for s in not_ignored(signals)}
-    try:
-        yield request
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
 
 
 def watch_parent(request: StopRequest, parent_pid: int, *, death_signal: bool,
@@ -155,16 +156,8 @@ def recording_signals(received: list[int]) -> Iterator[None]:
     """For a launcher: while the block runs, SIGTERM and SIGHUP (unless ignored) are appended to
     ``received`` (its supervising loop forwards them to the workers) instead of ending it; only
     from the main thread."""
-    if threading.current_thread() is not threading.main_thread():
+    with _handling(STOP_SIGNALS, lambda signum, frame: received.append(signum)):
         yield
-        return
-    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum))
-                for s in not_ignored(STOP_SIGNALS)}
-    try:
-        yield
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
 
 
 def stop_outcome(codes: Sequence[int | None],
