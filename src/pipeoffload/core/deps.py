@@ -112,8 +112,8 @@ class Numbered:
     """A schedule's actions numbered rank by rank (rank r holds indices ``first[r]`` to
     ``first[r + 1] - 1`` in program order), each with its rank and its dependencies as indices
     (``len(actions)`` for one the schedule lacks, which never completes). The validator's walk,
-    the simulator and the compute-only pass all start from this; ``Schedule.numbered`` keeps
-    it with the schedule so that they number it once. ``repeated``: some action appears twice
+    the simulator and the compute-only pass all start from this; ``numbering`` keeps it with
+    the schedule so that they number it once. ``repeated``: some action appears twice
     (then ``index`` keeps its last position and ``needs`` is empty)."""
 
     actions: list[Action]
@@ -160,8 +160,14 @@ class Numbered:
         return order, [pointer[r] - first[r] for r in range(ranks)]
 
 
+def numbering(schedule: Schedule) -> Numbered:
+    """``schedule`` numbered (see Numbered), made once per schedule object and kept with it
+    (``Schedule.derived``): the validator, the families' passes and the simulator share it."""
+    return schedule.derived(number)
+
+
 def number(schedule: Schedule) -> Numbered:
-    """``schedule`` numbered (see Numbered); read it as ``schedule.numbered``."""
+    """``schedule`` numbered (see Numbered) anew; ``numbering`` keeps it with the schedule."""
     with cyclic_gc_paused():  # one list per action, no cycles: collections would rescan them
         return _number(schedule)
 
@@ -182,9 +188,9 @@ def _number(schedule: Schedule) -> Numbered:
         keys_of = Dependencies(schedule, present=index).keys_of
         get, otherwise = index.get, itertools.repeat(len(actions))
         needs = [list(map(get, keys_of(a), otherwise)) for a in actions]
-    numbered = Numbered(actions, first, owner, needs, repeated)
-    numbered.__dict__["index"] = index  # made already: the cached property's value
-    return numbered
+    result = Numbered(actions, first, owner, needs, repeated)
+    result.__dict__["index"] = index  # made already: the cached property's value
+    return result
 
 
 def _dense_needs(schedule: Schedule, actions: list[Action]) -> list[list[int]] | None:

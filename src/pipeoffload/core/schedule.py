@@ -9,17 +9,15 @@ import dataclasses
 import functools
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TypeVar, cast
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.errors import ScheduleError
 
-if TYPE_CHECKING:
-    from pipeoffload.core.deps import Numbered
-
+T = TypeVar("T")
 
 _KIND = operator.itemgetter(1)
 _ACTION_TYPE = {Action}
@@ -68,6 +66,9 @@ class Schedule:
     microbatches: int
     name: str = "custom"
     routes: tuple[tuple[int, ...], ...] = ()
+    _derived: dict[Callable[[Schedule], object], object] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    """What passes derived from this schedule (``derived``); a new schedule starts empty."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
@@ -181,18 +182,19 @@ class Schedule:
 
     def without(self, *kinds: Kind) -> Schedule:
         """This schedule with every action of the given kinds removed (itself if it has none:
-        a schedule is immutable, and it keeps what ``numbered`` computed)."""
+        a schedule is immutable, and it keeps what was ``derived`` from it)."""
         if not self.has_kind(*kinds):
             return self
         return self.with_ranks([[a for a in acts if a.kind not in kinds] for acts in self.ranks])
 
-    @functools.cached_property
-    def numbered(self) -> Numbered:
-        """Every action numbered with its dependencies (core/deps.py ``Numbered``), computed
-        once per schedule object."""
-        from pipeoffload.core.deps import number  # deps.py needs this module first
-
-        return number(self)
+    def derived(self, make: Callable[[Schedule], T]) -> T:
+        """``make(self)``, made on the first request and kept with this schedule: a schedule is
+        immutable, so what a pass derives from it (e.g. its numbering, core/deps.py
+        ``numbering``) holds as long as the schedule does, and the passes that ask share it."""
+        kept = self._derived
+        if make not in kept:
+            kept[make] = make(self)
+        return cast(T, kept[make])
 
     def format_grid(self, mark: tuple[int, int] | None = None, context: int = 6) -> str:
         """Steps as rows and ranks as columns; ``mark=(rank, position)`` flags one cell.

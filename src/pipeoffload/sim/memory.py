@@ -6,14 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from itertools import accumulate, chain, compress, count
 from operator import itemgetter, mul
-from typing import TYPE_CHECKING
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
-
-if TYPE_CHECKING:
-    from pipeoffload.sim.simulator import TimedAction
+from pipeoffload.sim.timeline import TimedAction
 
 Change = tuple[float, float, int, float]
 """(time, program order, stage, factor): the stage's activation size times ``factor`` (+1 when

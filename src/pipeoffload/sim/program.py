@@ -13,6 +13,7 @@ from enum import IntEnum
 from operator import getitem
 
 from pipeoffload.core.actions import Action, Kind, items_of, positions_of
+from pipeoffload.core.deps import numbering
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
@@ -54,7 +55,7 @@ class Program:
     """
 
     def __init__(self, schedule: Schedule, costs: CostModel) -> None:
-        numbered = schedule.numbered  # kept with the schedule: numbered once (core/deps.py)
+        numbered = numbering(schedule)  # kept with the schedule: numbered once
         if numbered.repeated:
             self._reject_repeats(schedule)
         actions = numbered.actions

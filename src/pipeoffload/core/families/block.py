@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.deps import numbering
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 
@@ -119,7 +120,7 @@ def tighten(
     """
     # Actions are replayed by index (Schedule.numbered): a dependency is a list lookup, not a
     # hashed Action, which makes this about three times faster at p = 64.
-    numbered = schedule.numbered
+    numbered = numbering(schedule)
     if numbered.repeated:
         raise ScheduleError(f"{schedule.name}: an action appears twice; "
                             "validate(schedule) shows where")
