@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
-from itertools import compress, count, islice
+from itertools import islice
 from operator import itemgetter, le, sub
 
 from pipeoffload.core.actions import Action, Kind
@@ -26,7 +26,9 @@ _F, _I, _B, _OFFLOAD = Kind.F, Kind.I, Kind.B, Kind.OFFLOAD
 _RELOAD, _FETCH, _OFFLOAD_WAIT = Kind.RELOAD, Kind.FETCH, Kind.OFFLOAD_WAIT
 _COMPUTE = frozenset(kind for kind in Kind if kind.is_compute)
 _KIND, _ITEM = itemgetter(1), itemgetter(0, 2)  # an action's kind, its (stage, microbatch)
-# Action from a full tuple of its fields, without NamedTuple's Python-level __new__.
+# An Action from a tuple of its fields, without NamedTuple's Python-level __new__: 17 ms
+# instead of 24 ms per 82k actions (``insert`` makes one per transfer, ~6 x 10^5 per plan at
+# p = 64, m = 1024).
 _action = functools.partial(tuple.__new__, Action)
 
 
@@ -83,7 +85,7 @@ class Timing:
         for rank, actions in enumerate(result.schedule.ranks):
             start, end = result.rank_times(rank)
             kinds = list(map(_KIND, actions))
-            where = list(compress(count(), map(_COMPUTE.__contains__, kinds)))
+            where = [i for i, kind in enumerate(kinds) if kind in _COMPUTE]
             if list(map(actions.__getitem__, where)) != layout.compute[rank]:
                 raise AssertionError(f"rank {rank}: the result's compute actions are not the "
                                      "layout's")
