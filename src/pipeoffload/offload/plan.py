@@ -29,6 +29,7 @@ How (PipeOffload's selective offload, generalised to any schedule):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from pipeoffload.offload.postpone import (
     postpone,
     simulated_copies,
 )
+from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.report import OffloadPlan, OffloadReport, Skipped
 from pipeoffload.offload.select import Item, Lifespans
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
@@ -124,6 +126,8 @@ def _add_offload(schedule: Schedule, costs: CostModel | None,
     bare = schedule.without(*OFFLOAD_KINDS)
     if base is None or base.costs != costs or base.schedule.ranks != bare.ranks:
         base = simulate(bare, costs)
+    if target.kind is TargetKind.RECOMPUTE_CHUNKS_THEN_ALL:
+        return _recompute_then_offload(bare, costs, target, policy, base)
     planner = _Planner(bare, costs, policy, base, keep_stalling=target.demands)
     if target.kind is TargetKind.NONE:
         return planner.finish(target, bare, base, {}, ())
@@ -135,6 +139,19 @@ def _add_offload(schedule: Schedule, costs: CostModel | None,
     chosen = [item for item in chosen if item not in planner.recomputed]
     planned, result, skipped = planner.plan(chosen)
     return planner.finish(target, planned, result, skipped, notes)
+
+
+def _recompute_then_offload(bare: Schedule, costs: CostModel, target: OffloadTarget,
+                            policy: OffloadPolicy, base: SimResult) -> OffloadPlan:
+    """The RECOMPUTE_CHUNKS_THEN_ALL target: each rank's K longest-lived chunks recomputed
+    (offload/recompute.py), then every other activation offloaded as ``all`` plans it. ``bare``
+    has no transfers, ``base`` is its simulation. The report names ``target``; its "before"
+    is the recomputed schedule's."""
+    chunks = OffloadTarget(TargetKind.CHUNKS, target.value)
+    recomputed = add_recompute(bare, costs, chunks, base=base)
+    offload = OffloadTarget(TargetKind.ALL, allow_stall=target.allow_stall)
+    plan = _add_offload(recomputed.schedule, costs, offload, policy, recomputed.result)
+    return dataclasses.replace(plan, report=dataclasses.replace(plan.report, target=target))
 
 
 class _Planner:
