@@ -134,6 +134,16 @@ class Schedule:
             return stage == self.num_stages - 1
         return any(r[-1] == stage for r in self.routes)
 
+    def previous_stage(self, stage: int) -> int | None:
+        """The stage whose output ``stage`` takes: the one before it on its route, None at the
+        start of a route (Note: [routes]: routes are consecutive runs of stages)."""
+        return None if self.is_first_stage(stage) else stage - 1
+
+    def next_stage(self, stage: int) -> int | None:
+        """The stage that takes ``stage``'s output: the one after it on its route, None at the
+        end of a route."""
+        return None if self.is_last_stage(stage) else stage + 1
+
     def stages_on_rank(self, rank: int) -> tuple[int, ...]:
         """The stages rank ``rank`` holds, in increasing order (its chunks 0, 1, ...)."""
         return self._stages_by_rank[rank]
