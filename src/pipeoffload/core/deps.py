@@ -196,10 +196,12 @@ def _number(schedule: Schedule) -> Numbered:
 def _dense_needs(schedule: Schedule, actions: list[Action]) -> list[list[int]] | None:
     """``Dependencies.keys_of`` of every action as indices, looked up in one list per kind
     indexed by ``microbatch * stages + stage`` instead of hashing an action per dependency
-    (about twice as fast at 10^6 actions); ``_REPEATED`` if an action appears twice. None
-    where that does not apply: a stage or microbatch out of range, a marker, far more
+    (a planned po-f: 130 instead of 203 ms at p = 32, m = 256, 82k actions; 358 instead of
+    685 ms at p = 64, m = 512, 330k; medians of 5); ``_REPEATED`` if an action appears twice.
+    None where that does not apply: a stage or microbatch out of range, a marker, far more
     (stage, microbatch) slots than actions (the caller then asks ``keys_of``). The rule is
-    the one of ``keys_of``; tests/test_sim_fast_paths.py checks that the two agree."""
+    the one of ``keys_of`` (the readable one); tests/test_sim_fast_paths.py checks that the
+    two agree over the zoo and its transformed schedules."""
     stages, count, missing = schedule.num_stages, schedule.microbatches, len(actions)
     if not actions:
         return []
