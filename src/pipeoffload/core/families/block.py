@@ -73,7 +73,8 @@ def order_by_slot(
             if not isinstance(first, int):
                 raise ValueError(f"order_by_slot: slot {first!r} of stage {stage} {kind.value} "
                                  "is no integer")
-            # Actions made by tuple.__new__, without NamedTuple's Python-level __new__.
+            # Keys and Actions made in C (Actions by tuple.__new__, without NamedTuple's
+            # Python-level __new__): 53 ms instead of 73 ms for a loop, zbv at p = 64, m = 256.
             by_key.update(zip(map((first * width + position).__add__, shifted),
                               map(tuple.__new__, itertools.repeat(Action),
                                   zip(itertools.repeat(stage), itertools.repeat(kind),
