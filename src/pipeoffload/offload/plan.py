@@ -88,7 +88,7 @@ class OffloadPolicy:
     uses it) where the reads hide behind the passes, instead of a RELOAD that holds it whole on
     the device from before its backward to the end of its W. Lower peaks (the activation being
     backpropagated no longer counts), more host-to-device traffic with a B/W split (I and W
-    each read it). Off by default: the GPU side of FETCH has not been measured yet."""
+    each read it). Off by default: its cost on a GPU is unmeasured."""
 
     def __post_init__(self) -> None:
         check_number("OffloadPolicy.reload_margin", self.reload_margin, minimum=0)
