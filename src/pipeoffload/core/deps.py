@@ -22,6 +22,7 @@ import itertools
 import operator
 from collections.abc import Container
 from dataclasses import dataclass
+from typing import cast
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.collector import cyclic_gc_paused
@@ -186,8 +187,10 @@ def _number(schedule: Schedule) -> Numbered:
     repeated = len(index) != len(actions)
     if not repeated:
         keys_of = Dependencies(schedule, present=index).keys_of
-        get, otherwise = index.get, itertools.repeat(len(actions))
-        needs = [list(map(get, keys_of(a), otherwise)) for a in actions]
+        # An Action hashes and compares as its (stage, kind, microbatch) tuple.
+        by_key = cast(dict[tuple[int, Kind, int], int], index)
+        missing = len(actions)
+        needs = [[by_key.get(key, missing) for key in keys_of(a)] for a in actions]
     result = Numbered(actions, first, owner, needs, repeated)
     result.__dict__["index"] = index  # made already: the cached property's value
     return result
