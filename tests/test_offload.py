@@ -1,5 +1,7 @@
 """Offload planning: PipeOffload's claims, the never-fail contract, and reports that add up."""
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -222,6 +224,42 @@ def test_recompute_rejects_limit_targets():
 
     with pytest.raises(ConfigError, match="recompute target"):
         add_recompute(build_schedule("1f1b", 2, 4), target="limit:1")
+    with pytest.raises(ConfigError, match="recompute target"):
+        add_recompute(build_schedule("1f1b", 2, 4), target="recompute-chunks:1+all")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([("interleaved-1f1b", {"chunks": 2}), ("grouped-interleaved",
+                                                               {"chunks": 3}),
+                        ("zbv", {}), ("v-half", {}), ("dualpipev", {})]),
+       st.integers(2, 4), st.integers(1, 2), st.integers(1, 2),
+       st.sampled_from([0.3, 1.0, 2.5]), st.booleans(), st.booleans())
+def test_recompute_then_offload_target_is_recompute_chunks_then_all(
+        family, pp, per_rank, chunks, ratio, fetch, allow_stall):
+    """``recompute-chunks:K+all`` plans, in one call, what recomputing each rank's K
+    longest-lived chunks and then offloading ``all`` of the rest plans, and reports its own
+    target."""
+    from pipeoffload.offload.recompute import add_recompute
+    from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
+
+    name, options = family
+    schedule = build_schedule(name, pp, 2 * pp * per_rank, **options)
+    costs = CostModel(offload_ratio=ratio)
+    policy = OffloadPolicy(fetch_on_use=fetch)
+    target = parse_target(f"recompute-chunks:{chunks}+all", allow_stall=allow_stall)
+    mixed = add_offload(schedule, costs, target, policy)
+    recomputed = add_recompute(schedule, costs, f"chunks:{chunks}")
+    expected = add_offload(recomputed.schedule, costs,
+                           OffloadTarget(TargetKind.ALL, allow_stall=allow_stall), policy)
+    assert mixed.schedule == expected.schedule
+    assert mixed.report.target == target
+    assert mixed.report == dataclasses.replace(expected.report, target=target)
+    assert mixed.result.peak_activation == expected.result.peak_activation
+    validate(mixed.schedule)
+    recomputes = {(a.stage, a.microbatch) for actions in mixed.schedule.ranks for a in actions
+                  if a.kind is Kind.RECOMPUTE}
+    assert recomputes == set(recomputed.recomputed) and recomputes
+    assert not recomputes & set(mixed.report.offloaded)
 
 
 def test_given_target_keeps_a_planned_schedule_as_it_is():

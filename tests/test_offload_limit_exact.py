@@ -15,7 +15,7 @@ from pipeoffload.offload import limit as limit_module
 from pipeoffload.offload import plan as plan_module
 from pipeoffload.offload.plan import OffloadPolicy
 from pipeoffload.sim.costs import CostModel, Duplex, HostLink
-from pipeoffload.sim.memory import memory_changes, streamed_fraction
+from pipeoffload.sim.memory import Role, memory_changes, streamed_fraction
 
 _SCHEDULES = [
     ("grouped-interleaved", {"chunks": 2}),
@@ -29,7 +29,8 @@ _SCHEDULES = [
 
 
 def _reference_tagged_changes(schedule, result, rank, items, sizes, costs):
-    """Every change of the rank and every tagged one, sorted by (time, order, weight, tag)."""
+    """Every change of the rank and every tagged one, sorted by (time, position, role, weight,
+    tag)."""
     forward, copy_out, copy_back, last_pass = {}, {}, {}, {}
     timeline = result.timeline[rank]
     for t in timeline:
@@ -45,17 +46,17 @@ def _reference_tagged_changes(schedule, result, rank, items, sizes, costs):
     order, first_backward, last_order = {}, {}, {}
     for i, (s, kind, m) in enumerate(schedule.ranks[rank]):
         if kind is Kind.F:
-            order[(s, m)] = 2 * i
+            order[(s, m)] = i
         elif kind is Kind.I:
-            first_backward[(s, m)] = 2 * i
+            first_backward[(s, m)] = i
         elif kind is Kind.B:
-            first_backward.setdefault((s, m), 2 * i)
-            last_order[(s, m)] = 2 * i
+            first_backward.setdefault((s, m), i)
+            last_order[(s, m)] = i
         elif kind is Kind.W:
-            last_order[(s, m)] = 2 * i
+            last_order[(s, m)] = i
     always = len(items)
-    changes = [(time, at, sizes[s] * factor, always)
-               for time, at, s, factor in memory_changes(schedule, timeline, costs)]
+    changes = [(time, at, role, sizes[s] * factor, always)
+               for time, at, role, s, factor in memory_changes(schedule, timeline, costs)]
     for index, item in enumerate(items):
         copy = copy_out.get(item)
         if copy is None:
@@ -63,15 +64,15 @@ def _reference_tagged_changes(schedule, result, rank, items, sizes, costs):
         s, f, at = item[0], forward[item], order[item]
         part = streamed_fraction(f.start, f.end, copy.start,
                                  costs.transfer_time(s, Kind.OFFLOAD))
-        changes.append((f.start, at, sizes[s] * (1.0 - part), index))
-        changes.append((copy.end, at + 0.5, sizes[s] * part, index))
+        changes.append((f.start, at, Role.START, sizes[s] * (1.0 - part), index))
+        changes.append((copy.end, at, Role.COPY_OUT_END, sizes[s] * part, index))
         back = copy_back.get(item)
         if back is not None:
-            changes.append((back.start, first_backward[item] - 0.5, -sizes[s], index))
+            changes.append((back.start, first_backward[item], Role.COPY_BACK, -sizes[s], index))
         else:
-            changes.append((last_pass[item].end, last_order[item] + 1, -sizes[s], index))
+            changes.append((last_pass[item].end, last_order[item], Role.END, -sizes[s], index))
     changes.sort()
-    return [c[2] for c in changes], [c[3] for c in changes]
+    return [c[3] for c in changes], [c[4] for c in changes]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -6,10 +6,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from pipeoffload.core.actions import Kind
+from pipeoffload.core.actions import Kind, parse_action
 from pipeoffload.core.registry import FAMILIES, build_schedule
+from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
 from pipeoffload.runtime.lowering import early_receives, message_of, order_conflicts, with_comms
+from pipeoffload.sim.simulator import simulate
 
 OPTIONS = {"interleaved-1f1b": {"chunks": 2}, "grouped-interleaved": {"chunks": 2, "group_size": 2}}
 
@@ -86,3 +88,48 @@ def test_early_receives_move_back_over_at_most_lookahead_computes(name: str,
         if lookahead == 0:
             assert early == {}
     assert (total_moved > 0) == (lookahead > 0)
+
+
+def _routes_turning_across_ranks() -> Schedule:
+    """Two routes whose boundary crosses ranks: microbatch 0 runs stages 0 (rank 0) and 1
+    (rank 1), microbatch 1 stages 2 (rank 0) and 3 (rank 1); stage 1's output goes nowhere and
+    stage 2 takes the input. No family builds such a route (DualPipe's turns on one rank)."""
+    rows = [[parse_action(t) for t in "0F0 2F1 0B0 2B1".split()],
+            [parse_action(t) for t in "1F0 3F1 1B0 3B1".split()]]
+    return validate(Schedule(rows, (0, 1, 0, 1), 2, "routes", routes=((0, 1), (2, 3))))
+
+
+def test_comms_follow_routes_where_a_route_ends_on_another_rank() -> None:
+    """Between the end of one route and the start of the next nothing is sent, though stage
+    s and s + 1 live on different ranks; along each route every hop is."""
+    sched = _routes_turning_across_ranks()
+    lowered = validate(with_comms(sched))
+    comms = {str(a) for _, _, a in lowered.actions if a.kind.is_comm}
+    assert comms == {"1RECV_F0", "0SEND_F0", "1SEND_B0", "0RECV_B0",
+                     "3RECV_F1", "2SEND_F1", "3SEND_B1", "2RECV_B1"}
+    assert order_conflicts(lowered, per_direction=True) == []
+    assert simulate(lowered).makespan == simulate(sched).makespan
+
+
+def test_a_pipeline_runs_routes_that_turn_across_ranks_like_autograd() -> None:
+    torch = pytest.importorskip("torch")
+    from pipeoffload.runtime.pipeline import Pipeline
+
+    torch.manual_seed(0)
+    stages = {s: torch.nn.Linear(3, 3, dtype=torch.float64) for s in range(4)}
+    x = torch.randn(2, 3, dtype=torch.float64)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return (out ** 2).sum()
+
+    loss = Pipeline(stages, _routes_turning_across_ranks(), loss_fn).step(x)
+    got = {name: p.grad.clone() for s, m in stages.items() for name, p in
+           ((f"{s}.{n}", p) for n, p in m.named_parameters())}
+    for module in stages.values():
+        module.zero_grad()
+    expected = (loss_fn(stages[1](stages[0](x[:1]))) + loss_fn(stages[3](stages[2](x[1:])))) / 2
+    expected.backward()
+    assert float(loss) == float(expected.detach())
+    for s, module in stages.items():
+        for n, p in module.named_parameters():
+            assert torch.equal(got[f"{s}.{n}"], p.grad), f"{s}.{n}"

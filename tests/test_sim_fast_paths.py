@@ -77,15 +77,19 @@ def _keys_of_needs(schedule: Schedule) -> list[list[int]]:
 
 
 def _variants(schedule: Schedule, data: st.DataObject) -> list[Schedule]:
-    """The schedule bare, offloaded (RELOAD or FETCH, with waits), recomputed, with explicit
-    SEND / RECV, and broken: an action dropped, one moved to another rank, one renamed out of
-    range."""
-    policy = OffloadPolicy(fetch_on_use=data.draw(st.booleans()))
-    offloaded = plan_schedule(schedule.name, schedule.num_ranks, schedule.microbatches, "all",
-                              costs=CostModel(offload_ratio=0.5), policy=policy,
-                              **_options(schedule)).schedule
-    out = [schedule, offloaded, with_comms(offloaded),
-           add_recompute(schedule, target="fraction:0.5").schedule]
+    """The schedule bare, offloaded (RELOAD and FETCH, with waits), recomputed, recomputed
+    and offloaded, each with explicit SEND / RECV, and broken: an action dropped, one moved to
+    another rank, one renamed out of range. (DualPipe's schedules add routes to each.)"""
+    planned = [plan_schedule(schedule.name, schedule.num_ranks, schedule.microbatches, target,
+                             costs=CostModel(offload_ratio=0.5),
+                             policy=OffloadPolicy(fetch_on_use=fetch),
+                             **_options(schedule)).schedule
+               for target, fetch in (("all", False), ("all", True),
+                                     ("recompute-chunks:1+all", data.draw(st.booleans())))]
+    offloaded = planned[data.draw(st.integers(0, 1))]
+    recomputed = add_recompute(schedule, target="fraction:0.5").schedule
+    out = [schedule, *planned, recomputed]
+    out += [with_comms(variant) for variant in out]
     rows = [list(actions) for actions in offloaded.ranks]
     rank = data.draw(st.integers(0, len(rows) - 1))
     position = data.draw(st.integers(0, len(rows[rank]) - 1))

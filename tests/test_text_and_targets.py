@@ -75,6 +75,8 @@ def test_compute_only_strips_our_own_kinds():
         ("limit:3.5", TargetKind.LIMIT, 3.5, False),
         ("limit:2GiB", TargetKind.LIMIT, 2 * 2**30, True),
         ("limit:500mb", TargetKind.LIMIT, 5e8, True),
+        ("Recompute-Chunks:1+ALL", TargetKind.RECOMPUTE_CHUNKS_THEN_ALL, 1, False),
+        ("recompute-chunks:2+all", TargetKind.RECOMPUTE_CHUNKS_THEN_ALL, 2, False),
     ],
 )
 def test_targets_parse(spec, kind, value, in_bytes):
@@ -84,10 +86,18 @@ def test_targets_parse(spec, kind, value, in_bytes):
 
 
 @pytest.mark.parametrize("spec", ["some", "chunks:0", "chunks:x", "fraction:1.5", "limit:",
-                                  "limit:3parsecs", "fraction:0.5GiB"])
+                                  "limit:3parsecs", "fraction:0.5GiB", "recompute-chunks:1",
+                                  "recompute-chunks:0+all", "recompute-chunks:1+none",
+                                  "recompute-chunks:+all"])
 def test_bad_targets_name_the_accepted_forms(spec):
     with pytest.raises(ConfigError, match="offload target"):
         parse_target(spec)
+
+
+def test_the_recompute_and_offload_target_reads_back_in_its_cli_spelling():
+    target = parse_target("  Recompute-Chunks:1+ALL ")
+    assert str(target) == "recompute-chunks:1+all"
+    assert not target.demands and parse_target(target) is target
 
 
 def test_marker_csv_simulates_like_the_bare_schedule_and_keeps_markers_through_planning(

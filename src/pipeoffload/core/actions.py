@@ -19,8 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from enum import Enum
-from itertools import compress, count, repeat
-from operator import is_, itemgetter
+from operator import itemgetter
 from typing import NamedTuple
 
 from pipeoffload.core.errors import ParseError
@@ -114,9 +113,8 @@ _ITEM = itemgetter(0, 2)  # an action's (stage, microbatch)
 
 def positions_of(values: Sequence[object], wanted: object) -> list[int]:
     """The positions where ``values`` holds ``wanted`` (by identity: kinds and the simulator's
-    steps are enum members), found in C: the passes that pick one kind out of 10^5-10^6
-    actions (Note: [hot loops])."""
-    return list(compress(count(), map(is_, values, repeat(wanted))))
+    steps are enum members)."""
+    return [i for i, value in enumerate(values) if value is wanted]
 
 
 def items_of(actions: Sequence[Action], kinds: Sequence[Kind], kind: Kind

@@ -9,17 +9,15 @@ import dataclasses
 import functools
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TypeVar, cast
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.errors import ScheduleError
 
-if TYPE_CHECKING:
-    from pipeoffload.core.deps import Numbered
-
+T = TypeVar("T")
 
 _KIND = operator.itemgetter(1)
 _ACTION_TYPE = {Action}
@@ -68,6 +66,9 @@ class Schedule:
     microbatches: int
     name: str = "custom"
     routes: tuple[tuple[int, ...], ...] = ()
+    _derived: dict[Callable[[Schedule], object], object] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    """What passes derived from this schedule (``derived``); a new schedule starts empty."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
@@ -133,6 +134,16 @@ class Schedule:
             return stage == self.num_stages - 1
         return any(r[-1] == stage for r in self.routes)
 
+    def previous_stage(self, stage: int) -> int | None:
+        """The stage whose output ``stage`` takes: the one before it on its route, None at the
+        start of a route (Note: [routes]: routes are consecutive runs of stages)."""
+        return None if self.is_first_stage(stage) else stage - 1
+
+    def next_stage(self, stage: int) -> int | None:
+        """The stage that takes ``stage``'s output: the one after it on its route, None at the
+        end of a route."""
+        return None if self.is_last_stage(stage) else stage + 1
+
     def stages_on_rank(self, rank: int) -> tuple[int, ...]:
         """The stages rank ``rank`` holds, in increasing order (its chunks 0, 1, ...)."""
         return self._stages_by_rank[rank]
@@ -181,18 +192,19 @@ class Schedule:
 
     def without(self, *kinds: Kind) -> Schedule:
         """This schedule with every action of the given kinds removed (itself if it has none:
-        a schedule is immutable, and it keeps what ``numbered`` computed)."""
+        a schedule is immutable, and it keeps what was ``derived`` from it)."""
         if not self.has_kind(*kinds):
             return self
         return self.with_ranks([[a for a in acts if a.kind not in kinds] for acts in self.ranks])
 
-    @functools.cached_property
-    def numbered(self) -> Numbered:
-        """Every action numbered with its dependencies (core/deps.py ``Numbered``), computed
-        once per schedule object."""
-        from pipeoffload.core.deps import number  # deps.py needs this module first
-
-        return number(self)
+    def derived(self, make: Callable[[Schedule], T]) -> T:
+        """``make(self)``, made on the first request and kept with this schedule: a schedule is
+        immutable, so what a pass derives from it (e.g. its numbering, core/deps.py
+        ``numbering``) holds as long as the schedule does, and the passes that ask share it."""
+        kept = self._derived
+        if make not in kept:
+            kept[make] = make(self)
+        return cast(T, kept[make])
 
     def format_grid(self, mark: tuple[int, int] | None = None, context: int = 6) -> str:
         """Steps as rows and ranks as columns; ``mark=(rank, position)`` flags one cell.

@@ -14,7 +14,7 @@ import itertools
 import operator
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
-from pipeoffload.core.deps import Dependencies
+from pipeoffload.core.deps import Dependencies, numbering
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 
@@ -254,7 +254,7 @@ def _pair_problem(stage: int, mb: int, has: frozenset[Kind]) -> tuple[str, Kind]
 
 def _check_progress(schedule: Schedule) -> None:
     """Run every rank's list without a clock; report the first rank that can never continue."""
-    numbered = schedule.numbered
+    numbered = numbering(schedule)
     order, pointer = numbered.walk
     if len(order) == len(numbered.actions):
         return

@@ -24,31 +24,60 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections.abc import Sequence
-from itertools import accumulate, compress, count, repeat
-from operator import gt, itemgetter
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from itertools import accumulate, compress
+from operator import itemgetter
+from typing import Protocol
 
 from pipeoffload.core.actions import Kind, items_of
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.report import OffloadPlan
 from pipeoffload.offload.select import Item
 from pipeoffload.offload.targets import OffloadTarget
+from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.memory import Role
 from pipeoffload.sim.simulator import SimResult
 
-if TYPE_CHECKING:
-    from pipeoffload.offload.plan import _Planner
-
 Outcome = tuple[Schedule, SimResult, dict[Item, str]]
+"""A plan: the planned schedule, its simulation, and the items skipped with why."""
+
+
+class PrefixPlanner(Protocol):
+    """What the search asks of the offload planner (offload/plan.py ``add_offload``'s): the
+    plain schedule, its costs and simulation, each rank's candidate items longest-lived first,
+    plans of chosen items, and the final report."""
+
+    schedule: Schedule
+    costs: CostModel
+    base: SimResult
+    units: tuple[float, ...]
+    """Per stage, one microbatch's activation in M_a units."""
+    by_lifespan: list[list[Item]]
+
+    def plan(self, chosen: Iterable[Item], keep_changes: bool = False) -> Outcome:
+        """The plan that offloads ``chosen``; ``keep_changes``: its simulation keeps its memory
+        changes (read by the search's estimate)."""
+        ...
+
+    def finish(self, target: OffloadTarget, planned: Schedule, result: SimResult,
+               skipped: dict[Item, str], notes: tuple[str, ...]) -> OffloadPlan:
+        """The plan and its report."""
+        ...
+
+    def floor_reason(self, rank: int) -> str:
+        """Why rank ``rank`` cannot go lower."""
+        ...
+
 _TOLERANCE = 1e-9  # a peak this far above the limit still meets it (float sums)
 _KIND, _ITEM = itemgetter(1), itemgetter(0, 2)  # an action's kind, its (stage, microbatch)
 
 # The kinds as module names (Note: [hot loops], core/actions.py).
 _F, _OFFLOAD, _RELOAD, _FETCH = Kind.F, Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH
 _LAST_PASS = frozenset({Kind.W, Kind.B})
+_START, _COPY_OUT_END, _COPY_BACK, _END = Role.START, Role.COPY_OUT_END, Role.COPY_BACK, Role.END
 
 
-def plan_limit(planner: _Planner, target: OffloadTarget) -> OffloadPlan:
+def plan_limit(planner: PrefixPlanner, target: OffloadTarget) -> OffloadPlan:
     """The plan of the shortest prefixes per rank that meet ``target`` (module docstring)."""
     ranks = range(planner.schedule.num_ranks)
     if target.in_bytes and planner.base.peak_bytes is None:
@@ -127,7 +156,7 @@ def plan_limit(planner: _Planner, target: OffloadTarget) -> OffloadPlan:
     return planner.finish(target, *best, tuple(notes))
 
 
-def _estimate(outcome: Outcome, rank: int, planner: _Planner, sizes: Sequence[float],
+def _estimate(outcome: Outcome, rank: int, planner: PrefixPlanner, sizes: Sequence[float],
               lo: int, limit: float) -> tuple[int, float]:
     """The shortest prefix of the rank's items, at least ``lo``, that meets ``limit`` by the
     rank's memory in ``outcome`` with the items the prefix leaves out held on the device from
@@ -152,7 +181,7 @@ def _shortest_prefix(weights: Sequence[float], tags: Sequence[int], lo: int, hi:
     Bisection; which changes count at k is kept in a bytearray that each step updates where
     the tags between the old and the new k are (found by bisection in the changes tagged below
     hi, sorted by tag), instead of comparing every tag again."""
-    below = list(compress(count(), map(gt, repeat(hi), tags)))  # where tags < hi are
+    below = [i for i, tag in enumerate(tags) if tag < hi]
     below.sort(key=tags.__getitem__)  # by tag, then by place
     below_tags = list(map(tags.__getitem__, below))
     # The weights side by side in memory: each step reads them all, and floats scattered
@@ -192,10 +221,10 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
     the item's (its twin): the share of the F's activation that streams out, from the F's start
     to the copy out's end; the copy back; or, where nothing is copied back (a fetched item,
     which frees nothing when its last pass ends), the free at that end. It has its twin's time
-    and program order and goes right before it when its weight is not larger, else right after:
-    the order a sort by (time, order, weight, tag) gives, so a cancelled pair never shows as a
-    spike (tests/test_offload_limit_exact.py holds the two equal). Changes are read back to
-    their actions by their program order (sim/memory.py ``Change``). Assumes what validate
+    position and role, and goes right before it when its weight is not larger, else right
+    after: the order a sort by (time, position, role, weight, tag) gives, so a cancelled pair
+    never shows as a spike (tests/test_offload_limit_exact.py holds the two equal). Changes are
+    read back to their actions by position (sim/memory.py ``Change``). Assumes what validate
     checks: each item has one I or one B, and one W or B.
     """
     actions = schedule.ranks[rank]
@@ -210,34 +239,31 @@ def _tagged_changes(schedule: Schedule, result: SimResult, rank: int, items: Seq
     held = (fetched & tag_of.keys()) - reloaded
     if held:
         end = result.rank_times(rank)[1]
-        alone = [(end[i], 2 * i + 1, actions[i][0], -1.0)
-                 for i in compress(count(), map(_LAST_PASS.__contains__, kinds))
-                 if _ITEM(actions[i]) in held]
+        alone = [(end[i], i, _END, s, -1.0) for i, (s, kind, m) in enumerate(actions)
+                 if kind in _LAST_PASS and (s, m) in held]
         if alone:
             changes = sorted(changes + alone)
     always = len(items)
     weights: list[float] = []
     tags: list[int] = []
     weigh, tag_as = weights.append, tags.append
-    for _, order, s, factor in changes:
+    for _, i, role, s, factor in changes:  # i: the position of the action that made it
         weight = sizes[s] * factor
-        i = int(order + 0.5) >> 1  # the action that made the change (see Change)
         tag = tag_of.get((s, actions[i][2])) if tag_of else None
         if tag is None:
             weigh(weight)
             tag_as(always)
             continue
         size = sizes[s]
-        role = order - 2 * i
-        if role == 0:  # its F starts: the share that streams out stays
+        if role is _START:  # its F starts: the share that streams out stays
             if kinds[i] is not _F:  # a RECOMPUTE: nothing to cancel
                 weigh(weight)
                 tag_as(always)
                 continue
             twin = size * (1.0 - factor)
-        elif role == 0.5:  # its copy out ends: what it freed stays
+        elif role is _COPY_OUT_END:  # what it freed stays
             twin = size * -factor
-        elif role == -0.5:  # its copy back: nothing to allocate, it stayed
+        elif role is _COPY_BACK:  # nothing to allocate, it stayed
             twin = -size
         else:  # its last pass ends: the free of what stayed, after the plain one if any
             item = (s, actions[i][2])

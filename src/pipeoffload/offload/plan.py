@@ -29,6 +29,7 @@ How (PipeOffload's selective offload, generalised to any schedule):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
 from pipeoffload.offload.forecast import Forwards, LatestStarts
 from pipeoffload.offload.limit import plan_limit
-from pipeoffload.offload.placement import Layout, Timing, insert, place_reloads
+from pipeoffload.offload.placement import ComputeIndex, Timing, insert, place_reloads
 from pipeoffload.offload.postpone import (
     RankCopies,
     forecast_copies,
@@ -49,6 +50,7 @@ from pipeoffload.offload.postpone import (
     postpone,
     simulated_copies,
 )
+from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.report import OffloadPlan, OffloadReport, Skipped
 from pipeoffload.offload.select import Item, Lifespans
 from pipeoffload.offload.targets import OffloadTarget, TargetKind, parse_target
@@ -86,7 +88,7 @@ class OffloadPolicy:
     uses it) where the reads hide behind the passes, instead of a RELOAD that holds it whole on
     the device from before its backward to the end of its W. Lower peaks (the activation being
     backpropagated no longer counts), more host-to-device traffic with a B/W split (I and W
-    each read it). Off by default: the GPU side of FETCH has not been measured yet."""
+    each read it). Off by default: its cost on a GPU is unmeasured."""
 
     def __post_init__(self) -> None:
         check_number("OffloadPolicy.reload_margin", self.reload_margin, minimum=0)
@@ -124,6 +126,8 @@ def _add_offload(schedule: Schedule, costs: CostModel | None,
     bare = schedule.without(*OFFLOAD_KINDS)
     if base is None or base.costs != costs or base.schedule.ranks != bare.ranks:
         base = simulate(bare, costs)
+    if target.kind is TargetKind.RECOMPUTE_CHUNKS_THEN_ALL:
+        return _recompute_then_offload(bare, costs, target, policy, base)
     planner = _Planner(bare, costs, policy, base, keep_stalling=target.demands)
     if target.kind is TargetKind.NONE:
         return planner.finish(target, bare, base, {}, ())
@@ -137,6 +141,19 @@ def _add_offload(schedule: Schedule, costs: CostModel | None,
     return planner.finish(target, planned, result, skipped, notes)
 
 
+def _recompute_then_offload(bare: Schedule, costs: CostModel, target: OffloadTarget,
+                            policy: OffloadPolicy, base: SimResult) -> OffloadPlan:
+    """The RECOMPUTE_CHUNKS_THEN_ALL target: each rank's K longest-lived chunks recomputed
+    (offload/recompute.py), then every other activation offloaded as ``all`` plans it. ``bare``
+    has no transfers, ``base`` is its simulation. The report names ``target``; its "before"
+    is the recomputed schedule's."""
+    chunks = OffloadTarget(TargetKind.CHUNKS, target.value)
+    recomputed = add_recompute(bare, costs, chunks, base=base)
+    offload = OffloadTarget(TargetKind.ALL, allow_stall=target.allow_stall)
+    plan = _add_offload(recomputed.schedule, costs, offload, policy, recomputed.result)
+    return dataclasses.replace(plan, report=dataclasses.replace(plan.report, target=target))
+
+
 class _Planner:
     """Shared state of one planning call: the bare schedule, its base simulation, and helpers."""
 
@@ -145,7 +162,7 @@ class _Planner:
         self.schedule, self.costs, self.policy, self.base = schedule, costs, policy, base
         self.keep_stalling = keep_stalling
         self.units = activation_units(schedule, costs)
-        self.layout = Layout(schedule)
+        self.compute_index = ComputeIndex(schedule)
         self.spans = Lifespans(base)
         # Recomputed items keep nothing to offload (see offload/recompute.py).
         self.recomputed = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts
@@ -159,7 +176,7 @@ class _Planner:
     @functools.cached_property
     def base_timing(self) -> Timing:
         """The plain schedule's timing (made once: every plan starts from it)."""
-        return Timing(self.layout, self.base)
+        return Timing(self.compute_index, self.base)
 
     @functools.cached_property
     def base_forwards(self) -> Forwards:
@@ -168,13 +185,13 @@ class _Planner:
 
     def backward(self, item: Item) -> Action:
         """The action that consumes the item's activation first (I, or B without a split)."""
-        return self.layout.backward_action(item)
+        return self.compute_index.backward_action(item)
 
     def place_reloads(self, items: Iterable[Item], timing: Timing, skipped: dict[Item, str],
                       out_ends: dict[Item, float]) -> dict[Item, int]:
         """For each item, how many compute actions ahead of its backward its RELOAD goes
         (placement.place_reloads)."""
-        return place_reloads(self.layout, items, timing, self._reload_time,
+        return place_reloads(self.compute_index, items, timing, self._reload_time,
                              self.policy.reload_margin, self.policy.stall_tolerance,
                              self.keep_stalling, skipped, out_ends)
 
@@ -192,7 +209,7 @@ class _Planner:
     def insert(self, leads: dict[Item, int], waits: dict[Action, Item],
                fetches: set[Item]) -> Schedule:
         """The schedule with the transfers and waits placed (placement.insert)."""
-        return insert(self.layout, leads, waits, fetches)
+        return insert(self.compute_index, leads, waits, fetches)
 
     def plan(self, chosen: Iterable[Item], keep_changes: bool = False
              ) -> tuple[Schedule, SimResult, dict[Item, str]]:
@@ -232,13 +249,13 @@ class _Planner:
                     continue
                 waits, postponing = {}, False  # postponing cost time: plan without it
                 if unpostponed is not None:
-                    timing = Timing(self.layout, unpostponed)
+                    timing = Timing(self.compute_index, unpostponed)
                 leads = self.place_reloads(leads, timing, skipped, out_ends)
                 continue
             if not waits:
                 unpostponed = result
             if result.total_stall_time > self.policy.stall_tolerance:
-                timing = Timing(self.layout, result)
+                timing = Timing(self.compute_index, result)
                 new_leads = self.place_reloads(leads, timing, skipped, out_ends)
                 if new_leads != leads:
                     leads = new_leads
@@ -273,7 +290,7 @@ class _Planner:
         """The items whose backward directly follows their F on the rank's compute lane (found
         once: every plan asks about its items)."""
         adjacent = set()
-        for comp in self.layout.compute:
+        for comp in self.compute_index.compute:
             for before, after in zip(comp, comp[1:]):
                 if before[1] is _F and (after[1] is _I or after[1] is _B) \
                         and before[0] == after[0] and before[2] == after[2]:
@@ -303,7 +320,7 @@ class _Planner:
 
     def _runs_before(self, item: Item, forward: Action) -> bool:
         """Whether the item's forward comes before ``forward`` in their rank's program."""
-        order = self.layout.index[self.layout.rank_of[forward[0]]]
+        order = self.compute_index.index[self.compute_index.rank_of[forward[0]]]
         return order[(item[0], _F, item[1])] < order[forward]  # type: ignore[index]
 
     def floor_reason(self, rank: int) -> str:
@@ -329,7 +346,7 @@ class _Planner:
             reasons = sorted({why for why in skipped.values()})
             notes = notes + ("nothing could be offloaded: " + "; ".join(reasons),)
         total = sum(map(self.units.__getitem__, map(_STAGE, _of_kind(
-            chain.from_iterable(self.layout.compute), _F))))  # in program order, as before
+            chain.from_iterable(self.compute_index.compute), _F))))  # summed in program order
         moved_units = sum(self.units[s] for s, _ in offloaded)
         # Byte peaks exist exactly when every stage's activation size is known.
         bytes_moved = None if self.base.peak_bytes is None else float(

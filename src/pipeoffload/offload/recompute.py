@@ -38,7 +38,7 @@ def add_recompute(schedule: Schedule, costs: CostModel | None = None,
     ``base``: the simulation of ``schedule`` without RECOMPUTE actions, when the caller has it."""
     costs = costs or CostModel()
     target = parse_target(target)
-    if target.kind is TargetKind.LIMIT:
+    if target.kind in (TargetKind.LIMIT, TargetKind.RECOMPUTE_CHUNKS_THEN_ALL):
         raise ConfigError(f"recompute target {target}: use none, all, chunks:K or fraction:X")
     bare = schedule.without(Kind.RECOMPUTE)
     if base is None or base.costs != costs or base.schedule.ranks != bare.ranks:

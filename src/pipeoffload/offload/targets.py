@@ -1,6 +1,7 @@
 """What to offload: the target a user asks for, parsed from ``none``, ``all``, ``chunks:K``,
-``fraction:X``, ``limit:X`` (M_a units) or ``limit:XGiB`` / ``limit:XMB`` (bytes), or ``given``
-(keep the transfers the schedule already has, e.g. a planned schedule loaded from CSV)."""
+``fraction:X``, ``limit:X`` (M_a units) or ``limit:XGiB`` / ``limit:XMB`` (bytes), ``given``
+(keep the transfers the schedule already has, e.g. a planned schedule loaded from CSV), or
+``recompute-chunks:K+all`` (recompute some chunks, offload the rest)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,17 @@ class TargetKind(str, Enum):
     FRACTION = "fraction"  # this fraction of each rank's activation bytes, longest-lived first
     LIMIT = "limit"  # the least offload that brings every rank's peak to this value
     GIVEN = "given"  # the schedule's own transfers, as they are
+    # The K longest-lived stages (chunks) of every rank recomputed (RECOMPUTE actions,
+    # offload/recompute.py), then every other activation offloaded as ALL does; written
+    # ``recompute-chunks:K+all``. The report's "before" is the recomputed schedule's.
+    RECOMPUTE_CHUNKS_THEN_ALL = "recompute-chunks"
 
 
 _BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
                "gib": 2**30, "tib": 2**40}
-_SPEC_HELP = ("use none, all, chunks:K, fraction:X (0..1), limit:X (M_a units), limit:XGiB or "
-              "given")
+_SPEC_HELP = ("use none, all, chunks:K, fraction:X (0..1), limit:X (M_a units), limit:XGiB, "
+              "recompute-chunks:K+all or given")
+_RECOMPUTE_FORM = "recompute-chunks:K+all"
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,8 @@ class OffloadTarget:
             return self.kind.value
         if self.kind is TargetKind.CHUNKS:
             return f"chunks:{int(self.value)}"
+        if self.kind is TargetKind.RECOMPUTE_CHUNKS_THEN_ALL:
+            return f"{self.kind.value}:{int(self.value)}+all"
         if self.in_bytes:
             return f"{self.kind.value}:{self.value:.0f}B"
         return f"{self.kind.value}:{self.value:g}"
@@ -85,6 +93,13 @@ def parse_target(spec: str | OffloadTarget | None, *, allow_stall: bool = False)
             raise ConfigError(f"offload target {spec!r}: K must be a whole number >= 1 "
                               "(digits 0-9)")
         return OffloadTarget(kind, float(arg), allow_stall=allow_stall)
+    if kind is TargetKind.RECOMPUTE_CHUNKS_THEN_ALL:
+        match = re.fullmatch(r"([0-9]+)\s*\+\s*all", arg)
+        if match is None or int(match.group(1)) < 1:
+            raise ConfigError(f"offload target {spec!r}: write {_RECOMPUTE_FORM}, K a whole "
+                              "number >= 1 (each rank's K longest-lived chunks recomputed, "
+                              "every other activation offloaded)")
+        return OffloadTarget(kind, float(match.group(1)), allow_stall=allow_stall)
     match = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)", arg)
     if match is None:
         raise ConfigError(f"offload target {spec!r}: {arg!r} is not a number; {_SPEC_HELP}")

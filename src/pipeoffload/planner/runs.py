@@ -20,7 +20,6 @@ from typing import NamedTuple, TypeVar
 from pipeoffload.core import registry
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.plan import OffloadPlan, add_offload
-from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.targets import parse_target
 from pipeoffload.planner.bounds import ResidentCounts, kept_activation_floor, resident_counts
 from pipeoffload.planner.fit_bound import RankPoints, fit_points
@@ -33,7 +32,8 @@ from pipeoffload.sim.simulator import SimResult, simulate
 
 RECOMPUTE_AND_OFFLOAD = "recompute-chunks:1+all"
 """A memory option mixing both per chunk: each rank's longest-lived chunk is recomputed
-(RECOMPUTE actions, offload/recompute.py), every other activation that hides is offloaded."""
+(RECOMPUTE actions, offload/recompute.py), every other activation that hides is offloaded
+(the offload target kind RECOMPUTE_CHUNKS_THEN_ALL, offload/targets.py)."""
 
 #: How many dependency graphs and bare simulations a Runner keeps.
 KEPT = 8
@@ -43,12 +43,8 @@ T = TypeVar("T")
 
 def plan_memory(schedule: Schedule, costs: CostModel, option: str,
                 bare: SimResult | None = None) -> OffloadPlan:
-    """Plan an offload target, or RECOMPUTE_AND_OFFLOAD, into ``schedule``; ``bare``: its
-    simulation without transfers, when the caller has one."""
-    if option == RECOMPUTE_AND_OFFLOAD:
-        recomputed = add_recompute(schedule, costs, "chunks:1", base=bare)
-        return add_offload(recomputed.schedule, costs, parse_target("all"),
-                           base=recomputed.result)
+    """Plan an offload target (RECOMPUTE_AND_OFFLOAD among them) into ``schedule``; ``bare``:
+    its simulation without transfers, when the caller has one."""
     return add_offload(schedule, costs, parse_target(option), base=bare)
 
 

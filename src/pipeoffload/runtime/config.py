@@ -29,7 +29,7 @@ class OffloadConfig:
       memory is released in stream order by default, so that a host far ahead of the GPU cannot
       keep offloaded activations on the device past the plan (one activation still copying, as
       the simulator's streaming copy allows). None: release only when a poll sees the copy done
-      (host time). A reasoned default: no GPU has measured what it costs in step time yet.
+      (host time). A reasoned default: its cost in GPU step time is unmeasured.
     """
 
     min_offload_elements: int = 1024

@@ -84,7 +84,7 @@ def new_channel_groups(ranks: list[int], timeout: datetime.timedelta | None = No
     with the same arguments, in the same order as its other ``new_group`` calls.
 
     NCCL needs them (p2p.py Note: [NCCL posting]). On gloo each group is its own set of
-    sockets, so a pair of ranks no longer pushes both directions' messages and receive notices
+    sockets, so a pair of ranks does not push both directions' messages and receive notices
     through one socket: a send does not queue behind the other direction's traffic. Measured on
     2 CPU ranks, together with receives posted 8 ahead (RuntimeConfig.recv_lookahead): interleaved
     1F1B and ZB-V steps 10-14 % faster than on one group with receives 2 ahead

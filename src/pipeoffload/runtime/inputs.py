@@ -11,7 +11,7 @@ position ids) travel on to the next stage and get no gradient. The last stage's 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -68,12 +68,14 @@ def check_form(value: object, what: str) -> None:
     raise ConfigError(f"{what} is a {type(value).__name__}; pass {kinds} (batch in dim 0)")
 
 
-def positional(inputs: object) -> tuple[tuple[str, ...] | None, object]:
+def positional(inputs: object
+               ) -> tuple[tuple[str, ...] | None, torch.Tensor | Sequence[torch.Tensor] | None]:
     """``(names, tensors)``: a dict becomes its keys and its values in that order; anything else
-    passes through unchanged (checked by microbatch.as_tuple)."""
+    passes through unchanged (its items are checked by microbatch.as_tuple)."""
     check_form(inputs, "inputs")
     if not isinstance(inputs, Mapping):
-        return None, inputs
+        # check_form let only None, a tensor or a sequence (of tensors, as_tuple checks) by.
+        return None, cast("torch.Tensor | Sequence[torch.Tensor] | None", inputs)
     names, values = [], []
     for name, value in inputs.items():
         if not isinstance(name, str):

@@ -21,30 +21,36 @@ _COMM = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
 
 
 def with_comms(schedule: Schedule) -> Schedule:
-    """``schedule`` with explicit SEND / RECV actions (unchanged if it has some already)."""
+    """``schedule`` with explicit SEND / RECV actions (unchanged if it has some already).
+    Neighbours are those on the microbatch's route (``Schedule.previous_stage`` /
+    ``next_stage``): where one route ends and the next begins nothing is sent, on whichever
+    ranks the two stages live."""
     if schedule.has_kind(*_COMM):
         return schedule
-    last = schedule.num_stages - 1
-
-    def remote(rank: int, other: int) -> bool:
-        return 0 <= other <= last and schedule.rank_of(other) != rank
-
+    stages = range(schedule.num_stages)
+    # Per stage: whether its input comes from, and its output goes to, another rank.
+    takes_remote = [_on_other_rank(schedule, s, schedule.previous_stage(s)) for s in stages]
+    gives_remote = [_on_other_rank(schedule, s, schedule.next_stage(s)) for s in stages]
     rows = []
-    for rank, actions in enumerate(schedule.ranks):
+    for actions in schedule.ranks:
         row: list[Action] = []
         for action in actions:
             stage, kind, mb = action
-            if kind is Kind.F and remote(rank, stage - 1):
+            if kind is Kind.F and takes_remote[stage]:
                 row.append(Action(stage, Kind.RECV_F, mb))
-            if kind.is_backward and remote(rank, stage + 1):
+            if kind.is_backward and gives_remote[stage]:
                 row.append(Action(stage, Kind.RECV_B, mb))
             row.append(action)
-            if kind is Kind.F and remote(rank, stage + 1):
+            if kind is Kind.F and gives_remote[stage]:
                 row.append(Action(stage, Kind.SEND_F, mb))
-            if kind.is_backward and remote(rank, stage - 1):
+            if kind.is_backward and takes_remote[stage]:
                 row.append(Action(stage, Kind.SEND_B, mb))
         rows.append(row)
     return schedule.with_ranks(rows)
+
+
+def _on_other_rank(schedule: Schedule, stage: int, neighbour: int | None) -> bool:
+    return neighbour is not None and schedule.rank_of(neighbour) != schedule.rank_of(stage)
 
 
 def forward_only(lowered: Schedule) -> Schedule:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -146,7 +146,7 @@ class DistTransport:
         self._staging: torch.Tensor | None = None  # pinned rows for the first step's metadata
         self._staged = 0
 
-    def connect_peers(self, connections: list[tuple[Channel, int, int, object]],
+    def connect_peers(self, connections: Sequence[tuple[Channel, int, int, object]],
                       metadata_sends: int = 0) -> None:
         """Before the first step: set up every connection of ``connections`` (sender and
         receiver ranks of this group per channel, ``lowering.peer_connections``: the same list

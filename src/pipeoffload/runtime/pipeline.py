@@ -131,20 +131,7 @@ class Pipeline:
         schedule = schedule.without(*MARKER_KINDS)  # itself when it has none
         self.meter = meter
         self.distributed = dist.is_available() and dist.is_initialized()
-        if self.distributed:
-            world = dist.get_world_size(group)
-            if world != schedule.num_ranks:
-                raise ConfigError(
-                    f"the process group has {world} ranks but schedule {schedule.name!r} has "
-                    f"{schedule.num_ranks}; build the schedule with pp={world} or pass a group "
-                    f"of {schedule.num_ranks} ranks")
-            rank = dist.get_rank(group)
-            if rank < 0:
-                raise ConfigError("this process is not a member of the given process group; "
-                                  "create the Pipeline only on the group's ranks")
-            self.ranks: tuple[int, ...] = (rank,)
-        else:
-            self.ranks = tuple(range(schedule.num_ranks))
+        self.ranks = self._ranks_here(schedule, group)
         self._check_stages(stages)
         self.device = (torch.device(device) if device is not None else _device_of(
             stages, self.distributed and backend_for(group, "cuda") == "nccl"))
@@ -161,33 +148,14 @@ class Pipeline:
         params = [p for m in modules.values() for p in (*m.parameters(), *m.buffers())]
         if meter is not None:
             meter.exclude(params)
-        self._offloader = None
-        if schedule.has_kind(Kind.OFFLOAD):
-            # On NCCL the pool warns when it must allocate inside a step (Note: [host pool]).
-            pool = HostBufferPool(self.device.type == "cuda" and self.config.offload.pin_memory,
-                                  strict=nccl)
-            self._offloader = ActivationOffloader(self.device, self.config.offload, params, meter,
-                                                  pool=pool)
+        self._offloader = self._new_offloader(schedule, params, nccl)
         self._lowered = with_comms(schedule)
         self._connected = not self.distributed
         self._nccl_groups = (group, backward_group, channel_groups) if nccl else None
-        if self.distributed:
-            if nccl:
-                check_nccl_layout(self._lowered, group, backward_group, channel_groups)
-            self._transport: LocalTransport | DistTransport = DistTransport(
-                group, self.device, self.config.p2p_timeout_s, schedule.num_stages,
-                schedule.microbatches, backward_group, channel_groups, nccl)
-        else:
-            self._transport = LocalTransport()
+        self._transport = self._new_transport(group, backward_group, channel_groups, nccl)
         # Gloo posts receives ahead; NCCL posts each in place (p2p.py Note: [NCCL posting]).
         self._lookahead = self.config.recv_lookahead if self.distributed and not nccl else 0
-        self._executors = {
-            rank: RankExecutor(rank, self._lowered, self._runners_of(rank), self._transport,
-                               self._offloader, meter, self.config.clone_hand_off,
-                               self.config.offload.stream, device=self.device,
-                               recv_lookahead=self._lookahead)
-            for rank in self.ranks
-        }
+        self._executors = self._new_executors(self._lowered)
         self._order = interleave(self._lowered, self.ranks)
         self._forward_only: tuple[list[tuple[int, Action]], dict[int, RankExecutor]] | None = None
         ties = merge_ties([tied or {}, *(getattr(m, "tied_parameters", {})
@@ -199,6 +167,59 @@ class Pipeline:
         if example_inputs is not None:
             self._input_names, example = positional(example_inputs)
             self._input_sig = signature(as_tuple(example, "example_inputs"))
+
+    def _ranks_here(self, schedule: Schedule, group: dist.ProcessGroup | None
+                    ) -> tuple[int, ...]:
+        """The pipeline ranks this process runs: its own under torch.distributed (checked
+        against the group), every rank in local mode."""
+        if not self.distributed:
+            return tuple(range(schedule.num_ranks))
+        world = dist.get_world_size(group)
+        if world != schedule.num_ranks:
+            raise ConfigError(
+                f"the process group has {world} ranks but schedule {schedule.name!r} has "
+                f"{schedule.num_ranks}; build the schedule with pp={world} or pass a group "
+                f"of {schedule.num_ranks} ranks")
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ConfigError("this process is not a member of the given process group; "
+                              "create the Pipeline only on the group's ranks")
+        return (rank,)
+
+    def _new_offloader(self, schedule: Schedule, params: list[torch.Tensor], nccl: bool
+                       ) -> ActivationOffloader | None:
+        """The activation offloader, where the schedule offloads."""
+        if not schedule.has_kind(Kind.OFFLOAD):
+            return None
+        # On NCCL the pool warns when it must allocate inside a step (Note: [host pool]).
+        pool = HostBufferPool(self.device.type == "cuda" and self.config.offload.pin_memory,
+                              strict=nccl)
+        return ActivationOffloader(self.device, self.config.offload, params, self.meter,
+                                   pool=pool)
+
+    def _new_transport(self, group: dist.ProcessGroup | None,
+                       backward_group: dist.ProcessGroup | None,
+                       channel_groups: Mapping[Channel, dist.ProcessGroup] | None,
+                       nccl: bool) -> LocalTransport | DistTransport:
+        """How messages travel: a mailbox in local mode, else torch.distributed (on NCCL after
+        checking the lowered schedule's layout of communicators)."""
+        if not self.distributed:
+            return LocalTransport()
+        if nccl:
+            check_nccl_layout(self._lowered, group, backward_group, channel_groups)
+        schedule = self._lowered
+        return DistTransport(group, self.device, self.config.p2p_timeout_s, schedule.num_stages,
+                             schedule.microbatches, backward_group, channel_groups, nccl)
+
+    def _new_executors(self, lowered: Schedule) -> dict[int, RankExecutor]:
+        """One executor of ``lowered`` per rank this process runs."""
+        return {
+            rank: RankExecutor(rank, lowered, self._runners_of(rank), self._transport,
+                               self._offloader, self.meter, self.config.clone_hand_off,
+                               self.config.offload.stream, device=self.device,
+                               recv_lookahead=self._lookahead)
+            for rank in self.ranks
+        }
 
     @property
     def offloader(self) -> ActivationOffloader | None:

@@ -16,6 +16,7 @@ transfers, communication actions or overlapped F&B pairs need the simulator.
 from __future__ import annotations
 
 from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.deps import numbering
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
@@ -35,7 +36,7 @@ class ComputeGraph:
             raise ScheduleError(f"ComputeGraph: {schedule.name} has {others} actions; "
                                 "simulate it instead")
         self.schedule = schedule
-        numbered = schedule.numbered  # kept with the schedule: numbered once (core/deps.py)
+        numbered = numbering(schedule)  # kept with the schedule: numbered once
         if numbered.repeated:
             raise ScheduleError(f"ComputeGraph: {schedule.name} has an action twice; "
                                 "pipeoffload.core.validate.validate(schedule) says where")

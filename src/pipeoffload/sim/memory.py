@@ -4,27 +4,36 @@ runtime's meter (design.md), read off a simulated timeline."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from itertools import accumulate, chain, compress, count
+from enum import IntEnum
+from itertools import accumulate, chain
 from operator import itemgetter, mul
-from typing import TYPE_CHECKING
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.timeline import TimedAction
 
-if TYPE_CHECKING:
-    from pipeoffload.sim.simulator import TimedAction
 
-Change = tuple[float, float, int, float]
-"""(time, program order, stage, factor): the stage's activation size times ``factor`` (+1 when
-it is allocated, -1 when freed, a share while it streams out) changes the level at ``time``.
-The program order of a change made by the rank's i-th action is 2i at its start (a forward or
-a RECOMPUTE allocates), 2i + 1 at its end (a last backward pass frees); a copy out of forward
-i ends at 2i + 0.5; a copy back allocates at 2b - 0.5 for its first backward pass b (or at
-its own position, without one). offload/limit.py reads changes back to actions by these."""
+class Role(IntEnum):
+    """What a memory change is, in the order the changes of one program position sort in."""
+
+    COPY_BACK = 0  # a copy back allocates, right before the backward pass at this position
+    START = 1  # the forward or RECOMPUTE at this position starts: it allocates
+    COPY_OUT_END = 2  # the copy out of the forward at this position ends: it frees
+    END = 3  # the last backward pass (W or B) at this position ends: it frees
+
+
+Change = tuple[float, int, Role, int, float]
+"""(time, position, role, stage, factor): at ``time``, in the way ``role`` says, the rank's
+action at ``position`` in its program changes the level by the stage's activation size times
+``factor`` (+1 when it is allocated, -1 when freed, a share while it streams out). A copy back
+is placed at its item's first backward pass (at its own position, without one). Sorted by
+(time, position, role), which is unique per rank: at a time tie, changes follow the program
+(``memory_events``). offload/limit.py reads changes back to their actions by position."""
 
 _TIME, _KIND = itemgetter(0), itemgetter(1)  # of a Change; of an Action
-_STAGE, _FACTOR = itemgetter(2), itemgetter(3)  # of a Change
+_STAGE, _FACTOR = itemgetter(3), itemgetter(4)  # of a Change
+_COPY_BACK, _START, _COPY_OUT_END, _END = Role.COPY_BACK, Role.START, Role.COPY_OUT_END, Role.END
 # The kinds as module names (Note: [hot loops], core/actions.py).
 _F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B
 _OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.RECOMPUTE
@@ -56,13 +65,14 @@ def memory_events(schedule: Schedule, rank_timeline: Sequence[TimedAction],
     forward ended.
     """
     return [(time, sizes[stage] * factor)
-            for time, _, stage, factor in memory_changes(schedule, rank_timeline, costs)]
+            for time, _, _, stage, factor in memory_changes(schedule, rank_timeline, costs)]
 
 
 def memory_changes(schedule: Schedule, rank_timeline: Sequence[TimedAction],
                    costs: CostModel) -> list[Change]:
     """``memory_events`` before sizes are applied, sorted: one pass serves every size vector
-    (M_a units and bytes). Program order keys are unique, so the order is fully determined."""
+    (M_a units and bytes). (time, position, role) is unique per change, so the order is fully
+    determined."""
     if not rank_timeline:
         return []
     actions = schedule.ranks[rank_timeline[0].rank]
@@ -98,7 +108,7 @@ def rank_changes(actions: Sequence[Action], start: Sequence[float], end: Sequenc
     reloads: dict[tuple[int, int], int] = {}  # a reloaded (s, m) -> its RELOAD's position
     fetched: set[tuple[int, int]] = set()
     recomputed: set[tuple[int, int]] = set()
-    for i in compress(count(), map(_MOVED.__contains__, map(_KIND, actions))):
+    for i in [position for position, action in enumerate(actions) if action[1] in _MOVED]:
         s, kind, m = actions[i]
         if kind is _OFFLOAD:
             copies[(s, m)] = i
@@ -115,24 +125,24 @@ def rank_changes(actions: Sequence[Action], start: Sequence[float], end: Sequenc
             copy = copies.get((s, m)) if copies else None
             if copy is not None:
                 part = streamed_fraction(start[i], end[i], start[copy], copy_seconds[s])
-                add((start[i], 2 * i, s, part))
-                add((end[copy], 2 * i + 0.5, s, -part))
+                add((start[i], i, _START, s, part))
+                add((end[copy], i, _COPY_OUT_END, s, -part))
             elif not recomputed or (s, m) not in recomputed:
-                add((start[i], 2 * i, s, 1.0))
+                add((start[i], i, _START, s, 1.0))
         elif kind is _W or kind is _B:
             if not fetched or (s, m) not in fetched:
-                add((end[i], 2 * i + 1, s, -1.0))
+                add((end[i], i, _END, s, -1.0))
         elif kind is _RECOMPUTE:
-            add((start[i], 2 * i, s, 1.0))
+            add((start[i], i, _START, s, 1.0))
         if reloads and (kind is _I or kind is _B):
             # A copy back allocates right before the first backward pass of its (s, m).
             copy = reloads.pop((s, m), None)
             if copy is not None:
-                add((start[copy], 2 * i - 0.5, s, 1.0))
+                add((start[copy], i, _COPY_BACK, s, 1.0))
     for (s, _), copy in reloads.items():  # without a backward pass: where it is
-        add((start[copy], 2 * copy - 0.5, s, 1.0))
-    # (time, order) is unique, so a plain tuple sort never compares further and is the
-    # sort by time and order, without a key tuple per change.
+        add((start[copy], copy, _COPY_BACK, s, 1.0))
+    # (time, position, role) is unique, so a plain tuple sort never compares further and is
+    # the sort by those, without a key tuple per change.
     changes.sort()
     return changes
 

@@ -6,13 +6,10 @@ most of the offload planner's time (docs/offload.md, planning time).
 
 from __future__ import annotations
 
-import operator
-from collections import deque
-from collections.abc import Iterable
 from enum import IntEnum
-from operator import getitem
 
 from pipeoffload.core.actions import Action, Kind, items_of, positions_of
+from pipeoffload.core.deps import numbering
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
@@ -33,11 +30,7 @@ class Step(IntEnum):
 _STEPS = {kind: Step.RUN for kind in Kind} | {
     Kind.OFFLOAD: Step.COPY_OUT, Kind.RELOAD: Step.COPY_BACK, Kind.FETCH: Step.FETCH_MARK}
 _BLOCKS = {kind: kind.blocks for kind in Kind}
-_IS_COMPUTE = {kind: kind.is_compute for kind in Kind}
-_IS_FORWARD = {kind: kind is Kind.F for kind in Kind}
-_KIND, _STAGE = operator.itemgetter(1), operator.itemgetter(0)
-_RUN, _COPY_OUT, _COPY_BACK = Step.RUN, Step.COPY_OUT, Step.COPY_BACK
-_FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
+_COPY_OUT, _COPY_BACK, _READ_PASS = Step.COPY_OUT, Step.COPY_BACK, Step.READ_PASS
 
 
 class Program:
@@ -46,15 +39,15 @@ class Program:
 
     Per index: ``actions`` (``index`` maps them back), ``owner`` (its rank), ``step``,
     ``duration`` (compute time), ``needs`` (its dependencies' indices; one the schedule lacks
-    is ``len(actions)``, which never completes), ``source`` (an OFFLOAD's forward, else -1),
-    ``channel`` and ``copy_time`` (the host-link queue, numbered below ``channels``, and
-    duration of its copy or read; -1 and 0.0 for other actions),
-    ``blocks``, ``is_compute``, ``is_forward``.
+    is ``len(actions)``, which never completes), ``blocks`` (it holds its rank's program until
+    it ends), ``source`` (an OFFLOAD's forward, else -1), ``channel`` and ``copy_time`` (the
+    host-link queue, numbered below ``channels``, and duration of its copy or read; -1 and 0.0
+    for other actions).
     Raises ScheduleError if an action appears twice (it could not be numbered).
     """
 
     def __init__(self, schedule: Schedule, costs: CostModel) -> None:
-        numbered = schedule.numbered  # kept with the schedule: numbered once (core/deps.py)
+        numbered = numbering(schedule)  # kept with the schedule: numbered once
         if numbered.repeated:
             self._reject_repeats(schedule)
         actions = numbered.actions
@@ -62,40 +55,43 @@ class Program:
         self.first, self.owner, self.needs = numbered.first, numbered.owner, numbered.needs
         # What depends on the kind (and stage) only is looked up in tables, not asked of each
         # action (Note: [hot loops], core/actions.py).
-        fetch, read_pass = Kind.FETCH, Step.READ_PASS
-        kinds = list(map(_KIND, actions))
-        self.step = list(map(_STEPS.__getitem__, kinds))
-        fetched = items_of(actions, kinds, fetch)
+        kinds = [action[1] for action in actions]
+        self.step: list[Step] = [_STEPS[kind] for kind in kinds]
+        fetched = items_of(actions, kinds, Kind.FETCH)
         if fetched:
+            read_pass = Step.READ_PASS
             self.step = [read_pass if kind in _PASSES and (s, m) in fetched else step
                          for (s, kind, m), step in zip(actions, self.step)]
         stages = range(schedule.num_stages)
         took = {kind: [costs.compute_time(Action(s, kind, 0)) for s in stages] for kind in Kind}
-        self.duration = list(map(getitem, map(took.__getitem__, kinds), map(_STAGE, actions)))
-        self.blocks = list(map(_BLOCKS.__getitem__, kinds))
-        self.is_compute = list(map(_IS_COMPUTE.__getitem__, kinds))
-        self.is_forward = list(map(_IS_FORWARD.__getitem__, kinds))
+        self.duration: list[float] = [took[kind][s] for s, kind, _ in actions]
+        self.blocks: list[bool] = [_BLOCKS[kind] for kind in kinds]
         self.source = [-1] * len(actions)
-        self.channel: list[int] = [-1] * len(actions)
+        self.channel = [-1] * len(actions)
         self.copy_time = [0.0] * len(actions)
-        ranks, owner = range(schedule.num_ranks), self.owner
+        self.channels = self._number_queues(costs)
+
+    def _number_queues(self, costs: CostModel) -> int:
+        """Write each copy's and read's host-link queue and duration (and each copy out's
+        forward) by index; return how many queues there are."""
         numbers: dict[tuple[int, str], int] = {}  # host-link queue -> its number
-        for step, queue in ((_COPY_OUT, Kind.OFFLOAD), (_COPY_BACK, Kind.RELOAD),
-                            (_READ_PASS, Kind.RELOAD)):
-            # Each step's actions found, looked up and written in C: a plan at p = 64,
-            # m = 1024 has ~5 x 10^5 copies.
+        ranks, stages = range(self.schedule.num_ranks), range(self.schedule.num_stages)
+        actions, owner, channel, copy_time = self.actions, self.owner, self.channel, self.copy_time
+        for step, kind in ((_COPY_OUT, Kind.OFFLOAD), (_COPY_BACK, Kind.RELOAD),
+                           (_READ_PASS, Kind.RELOAD)):
             where = positions_of(self.step, step)
             if not where:
                 continue
-            channel = [numbers.setdefault(costs.host_link.channel(rank, queue), len(numbers))
-                       for rank in ranks]
-            seconds = [costs.transfer_time(stage, queue) for stage in stages]
-            _write(self.channel, where, map(channel.__getitem__, map(owner.__getitem__, where)))
-            _write(self.copy_time, where, map(seconds.__getitem__, map(
-                _STAGE, map(actions.__getitem__, where))))
+            queue = [numbers.setdefault(costs.host_link.channel(rank, kind), len(numbers))
+                     for rank in ranks]
+            seconds = [costs.transfer_time(stage, kind) for stage in stages]
+            for j in where:
+                channel[j] = queue[owner[j]]
+                copy_time[j] = seconds[actions[j][0]]
             if step is _COPY_OUT:  # an OFFLOAD's one dependency: its F
-                _write(self.source, where, map(_STAGE, map(self.needs.__getitem__, where)))
-        self.channels = len(numbers)
+                for j in where:
+                    self.source[j] = self.needs[j][0]
+        return len(numbers)
 
     @property
     def index(self) -> dict[Action, int]:
@@ -113,7 +109,3 @@ class Program:
                     rank=rank, position=position, action=action)
             seen.add(action)
 
-
-def _write(values: list, where: list[int], new: Iterable) -> None:
-    """``values[i] = v`` for each i of ``where`` and v of ``new``, in C."""
-    deque(map(values.__setitem__, where, new), maxlen=0)

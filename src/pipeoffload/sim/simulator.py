@@ -14,7 +14,7 @@ Each rank runs its action list in order, like a program:
 - every dependency that crosses ranks adds ``CostModel.p2p_time``.
 A compute action that waits on a RELOAD or a FETCH read beyond the time it could otherwise
 start is stalled; the stall is reported per rank. Memory follows design.md's accounting (see
-``memory_events`` in sim/memory.py).
+``memory_events`` in sim/memory.py). The event loop that applies these rules is sim/events.py.
 
 Note: [fetch on use]
 The time-mirror of streaming offload. A backward pass of a fetched (s, m) reads each saved tensor
@@ -46,38 +46,21 @@ bubble for DualPipe (docs/schedules.md).
 from __future__ import annotations
 
 import functools
-import heapq
-import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from itertools import repeat
-from typing import NamedTuple
+from itertools import compress, repeat
+from operator import itemgetter, sub
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind, positions_of
 from pipeoffload.core.schedule import Schedule
-from pipeoffload.errors import ScheduleError
 from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.events import RunRecord, run_program
 from pipeoffload.sim.memory import Change, copy_seconds, curve, peak, rank_changes
-from pipeoffload.sim.program import Program, Step
+from pipeoffload.sim.program import Program
+from pipeoffload.sim.timeline import Lane, TimedAction, make_timeline
 
-
-class Lane(str, Enum):
-    COMPUTE = "compute"
-    D2H = "d2h"
-    H2D = "h2d"
-    COMM = "comm"
-
-
-class TimedAction(NamedTuple):
-    """When one action ran on its rank's lane (a tuple: tens of thousands are made per run)."""
-
-    rank: int
-    action: Action
-    start: float
-    end: float
-    lane: Lane
-    stall: float = 0.0  # time this compute action waited for a RELOAD beyond its other inputs
+__all__ = ["Lane", "SimResult", "TimedAction", "activation_units", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +86,7 @@ class SimResult:
     times: tuple[list[float], list[float]] = field(repr=False, compare=False)
     """When each action of ``program`` started and ended, by its index (what ``memory``
     is read off; the timeline's floats)."""
-    run: _Run = field(repr=False, compare=False)
+    run: RunRecord = field(repr=False, compare=False)
     """The event loop's record, which ``timeline`` is made from."""
     changes: tuple[list[Change], ...] | None = field(default=None, repr=False, compare=False)
     """Each rank's memory changes, where ``simulate`` was asked to keep them."""
@@ -117,7 +100,7 @@ class SimResult:
         """Per rank, when each action ran on its lane, sorted by (start, end) and, at equal
         times, in the order the run timed them; each FETCH read (Note: [fetch on use]) is an
         entry of its own on the H2D lane, timed right before its pass."""
-        return _timeline(self.program, self.run)
+        return make_timeline(self.program, self.run)
 
     @functools.cached_property
     def memory(self) -> tuple[tuple[tuple[float, float], ...], ...]:
@@ -189,273 +172,12 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *,
     schedule = schedule.without(*MARKER_KINDS)  # itself when it has none
     with cyclic_gc_paused():
         program = Program(schedule, costs)
-        return _summarise(schedule, costs, _run(program, costs), program, keep_changes)
+        return _summarise(schedule, costs, run_program(program, costs), program,
+                          keep_changes)
 
 
-def _lane(kind: Kind) -> Lane:
-    if kind.blocks:
-        return Lane.COMPUTE
-    if kind is Kind.OFFLOAD:
-        return Lane.D2H
-    if kind in (Kind.RELOAD, Kind.FETCH):
-        return Lane.H2D
-    return Lane.COMM
-
-
-_LANES = {kind: _lane(kind) for kind in Kind}
+_KIND = itemgetter(1)
 _COMPUTE_PASSES = frozenset({Kind.F, Kind.I, Kind.W, Kind.B})  # what compute_time counts
-_COUNTED = {kind: kind in _COMPUTE_PASSES for kind in Kind}
-_KIND = operator.itemgetter(1)
-_BY_START_END = operator.itemgetter(2, 3)  # a TimedAction's (start, end)
-# TimedAction from a full tuple of its fields, without NamedTuple's Python-level __new__.
-_timed_action = functools.partial(tuple.__new__, TimedAction)
-# The steps as module names (Note: [hot loops], core/actions.py).
-_RUN, _COPY_OUT, _COPY_BACK = Step.RUN, Step.COPY_OUT, Step.COPY_BACK
-_FETCH_MARK, _READ_PASS = Step.FETCH_MARK, Step.READ_PASS
-
-
-class _Run(NamedTuple):
-    """What the event loop leaves: per rank the order it timed the rank's actions in (an
-    index, or ``~index`` for the FETCH read of that pass, see ``reads``), the stall and the
-    seconds of each F, I, W and B in program order; per program index when the action started
-    and ended on its lane (for the memory accounting and the timeline), the waits of those that
-    stalled, and each FETCH read's (start, end) by its pass's index."""
-
-    order: list[list[int]]
-    stall: list[float]
-    passes: list[list[float]]
-    started: list[float]
-    ended: list[float]
-    """Its largest is the timeline's latest end: a FETCH marker ends when its rank reaches it
-    or its copy out ends, whichever is later, and a FETCH read before its pass ends."""
-    waits: dict[int, float]
-    reads: dict[int, tuple[float, float]]
-
-
-def _run(program: Program, costs: CostModel) -> _Run:
-    """The event loop. Compute is placed as soon as its dependencies are timed (a rank's lane
-    has no contention); transfers are placed in order of readiness, since host links can be
-    shared between ranks. Works on ``Program`` indices: actions are looked up once, not per
-    visit."""
-    schedule = program.schedule
-    actions, step, needs, duration = (program.actions, program.step, program.needs,
-                                      program.duration)
-    blocks, is_compute, is_forward = program.blocks, program.is_compute, program.is_forward
-    channel, copy_time, source = program.channel, program.copy_time, program.source
-    owner, p2p = program.owner, costs.p2p_time
-    kinds = list(map(_KIND, actions))
-    end: list[float | None] = [None] * (len(actions) + 1)  # the last: a dependency never done
-    began = [0.0] * len(actions)  # starts (a copy out streams from its forward's)
-    counted = list(map(_COUNTED.__getitem__, kinds))  # what compute_time sums
-    not_copy_back = [k is not _COPY_BACK and k is not _FETCH_MARK for k in step]
-    passes: list[list[float]] = [[] for _ in schedule.ranks]  # their seconds, program order
-    pair_done: dict[int, float] = {}  # a paired forward's lane end (``end`` has the pair's)
-    # The timeline is recorded as indices, made into TimedActions only if read (_timeline).
-    order: list[list[int]] = [[] for _ in schedule.ranks]
-    waits: dict[int, float] = {}  # index -> how long it stalled, where it did
-    reads: dict[int, tuple[float, float]] = {}  # a read pass's index -> its FETCH read
-    pointer = program.first[:-1]
-    stop = program.first[1:]
-    issue = [0.0] * schedule.num_ranks  # when each rank's program reached its current action
-    stall = [0.0] * schedule.num_ranks
-    waiting: dict[int, list[int]] = {}
-    pending: list[tuple[float, int, int, int]] = []  # transfers: (ready, seq, rank, index)
-    channel_free = [0.0] * program.channels  # when each host-link queue is next free
-    seq = 0
-    # Backward passes that read a fetched activation queue for the host link like a transfer;
-    # their rank's program is blocked until the read is placed (see [fetch on use]).
-    reading: dict[int, float] = {}  # queued pass -> time its other inputs allowed
-    blocked = [False] * schedule.num_ranks
-    paired: dict[int, float] = {}  # the backward of an overlapped pair -> its time factor
-    pair_end: dict[int, float] = {}  # the forward of an overlapped pair -> when the pair ends
-    overlap = costs.overlap_f_b
-    heappush, heappop = heapq.heappush, heapq.heappop
-
-    def pair_factor(rank: int, forward: int, ready: float) -> float:
-        """The time factor of ``forward`` and of its partner if they make an overlapped pair
-        (Note: [overlapped pair]); 1.0 otherwise."""
-        partner = next((j for j in range(pointer[rank], stop[rank]) if blocks[j]), None)
-        if (partner is None or actions[partner].kind not in (Kind.I, Kind.B)
-                or actions[partner].microbatch == actions[forward].microbatch
-                or step[partner] is _READ_PASS):
-            return 1.0
-        for dep in needs[partner]:
-            done = end[dep]
-            if done is None or done + (p2p if owner[dep] != rank else 0.0) > ready:
-                return 1.0
-        f, b = duration[forward], duration[partner]
-        if f + b <= 0:
-            return 1.0
-        factor = 1.0 - (overlap or 0.0) * min(f, b) / (f + b)
-        paired[partner] = factor
-        pair_end[forward] = ready + (f + b) * factor
-        return factor
-
-    def advance(rank: int) -> None:
-        """Run rank's program from its pointer until an action waits for a dependency (or a
-        read blocks it). The rank's clock, stall and lists are kept in locals and written back
-        on leaving: nothing else touches them while this runs."""
-        nonlocal seq
-        if blocked[rank]:
-            return
-        i, last = pointer[rank], stop[rank]
-        now, stalled = issue[rank], stall[rank]
-        record, spent = order[rank].append, passes[rank].append
-        while i < last:
-            ready = other = now  # all dependencies allow / all but copies back allow
-            for dep in needs[i]:
-                at = end[dep]
-                if at is None:
-                    waiting.setdefault(dep, []).append(rank)
-                    pointer[rank], issue[rank], stall[rank] = i, now, stalled
-                    return
-                if p2p and owner[dep] != rank:  # (adding 0.0 would change nothing)
-                    at += p2p
-                if at > ready:
-                    ready = at
-                if at > other and not_copy_back[dep]:  # a stall is a wait for a copy back
-                    other = at
-            j, i = i, i + 1
-            kind_step = step[j]
-            if kind_step is _RUN:
-                took = duration[j]
-                if paired and j in paired:
-                    took *= paired.pop(j)
-                elif overlap is not None and is_forward[j]:
-                    pointer[rank] = i  # where pair_factor looks for the partner
-                    took *= pair_factor(rank, j, ready)
-                done = ready + took  # finish(), inlined: this is the path most actions take
-                if is_compute[j]:  # compute blocks the rank's program
-                    if ready > other:  # (most actions do not: no new float)
-                        waited = waits[j] = ready - other
-                        stalled += waited
-                    now = done
-                    if counted[j]:
-                        spent(done - ready)
-                elif blocks[j]:
-                    now = done
-                began[j] = ready
-                record(j)
-                end[j] = done
-                woken = waiting.pop(j, None)
-                if woken:
-                    runnable.extend(woken)
-                if pair_end and j in pair_end:  # its output leaves with the pair's
-                    pair_done[j] = done
-                    end[j] = pair_end.pop(j)
-            elif kind_step is _FETCH_MARK:  # a marker: ready once its copy out is done
-                end[j] = ready
-                runnable.extend(waiting.pop(j, ()))
-            else:
-                if kind_step is _COPY_OUT:
-                    ready = began[source[j]]  # see [streaming offload], sim/memory.py
-                heappush(pending, (ready, seq, rank, j))
-                seq += 1
-                if kind_step is _READ_PASS:
-                    reading[j] = other
-                    blocked[rank] = True
-                    break
-        pointer[rank], issue[rank], stall[rank] = i, now, stalled
-
-    def finish(rank: int, j: int, start: float, stop: float) -> None:
-        order[rank].append(j)
-        began[j] = start
-        end[j] = stop
-        woken = waiting.pop(j, None)
-        if woken:
-            runnable.extend(woken)
-
-    def occupy(j: int, ready: float, until: float = 0.0) -> tuple[float, float]:
-        """Place one copy (or read) on its host-link queue: (start, end); it ends no earlier
-        than ``until``."""
-        queue = channel[j]
-        start = max(ready, channel_free[queue])
-        stop = channel_free[queue] = max(start + copy_time[j], until)
-        return start, stop
-
-    def place_read(rank: int, j: int, ready: float) -> None:
-        """A backward pass of a fetched activation, with its read on the H2D queue."""
-        reads[j] = occupy(j, ready)
-        order[rank].append(~j)  # the read's entry, right before its pass's
-        took = duration[j]
-        begin = max(ready, reads[j][1] - took)  # a slow read stretches the pass: a wait
-        waited = waits[j] = begin - reading.pop(j)
-        stall[rank] += waited
-        issue[rank] = begin + took
-        blocked[rank] = False
-        finish(rank, j, begin, begin + took)
-        passes[rank].append((begin + took) - begin)  # a read pass is an I, W or B
-        runnable.append(rank)
-
-    runnable = list(range(schedule.num_ranks))
-    while True:
-        while runnable:
-            advance(runnable.pop())
-        if not pending:
-            break
-        ready, _, rank, j = heappop(pending)
-        if reading and j in reading:
-            place_read(rank, j, ready)
-            continue
-        # occupy() and finish(), inlined: every copy comes here. A copy out cannot end before
-        # its forward: its last bytes exist only then.
-        queue = channel[j]
-        free = channel_free[queue]
-        start = free if free > ready else ready
-        until = end[source[j]] if step[j] is _COPY_OUT else 0.0
-        done = start + copy_time[j]
-        if until > done:  # type: ignore[operator]
-            done = until
-        channel_free[queue] = done  # type: ignore[assignment]
-        order[rank].append(j)
-        began[j] = start
-        end[j] = done
-        woken = waiting.pop(j, None)
-        if woken:
-            runnable.extend(woken)
-
-    stuck = [r for r in range(schedule.num_ranks) if pointer[r] < stop[r]]
-    if stuck:
-        at = {r: pointer[r] - program.first[r] for r in stuck}
-        where = "; ".join(f"rank {r} at position {at[r]} ({actions[pointer[r]]})" for r in stuck)
-        rank = stuck[0]
-        raise ScheduleError(
-            f"simulation deadlocked, no rank can continue: {where}. "
-            "pipeoffload.core.validate.validate(schedule) explains what each one waits for",
-            rank=rank, position=at[rank], action=actions[pointer[rank]],
-        )
-    ended = end[:-1]
-    for j, done in pair_done.items():
-        ended[j] = done
-    return _Run(order, stall, passes, began, ended, waits, reads)
-
-
-def _timeline(program: Program, run: _Run) -> tuple[tuple[TimedAction, ...], ...]:
-    """``SimResult.timeline`` from the event loop's record: each rank's entries in the order
-    they were timed, sorted (stably) by (start, end)."""
-    actions, started, ended = program.actions, run.started, run.ended
-    lane = list(map(_LANES.__getitem__, map(_KIND, actions)))
-    waited = run.waits.get
-    timeline = []
-    for rank, order in enumerate(run.order):
-        if run.reads and min(order, default=0) < 0:
-            rows = [_timed_action((rank, actions[j], started[j], ended[j], lane[j],
-                                   waited(j, 0.0))) if j >= 0 else _read(rank, ~j, program, run)
-                    for j in order]
-        else:  # every entry an action's own, made in C
-            rows = list(map(_timed_action, zip(
-                repeat(rank), map(actions.__getitem__, order), map(started.__getitem__, order),
-                map(ended.__getitem__, order), map(lane.__getitem__, order),
-                map(waited, order, repeat(0.0)))))
-        rows.sort(key=_BY_START_END)
-        timeline.append(tuple(rows))
-    return tuple(timeline)
-
-
-def _read(rank: int, j: int, program: Program, run: _Run) -> TimedAction:
-    """The FETCH read of pass ``j`` (Note: [fetch on use])."""
-    stage, _, microbatch = program.actions[j]
-    return TimedAction(rank, Action(stage, Kind.FETCH, microbatch), *run.reads[j], Lane.H2D)
 
 
 def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
@@ -471,30 +193,31 @@ def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
     return tuple(units)
 
 
-def _summarise(schedule: Schedule, costs: CostModel, run: _Run, program: Program,
+def _summarise(schedule: Schedule, costs: CostModel, run: RunRecord, program: Program,
                keep_changes: bool = False) -> SimResult:
     first = program.first
     units = activation_units(schedule, costs)
     byte_sizes = [costs.bytes_of(s) for s in range(schedule.num_stages)]
     have_bytes = all(b is not None for b in byte_sizes)
     copy_time = copy_seconds(schedule, costs)
-    peaks, peak_bytes, kept = [], [], []
+    peaks, peak_bytes, kept, compute = [], [], [], []
     for rank, actions in enumerate(schedule.ranks):
         here = slice(first[rank], first[rank + 1])
-        changes = rank_changes(actions, run.started[here], run.ended[here], copy_time)
+        start, end = run.started[here], run.ended[here]
+        compute.append(_compute_time(actions, start, end))
+        changes = rank_changes(actions, start, end, copy_time)
         if keep_changes:
             kept.append(changes)
         peaks.append(peak(changes, units))
         if have_bytes:
             peak_bytes.append(peak(changes, byte_sizes))  # type: ignore[arg-type]
-    makespan = max(run.ended, default=0.0)  # as the timeline's: see _Run
-    compute = tuple(map(sum, run.passes))
+    makespan = max(run.ended, default=0.0)  # as the timeline's: see RunRecord
     bubble = 1.0 - sum(compute) / (schedule.num_ranks * makespan) if makespan > 0 else 0.0
     return SimResult(
         schedule=schedule,
         costs=costs,
         makespan=makespan,
-        compute_time=compute,
+        compute_time=tuple(compute),
         bubble_rate=bubble,
         peak_activation=tuple(peaks),
         peak_bytes=tuple(peak_bytes) if have_bytes else None,
@@ -504,3 +227,10 @@ def _summarise(schedule: Schedule, costs: CostModel, run: _Run, program: Program
         changes=tuple(kept) if keep_changes else None,
         run=run,
     )
+
+
+def _compute_time(actions: Sequence[Action], start: list[float], end: list[float]) -> float:
+    """The time a rank's F, I, W and B actions ran (``start`` / ``end`` by position), summed in
+    program order."""
+    counted = list(map(_COMPUTE_PASSES.__contains__, map(_KIND, actions)))
+    return sum(map(sub, compress(end, counted), compress(start, counted)))

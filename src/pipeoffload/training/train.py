@@ -29,8 +29,7 @@ from pipeoffload.api import plan_schedule
 from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
-from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
-from pipeoffload.offload.recompute import add_recompute
+from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
 from pipeoffload.offload.targets import TargetKind, parse_target
 from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
@@ -216,8 +215,6 @@ def train_offload(spec: str | None) -> str | None:
              f"{RECOMPUTE_AND_OFFLOAD} (each rank's longest-lived chunk recomputed, the rest "
              "offloaded)")
     text = spec.strip().lower() if isinstance(spec, str) else ""
-    if text == RECOMPUTE_AND_OFFLOAD:
-        return text
     kind = text.partition(":")[0].strip()
     if kind == TargetKind.GIVEN.value:
         raise ConfigError("--offload given keeps the transfers of a schedule loaded from CSV "
@@ -238,19 +235,15 @@ def build_plan(config: TrainConfig) -> OffloadPlan:
     ``full``) happens inside each layer (training/model.py), so it mixes with any offload.
 
     ``--offload recompute-chunks:1+all`` is the planner's per-chunk mix (planner/evaluate.py
-    RECOMPUTE_AND_OFFLOAD): each rank's longest-lived chunk recomputed by RECOMPUTE actions
-    (offload/recompute.py), every other activation offloaded.
+    RECOMPUTE_AND_OFFLOAD, offload/targets.py RECOMPUTE_CHUNKS_THEN_ALL): each rank's
+    longest-lived chunk recomputed by RECOMPUTE actions (offload/recompute.py), every other
+    activation offloaded.
     """
     options = {k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
                if v is not None}
     policy = OffloadPolicy(fetch_on_use=config.fetch_on_use)
-    offload = train_offload(config.offload)
-    if offload != RECOMPUTE_AND_OFFLOAD:
-        return plan_schedule(config.schedule, config.pp, config.num_microbatches,
-                             offload, policy=policy, **options)
-    bare = plan_schedule(config.schedule, config.pp, config.num_microbatches, "none", **options)
-    recomputed = add_recompute(bare.schedule, target="chunks:1").schedule
-    return add_offload(recomputed, target="all", policy=policy)
+    return plan_schedule(config.schedule, config.pp, config.num_microbatches,
+                         train_offload(config.offload), policy=policy, **options)
 
 
 def preflight(config: TrainConfig, processes: int) -> OffloadPlan:

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.deps import numbering
 from pipeoffload.core.errors import ScheduleError
 from pipeoffload.core.schedule import Schedule
 
@@ -72,7 +73,8 @@ def order_by_slot(
             if not isinstance(first, int):
                 raise ValueError(f"order_by_slot: slot {first!r} of stage {stage} {kind.value} "
                                  "is no integer")
-            # Actions made by tuple.__new__, without NamedTuple's Python-level __new__.
+            # Keys and Actions made in C (Actions by tuple.__new__, without NamedTuple's
+            # Python-level __new__): 53 ms instead of 73 ms for a loop, zbv at p = 64, m = 256.
             by_key.update(zip(map((first * width + position).__add__, shifted),
                               map(tuple.__new__, itertools.repeat(Action),
                                   zip(itertools.repeat(stage), itertools.repeat(kind),
@@ -117,106 +119,140 @@ def tighten(
     listed after it, then never holds more than ``f_cap[r]`` activations (chunk units); pass
     the order's own ``order_peaks`` to keep every peak. None disables forward pulling.
     """
-    # Actions are replayed by index (Schedule.numbered): a dependency is a list lookup, not a
-    # hashed Action, which makes this about three times faster at p = 64.
-    numbered = schedule.numbered
-    if numbered.repeated:
-        raise ScheduleError(f"{schedule.name}: an action appears twice; "
-                            "validate(schedule) shows where")
-    actions, needs = numbered.actions, numbered.needs
-    kind_of = [action[1] for action in actions]
-    stage_of = [action[0] for action in actions]
-    weight_of = {needs[w][0]: w for w, kind in enumerate(kind_of) if kind is _W}  # I -> its W
-    never = len(actions) * 2 + 2  # later than any unit-clock time of this replay
-    done = [never] * (len(actions) + 1)  # the last: a dependency the schedule lacks
-    ranks = schedule.num_ranks
-    remaining = [list(range(numbered.first[r], numbered.first[r + 1])) for r in range(ranks)]
-    free_at = [0] * ranks
-    level = [0] * ranks
-    ready_w: list[deque[int]] = [deque() for _ in range(ranks)]
-    out: list[list[Action]] = [[] for _ in range(ranks)]
-    left = len(actions)
-    stage_count = [len(schedule.stages_on_rank(r)) for r in range(ranks)]
-    now = 0
+    return schedule.with_ranks(_Replay(schedule, i_first, fill_w, f_cap).run())
 
-    def ready(index: int) -> bool:
-        for dep in needs[index]:
+
+class _Replay:
+    """One ``tighten`` replay. Actions are replayed by index (core/deps.py ``numbering``): a
+    dependency is a list lookup, not a hashed Action (about three times faster at p = 64)."""
+
+    def __init__(self, schedule: Schedule, i_first: bool, fill_w: bool,
+                 f_cap: Sequence[int] | None) -> None:
+        numbered = numbering(schedule)
+        if numbered.repeated:
+            raise ScheduleError(f"{schedule.name}: an action appears twice; "
+                                "validate(schedule) shows where")
+        self.name, self.i_first, self.fill_w, self.f_cap = schedule.name, i_first, fill_w, f_cap
+        self.actions, self.needs = numbered.actions, numbered.needs
+        self.kind_of = [action[1] for action in self.actions]
+        self.stage_of = [action[0] for action in self.actions]
+        self.weight_of = {self.needs[w][0]: w for w, kind in enumerate(self.kind_of)
+                          if kind is _W}  # I -> its W
+        never = len(self.actions) * 2 + 2  # later than any unit-clock time of this replay
+        self.done = [never] * (len(self.actions) + 1)  # the last: a dependency it lacks
+        ranks = range(schedule.num_ranks)
+        self.remaining = [list(range(numbered.first[r], numbered.first[r + 1])) for r in ranks]
+        self.free_at = [0] * len(ranks)  # when each rank's current action ends
+        self.level = [0] * len(ranks)  # each rank's resident activations, in chunk units
+        self.ready_w: list[deque[int]] = [deque() for _ in ranks]  # Ws whose I has run
+        self.stage_count = [len(schedule.stages_on_rank(r)) for r in ranks]
+        self.now = 0
+
+    def run(self) -> list[list[Action]]:
+        """Each rank's order as run: at each time a rank is free, it starts the head of its
+        order if that is a ready F, I or B, else what ``_choose`` picks, else it waits. An
+        action started moves the rank's level (F up, W or B down) and makes its W ready."""
+        out: list[list[Action]] = [[] for _ in self.remaining]
+        actions, needs, done, kind_of = self.actions, self.needs, self.done, self.kind_of
+        free_at, level, ready_w, weight_of = self.free_at, self.level, self.ready_w, self.weight_of
+        left = len(actions)
+        while left:
+            now = self.now
+            for rank, todo in enumerate(self.remaining):
+                if free_at[rank] > now or not todo:
+                    continue
+                head = todo[0]
+                for dep in needs[head]:
+                    if done[dep] > now:
+                        position = self._choose(rank, False)
+                        break
+                else:  # the head is ready: an F, I or B runs at once (most steps do this)
+                    position = 0 if kind_of[head] is not _W else self._choose(rank, True)
+                if position is None:
+                    continue
+                index = todo.pop(position)
+                kind = kind_of[index]
+                if kind is _W:
+                    ready_w[rank].remove(index)
+                elif kind is _I and index in weight_of:
+                    ready_w[rank].append(weight_of[index])
+                if kind is _F:
+                    level[rank] += 1
+                elif kind is _W or kind is _B:
+                    level[rank] -= 1
+                free_at[rank] = done[index] = now + _UNIT_TIME[kind]
+                out[rank].append(actions[index])
+                left -= 1
+            busy = [t for t in free_at if t > now]
+            if not busy:
+                raise ScheduleError(f"{self.name}: the order deadlocks at slot {now}; "
+                                    "validate(schedule) shows where")
+            self.now = min(busy)
+        return out
+
+    def _ready(self, index: int) -> bool:
+        done, now = self.done, self.now
+        for dep in self.needs[index]:
             if done[dep] > now:
                 return False
         return True
 
-    def choose(rank: int, head_ready: bool) -> int | None:
+    def _choose(self, rank: int, head_ready: bool) -> int | None:
         """The position in the rank's remaining order of what it runs now, if anything, when
-        its head is not a ready F, I or B (the main loop takes those itself)."""
-        todo = remaining[rank]
-        if i_first:
-            for position, index in enumerate(todo):
-                kind = kind_of[index]
-                if kind is _F:
-                    break
-                if (kind is _I or kind is _B) and ready(index):
-                    return position
+        its head is not a ready F, I or B (``run`` takes those itself)."""
+        if self.i_first:
+            position = self._critical_backward(rank)
+            if position is not None:
+                return position
         if head_ready:
             return 0
-        if fill_w:
-            for index in ready_w[rank]:
-                if done[needs[index][0]] <= now:
-                    return todo.index(index)
-        if f_cap is not None:
-            # A pulled F runs before everything listed ahead of it, so each F among those then
-            # holds one more: it fits if the level plus one plus ``rise`` (the most the level
-            # climbs at an F before ``position``, 0 if it never does) stays within the cap.
-            # One pass answers this for every candidate.
-            seen_stages: set[int] = set()
-            climb = rise = 0
-            fits_below = f_cap[rank] - level[rank] - 1
-            for position, index in enumerate(todo):
-                kind = kind_of[index]
-                if kind is _F:
-                    stage = stage_of[index]
-                    if stage not in seen_stages:
-                        seen_stages.add(stage)
-                        if rise <= fits_below and ready(index):
-                            return position
-                        if len(seen_stages) == stage_count[rank]:
-                            break  # only each stage's next forward may be pulled
-                    climb += 1
-                    if climb > rise:
-                        rise = climb
-                elif kind is _W or kind is _B:
-                    climb -= 1
+        if self.fill_w:
+            position = self._ready_weight(rank)
+            if position is not None:
+                return position
+        if self.f_cap is not None:
+            return self._pullable_forward(rank, self.f_cap[rank])
         return None
 
-    while left:
-        for rank in range(ranks):
-            todo = remaining[rank]
-            if free_at[rank] > now or not todo:
-                continue
-            head = todo[0]
-            for dep in needs[head]:
-                if done[dep] > now:
-                    position = choose(rank, False)
-                    break
-            else:  # the head is ready: an F, I or B runs at once (most steps take this path)
-                position = 0 if kind_of[head] is not _W else choose(rank, True)
-            if position is None:
-                continue
-            index = todo.pop(position)
+    def _critical_backward(self, rank: int) -> int | None:
+        """A ready I or B listed before the rank's next F (it may pass Ws, never an F)."""
+        kind_of = self.kind_of
+        for position, index in enumerate(self.remaining[rank]):
             kind = kind_of[index]
-            if kind is _W:
-                ready_w[rank].remove(index)
-            elif kind is _I and index in weight_of:
-                ready_w[rank].append(weight_of[index])
             if kind is _F:
-                level[rank] += 1
+                break
+            if (kind is _I or kind is _B) and self._ready(index):
+                return position
+        return None
+
+    def _ready_weight(self, rank: int) -> int | None:
+        """A W whose I has ended, to fill a gap (it only frees memory sooner)."""
+        for index in self.ready_w[rank]:
+            if self.done[self.needs[index][0]] <= self.now:
+                return self.remaining[rank].index(index)
+        return None
+
+    def _pullable_forward(self, rank: int, cap: int) -> int | None:
+        """A ready F that may run before everything listed ahead of it: each F among those
+        then holds one more, so it fits if the level plus one plus ``rise`` (the most the level
+        climbs at an F before it, 0 if it never does) stays within ``cap``. One pass answers
+        this for every candidate; only each stage's next forward may be pulled."""
+        seen_stages: set[int] = set()
+        climb = rise = 0
+        fits_below = cap - self.level[rank] - 1
+        for position, index in enumerate(self.remaining[rank]):
+            kind = self.kind_of[index]
+            if kind is _F:
+                stage = self.stage_of[index]
+                if stage not in seen_stages:
+                    seen_stages.add(stage)
+                    if rise <= fits_below and self._ready(index):
+                        return position
+                    if len(seen_stages) == self.stage_count[rank]:
+                        break
+                climb += 1
+                if climb > rise:
+                    rise = climb
             elif kind is _W or kind is _B:
-                level[rank] -= 1
-            free_at[rank] = done[index] = now + _UNIT_TIME[kind]
-            out[rank].append(actions[index])
-            left -= 1
-        busy = [t for t in free_at if t > now]
-        if not busy:
-            raise ScheduleError(f"{schedule.name}: the order deadlocks at slot {now}; "
-                                "validate(schedule) shows where")
-        now = min(busy)
-    return schedule.with_ranks(out)
+                climb -= 1
+        return None
