@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pipeoffload.core import registry
 from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.schedule import Placement
 from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPolicy, add_offload
 from pipeoffload.offload.recompute import add_recompute
@@ -27,14 +28,7 @@ from pipeoffload.planner.bounds import (
     stage_durations,
 )
 from pipeoffload.planner.costing import DEFAULT_FRAMEWORK, GIB, Framework, MemoryConfig
-from pipeoffload.planner.evaluate import (
-    CHUNKED,
-    RECOMPUTE_AND_OFFLOAD,
-    V_SHAPED,
-    WHOLE_BACKWARD,
-    Candidate,
-    Evaluator,
-)
+from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD, Candidate, Evaluator
 from pipeoffload.planner.fit_bound import fit_points, fitting_makespan_bound
 from pipeoffload.planner.hardware import hardware_preset
 from pipeoffload.planner.layer_work import NormKernel
@@ -46,6 +40,8 @@ from pipeoffload.sim.simulator import simulate
 
 FAMILIES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "v-min",
             "grouped-interleaved", "dualpipev")
+V_SHAPED = {n for n, f in registry.FAMILIES.items() if f.placement is Placement.V}
+CHUNKED = {n for n, f in registry.FAMILIES.items() if "chunks" in f.options}
 slow = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -158,11 +154,11 @@ def test_stage_durations_are_the_cost_models(case) -> None:
         assert times == [costs.compute_time(Action(s, kind, 0)) for s in range(stages + 1)]
 
 
-def test_whole_backward_families_are_the_ones_without_w() -> None:
-    """The bound's tail assumes a split backward except for WHOLE_BACKWARD's families."""
-    for name in registry.FAMILIES:
+def test_split_backward_families_are_the_ones_with_w() -> None:
+    """The bound's tail assumes a split backward for the families that declare one."""
+    for name, family in registry.FAMILIES.items():
         has_w = registry.build_schedule(name, 4, 8).has_kind(Kind.W)
-        assert (name in WHOLE_BACKWARD) == (not has_w), name
+        assert family.split_backward == has_w, name
 
 
 def test_bound_is_exact_for_1f1b_with_equal_stages() -> None:

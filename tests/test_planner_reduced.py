@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pipeoffload.core import registry
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.costing import MemoryConfig
-from pipeoffload.planner.evaluate import CHUNKED, V_SHAPED, Candidate, Evaluator
+from pipeoffload.planner.evaluate import Candidate, Evaluator
 from pipeoffload.planner.hardware import hardware_preset
 from pipeoffload.planner.reduced import Extrapolation, extrapolate
 from pipeoffload.planner.transformer import MlpKind, Recompute, TransformerSpec
@@ -90,9 +90,10 @@ def test_reduced_step_time_is_within_tolerance_of_the_full_one(
     """Over random models and planner layouts: whenever the reduced simulation extrapolates a
     plan without offload (the ones the search reduces), its step time is within
     ``Extrapolation.tolerance`` of simulating all m microbatches."""
-    chunks = 2 if name in V_SHAPED or name in CHUNKED else 1
+    family = registry.FAMILIES[name]
+    chunks = family.fixed_chunks or 2
     if pp * chunks > spec.num_layers:
-        chunks = 1 if name not in V_SHAPED and name not in CHUNKED else chunks
+        chunks = family.fixed_chunks or chunks
         pp = max(2, spec.num_layers // chunks // 2)
     group = (pp if larger_group else math.ceil(pp / 2)) if name == "grouped-interleaved" else None
     period = math.lcm(pp, group) if group else pp

@@ -1,6 +1,6 @@
 """The public entry points that combine layers: build a named schedule and plan offload into it.
 
-PipeOffload's presets (docs/method.md section 4):
+PipeOffload's presets (docs/method.md section 4; declared in core/families/grouped.py):
 - ``po-h``: grouped-interleaved with g = ceil(p/2), the longest-lived chunk of each rank offloaded;
 - ``po-f``: the same schedule, everything offloaded (transfers that cannot hide are skipped).
 """
@@ -8,7 +8,6 @@ PipeOffload's presets (docs/method.md section 4):
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from pipeoffload.core import registry
@@ -19,22 +18,11 @@ from pipeoffload.offload.targets import OffloadTarget, parse_target
 from pipeoffload.sim.collector import cyclic_gc_paused
 from pipeoffload.sim.costs import CostModel
 
-# preset key -> (description, default offload target)
-PRESETS: dict[str, tuple[str, str]] = {
-    "po-h": ("PipeOffload: grouped-interleaved, g=ceil(p/2), longest-lived chunk offloaded",
-             "chunks:1"),
-    "po-f": ("PipeOffload: grouped-interleaved, g=ceil(p/2), full offload", "all"),
-}
-
-
-def _preset(name: str) -> str | None:
-    key = name.strip().lower().replace("_", "").replace("-", "")
-    return next((p for p in PRESETS if p.replace("-", "") == key), None)
-
 
 def schedule_names() -> list[tuple[str, str]]:
     """Every name ``build_schedule`` accepts, with a one-line description."""
-    return list(registry.schedule_names()) + [(n, d) for n, (d, _) in PRESETS.items()]
+    return [*registry.schedule_names(),
+            *((p.name, p.description) for p in registry.PRESETS.values())]
 
 
 def resolve_costs(costs: CostModel | None, offload_ratio: float | None) -> CostModel:
@@ -69,15 +57,14 @@ def _plan_schedule(name: str, pp: int, microbatches: int,
                    offload: str | OffloadTarget | None, costs: CostModel | None,
                    offload_ratio: float | None, policy: OffloadPolicy | None,
                    options: dict[str, Any]) -> OffloadPlan:
-    preset = _preset(name)
+    preset = registry.preset(name)
     if preset is not None:
-        options.setdefault("chunks", 2)
-        options.setdefault("group_size", math.ceil(pp / 2))
-        target = parse_target(offload if offload is not None else PRESETS[preset][1])
-        schedule = registry.build_schedule("grouped-interleaved", pp, microbatches, **options)
-        schedule = dataclasses.replace(schedule, name=preset)
+        options = {**preset.options(pp), **options}
+        target = parse_target(offload if offload is not None else preset.offload)
+        schedule = registry.build_schedule(preset.family, pp, microbatches, **options)
+        schedule = dataclasses.replace(schedule, name=preset.name)
     else:
-        registry.canonical_name(name, also=tuple(PRESETS))  # an unknown name lists po-h / po-f
+        registry.canonical_name(name, also=tuple(registry.PRESETS))  # lists po-h / po-f too
         target = parse_target(offload)
         schedule = registry.build_schedule(name, pp, microbatches, **options)
     return add_offload(schedule, resolve_costs(costs, offload_ratio), target, policy)

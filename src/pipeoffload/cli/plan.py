@@ -7,9 +7,14 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING, Any
 
 from pipeoffload.cli.preflight import MAX_RANKS, count, counts, number
 from pipeoffload.core.collector import cyclic_gc_paused
+
+if TYPE_CHECKING:
+    from pipeoffload.planner.search import SearchSpace
+    from pipeoffload.planner.transformer import TransformerSpec
 
 NOTHING_FITS = 3  # the search ran and no configuration fits (the output says what came close)
 
@@ -30,7 +35,7 @@ def _group_sizes(text: str) -> tuple[str, ...]:
     return sizes
 
 
-def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register the `plan` subcommand (its handler is ``args.handler``)."""
     p = subparsers.add_parser(
         "plan", help="search parallel layout, schedule, offload and recompute for a model",
@@ -94,11 +99,11 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_plan)
 
 
-def _spec(args: argparse.Namespace):  # -> TransformerSpec
+def _spec(args: argparse.Namespace) -> TransformerSpec:
     from pipeoffload.planner.presets import load_model
 
     spec = load_model(args.model)
-    overrides: dict[str, int] = {}
+    overrides: dict[str, Any] = {}  # TransformerSpec fields
     if args.seq is not None:
         overrides["seq_len"] = args.seq
     if args.layers is not None:
@@ -114,29 +119,13 @@ def _spec(args: argparse.Namespace):  # -> TransformerSpec
     return dataclasses.replace(spec, **overrides) if overrides else spec
 
 
-def _space(args: argparse.Namespace, spec) -> object:  # -> SearchSpace
+def _space(args: argparse.Namespace, spec: TransformerSpec) -> SearchSpace:
     from pipeoffload import hf_families
-    from pipeoffload.core.registry import canonical_name
     from pipeoffload.planner.search import SearchSpace
 
-    options: dict[str, object] = {}
-    implied: list[str] = []  # offload targets po-h / po-f stand for
+    options: dict[str, Any] = {}  # SearchSpace fields
     if args.schedules:
-        names = []
-        for name in args.schedules:
-            key = name.strip().lower().replace("_", "-").replace("-", "")
-            if key in ("poh", "pof"):
-                names.append("grouped-interleaved")
-                implied.append("chunks:1" if key == "poh" else "all")
-            else:
-                names.append(canonical_name(name, also=("po-h", "po-f")))
-        options["schedules"] = tuple(dict.fromkeys(names))
-        if implied and len(names) == len(implied):
-            # only PipeOffload's presets: their group size (ceil(p/2)) and chunks (2)
-            options["group_sizes"] = ("min",)
-            options["chunks"] = (2,)
-            if not args.offload:
-                options["offload"] = tuple(dict.fromkeys(implied))
+        options.update(_schedule_options(args.schedules, args.offload))
     if args.recompute:
         options["recompute"] = (args.recompute,)
     for field in ("tp", "pp", "offload"):
@@ -162,19 +151,41 @@ def _space(args: argparse.Namespace, spec) -> object:  # -> SearchSpace
     return SearchSpace(**options)
 
 
-def _every_dimension_fixed(args: argparse.Namespace, space) -> bool:  # space: SearchSpace
-    """Whether the user gave one value for each of tp, pp, chunks (where the schedule takes
-    them), microbatch size, schedule, recompute and offload: then the report shows that
-    configuration whether or not it fits."""
-    from pipeoffload.planner.evaluate import CHUNKED
+def _schedule_options(schedules: tuple[str, ...], offload: tuple[str, ...] | None
+                      ) -> dict[str, Any]:
+    """SearchSpace options for ``--schedules``: a preset (po-h / po-f) stands for its family
+    and, when only presets are named, for its chunks, group size and offload target too."""
+    from pipeoffload.core import registry
 
+    names, presets = [], []
+    for name in schedules:
+        preset = registry.preset(name)
+        if preset is not None:
+            presets.append(preset)
+            names.append(preset.family)
+        else:
+            names.append(registry.canonical_name(name, also=tuple(registry.PRESETS)))
+    options: dict[str, Any] = {"schedules": tuple(dict.fromkeys(names))}
+    if presets and len(names) == len(presets):
+        options["group_sizes"] = tuple(dict.fromkeys(p.group_size for p in presets))
+        options["chunks"] = tuple(dict.fromkeys(p.chunks for p in presets))
+        if not offload:
+            options["offload"] = tuple(dict.fromkeys(p.offload for p in presets))
+    return options
+
+
+def _every_dimension_fixed(args: argparse.Namespace, space: SearchSpace) -> bool:
+    """Whether the user gave one value for each of tp, pp, chunks (where the schedule takes
+    them), group size (likewise), microbatch size, schedule, recompute and offload: then the
+    report shows that configuration whether or not it fits."""
     single = [space.tp, space.pp, args.micro_batch_sizes, space.schedules, space.recompute,
               space.offload if (args.offload or args.schedules) else None]
     if any(value is None or len(value) != 1 for value in single):
         return False
-    if space.schedules[0] == "grouped-interleaved" and len(space.group_sizes) != 1:
+    family = space.registry.family(space.schedules[0])
+    if "group_size" in family.options and len(space.group_sizes) != 1:
         return False
-    return space.schedules[0] not in CHUNKED or len(space.chunks) == 1
+    return "chunks" not in family.options or len(space.chunks) == 1
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -1,8 +1,10 @@
 """One candidate configuration, simulated: step time, MFU and per-device memory.
 
-A ``Candidate`` names everything the planner chooses (layout, schedule, offload, recompute,
-microbatching); ``evaluate`` prices it with ``costing``, builds the schedule, plans offload into
-it with ``offload.plan.add_offload`` and simulates it.
+A ``Candidate`` (planner/candidate.py) names everything the planner chooses (layout, schedule,
+offload, recompute, microbatching); ``Evaluator.evaluate`` prices it with ``costing``, builds
+the schedule from its registry, plans offload into it with ``offload.plan.add_offload`` and
+simulates it. What the evaluator needs to know of a schedule family (placement, split backward,
+deferred W) it reads from the family's ``FamilySpec``.
 
 Large microbatch counts are simulated in fewer microbatches and extrapolated
 (planner/reduced.py, Note [reduced simulation]); ``time_bound`` and ``state_and_floor`` are the
@@ -11,12 +13,14 @@ lower bounds the search prunes with (planner/bounds.py, Note [makespan lower bou
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from pipeoffload.core.families.base import FamilySpec
+from pipeoffload.core.registry import REGISTRY, Registry
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.targets import TargetKind, parse_target
 from pipeoffload.planner.bounds import kept_floor, makespan_lower_bound
+from pipeoffload.planner.candidate import Candidate as Candidate  # re-export
 from pipeoffload.planner.costing import (
     DEFAULT_FRAMEWORK,
     GIB,
@@ -35,86 +39,14 @@ from pipeoffload.planner.costing import (
 from pipeoffload.planner.fit_bound import fitting_makespan_bound
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.host_memory import node_host_bytes
-from pipeoffload.planner.ratio import PieceCost, RunConfig
+from pipeoffload.planner.layer_time import RunConfig
+from pipeoffload.planner.ratio import PieceCost
 from pipeoffload.planner.reduced import Extrapolation as Extrapolation  # re-export
 from pipeoffload.planner.runs import RECOMPUTE_AND_OFFLOAD as RECOMPUTE_AND_OFFLOAD  # re-export
 from pipeoffload.planner.runs import Runner
 from pipeoffload.planner.runs import plan_memory as plan_memory  # re-export
-from pipeoffload.planner.train_command import train_command
-from pipeoffload.planner.transformer import Recompute, TransformerSpec
+from pipeoffload.planner.transformer import TransformerSpec
 from pipeoffload.sim.costs import CostModel
-
-#: Schedules whose stages sit in V placement (two per rank).
-V_SHAPED = frozenset({"zbv", "v-half", "v-min", "dualpipev"})
-#: Schedules with a ``chunks`` option (the others run a fixed number of stages per rank).
-CHUNKED = frozenset({"interleaved-1f1b", "grouped-interleaved"})
-#: Schedules that run the whole backward (B) of every stage; the others split it into I and W.
-WHOLE_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
-#: Schedules that run W apart from its I (zero bubble and its V and DualPipe kin): the TP
-#: reduce-scatter Megatron hides behind W is exposed in I (layer_time.py).
-W_DEFERRED = frozenset({"zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipe", "dualpipev"})
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """Everything the planner chooses. ``schedule`` is a canonical registry name; ``group_size``
-    is set for grouped-interleaved only; ``offload`` is an offload target spec."""
-
-    schedule: str
-    dp: int
-    tp: int
-    pp: int
-    chunks: int
-    micro_batch: int
-    microbatches: int
-    recompute: Recompute = Recompute.LGD
-    offload: str = "none"
-    group_size: int | None = None
-
-    @property
-    def layout(self) -> Layout:
-        """The layout under the planner's default framework (``layout_under``)."""
-        return self.layout_under(DEFAULT_FRAMEWORK)
-
-    def layout_under(self, framework: Framework) -> Layout:
-        """DP x TP x PP, chunks and the per-GPU run of this candidate under ``framework``."""
-        run = framework.run(self.micro_batch, self.tp, self.recompute,
-                            w_deferred=self.schedule in W_DEFERRED)
-        return Layout(self.dp, self.tp, self.pp, self.chunks, run)
-
-    @property
-    def display_name(self) -> str:
-        """po-h / po-f for the PipeOffload presets (grouped, v=2, g=ceil(p/2), chunks:1 / all)."""
-        if (self.schedule == "grouped-interleaved" and self.chunks == 2
-                and self.group_size == math.ceil(self.pp / 2)):
-            return {"chunks:1": "po-h", "all": "po-f"}.get(self.offload, self.schedule)
-        return self.schedule
-
-    def options(self) -> dict[str, int]:
-        """The registry options of this schedule."""
-        options: dict[str, int] = {}
-        if self.schedule in CHUNKED:
-            options["chunks"] = self.chunks
-        if self.group_size is not None:
-            options["group_size"] = self.group_size
-        return options
-
-    @property
-    def schedule_shape(self) -> tuple:
-        """What the schedule family builds from: a shape that cannot be built fails for every
-        variant of it."""
-        return (self.schedule, self.pp, self.microbatches, self.chunks, self.group_size)
-
-    def period(self) -> int:
-        """Microbatches after which the schedule's pattern repeats (Note [reduced simulation])."""
-        if self.group_size is not None:
-            return math.lcm(self.pp, self.group_size)
-        return self.pp
-
-    def command(self, spec: TransformerSpec | None = None) -> str:
-        """The ``pipeoffload train`` command line that runs this plan (with ``spec``, the
-        reference model at that shape), or why train cannot (planner/train_command.py)."""
-        return str(train_command(self, spec))
 
 
 @dataclass(frozen=True)
@@ -189,48 +121,54 @@ class Plan:
         return self.simulated_microbatches != (self.candidate.microbatches,)
 
 
-def _layout_key(candidate: Candidate) -> tuple:
-    """What ``Candidate.layout_under`` reads of a candidate (one framework per Evaluator)."""
-    return (candidate.dp, candidate.tp, candidate.pp, candidate.chunks, candidate.micro_batch,
-            candidate.recompute, candidate.schedule in W_DEFERRED)
-
-
 class Evaluator:
     """Prices and simulates candidates of one model on one GPU; caches stage costs, cost
     models, bounds and built schedules (none depends on another candidate's costs), so a search
-    reuses them."""
+    reuses them. ``registry``: where candidates' schedules are built from and declared."""
 
     def __init__(self, spec: TransformerSpec, hw: Hardware, memory: MemoryConfig,
                  budget_bytes: float, extrapolation: Extrapolation | None = None,
-                 framework: Framework = DEFAULT_FRAMEWORK, host_budget_bytes: float = 0.0) -> None:
+                 framework: Framework = DEFAULT_FRAMEWORK, host_budget_bytes: float = 0.0,
+                 registry: Registry = REGISTRY) -> None:
         self.spec, self.hw, self.memory = spec, hw, memory
+        self.registry = registry
         self.budget_bytes = budget_bytes
         self.host_budget_bytes = host_budget_bytes
         self.extrapolation = extrapolation or Extrapolation()
         self.framework = framework
         # By _layout_key, which hashes faster than a Layout.
-        self._layouts: dict[tuple, Layout] = {}
-        self._pieces: dict[tuple, tuple[PieceCost, ...]] = {}
-        self._costs: dict[tuple, CostModel] = {}
+        self._layouts: dict[tuple[object, ...], Layout] = {}
+        self._pieces: dict[tuple[object, ...], tuple[PieceCost, ...]] = {}
+        self._costs: dict[tuple[object, ...], CostModel] = {}
         self._parts: dict[RunConfig, tuple[PieceCost, PieceCost, PieceCost]] = {}
-        self._bounds: dict[tuple, float] = {}
+        self._bounds: dict[tuple[object, ...], float] = {}
         # Plans by (candidate, counts simulated): the verdict's second search asks again.
         self._plans: dict[tuple[Candidate, tuple[int, ...]], Plan] = {}
-        self.runner = Runner(self.extrapolation)
+        self.runner = Runner(self.extrapolation, registry)
 
     @property
     def simulations(self) -> int:
         """Simulator runs so far (bare, offload plans, compute-only passes)."""
         return self.runner.simulations
 
+    def family(self, candidate: Candidate) -> FamilySpec:
+        """The declaration of the candidate's schedule family (ConfigError if unknown)."""
+        return self.registry.family(candidate.schedule)
+
+    def _layout_key(self, candidate: Candidate) -> tuple[object, ...]:
+        """What ``Candidate.layout_under`` reads of a candidate (one framework per Evaluator);
+        hashes faster than a Layout."""
+        return (candidate.dp, candidate.tp, candidate.pp, candidate.chunks,
+                candidate.micro_batch, candidate.recompute, self.family(candidate).w_deferred)
+
     def layout(self, candidate: Candidate) -> Layout:
-        key = _layout_key(candidate)
+        key = self._layout_key(candidate)
         if key not in self._layouts:
-            self._layouts[key] = candidate.layout_under(self.framework)
+            self._layouts[key] = candidate.layout_under(self.framework, self.family(candidate))
         return self._layouts[key]
 
     def pieces(self, candidate: Candidate) -> tuple[PieceCost, ...]:
-        key = _layout_key(candidate)
+        key = self._layout_key(candidate)
         if key not in self._pieces:
             layout = self.layout(candidate)
             if layout.run not in self._parts:
@@ -240,7 +178,7 @@ class Evaluator:
 
     def costs(self, candidate: Candidate) -> CostModel:
         """The simulator's cost model of the candidate's layout."""
-        key = _layout_key(candidate)
+        key = self._layout_key(candidate)
         if key not in self._costs:
             self._costs[key] = cost_model(self.pieces(candidate), self.spec, self.hw,
                                           self.layout(candidate))
@@ -252,15 +190,13 @@ class Evaluator:
                                     candidate.options())
 
     def stage_to_rank(self, candidate: Candidate) -> tuple[int, ...]:
-        p, v = candidate.pp, candidate.chunks
-        if candidate.schedule in V_SHAPED:
-            return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
-        return tuple(s % p for s in range(p * v))
+        """Where the candidate's stages sit, from its family's placement (nothing built)."""
+        return self.family(candidate).stage_to_rank(candidate.pp, candidate.chunks)
 
     def state_and_floor(self, candidate: Candidate) -> float:
         """A lower bound of the device memory: model state, the reserve, and the largest stage
         activation of one microbatch (a forward holds it whatever is offloaded)."""
-        key = ("memory", _layout_key(candidate), candidate.schedule in V_SHAPED)
+        key = ("memory", self._layout_key(candidate), self.family(candidate).placement)
         if key not in self._bounds:
             pieces = self.pieces(candidate)
             placement = self.stage_to_rank(candidate)
@@ -301,7 +237,7 @@ class Evaluator:
         (planner/bounds.py, Note [makespan lower bound]) plus the exposed DP exchange and the
         optimizer step, as ``evaluate`` adds them."""
         recomputed = candidate.offload == RECOMPUTE_AND_OFFLOAD
-        key = ("time", _layout_key(candidate), candidate.schedule, candidate.microbatches,
+        key = ("time", self._layout_key(candidate), candidate.schedule, candidate.microbatches,
                recomputed)
         if key not in self._bounds:
             layout = self.layout(candidate)
@@ -309,7 +245,8 @@ class Evaluator:
             placement = self.stage_to_rank(candidate)
             makespan = makespan_lower_bound(self.costs(candidate), placement,
                                             candidate.microbatches,
-                                            candidate.schedule not in WHOLE_BACKWARD, recomputed)
+                                            self.family(candidate).split_backward,
+                                            recomputed)
             self._bounds[key] = (
                 makespan + dp_seconds(self.spec, self.hw, pieces, placement, layout, self.memory)
                 + optimizer_seconds(self.hw, pieces, placement, layout, self.memory))
@@ -323,7 +260,7 @@ class Evaluator:
         them. 0.0 for recompute-and-offload, which the bound does not cover."""
         if candidate.offload == RECOMPUTE_AND_OFFLOAD:
             return 0.0
-        key = ("fit", _layout_key(candidate), candidate.schedule_shape)
+        key = ("fit", self._layout_key(candidate), candidate.schedule_shape)
         if key not in self._bounds:
             schedule = self.schedule(candidate, candidate.microbatches)
             pieces, layout = self.pieces(candidate), self.layout(candidate)

@@ -39,7 +39,7 @@ class Hardware:
     - ``hbm_bytes``: device memory capacity.
     - ``hbm_bytes_per_s``: the device-memory bandwidth memory-bound kernels achieve (norms,
       activations, softmax, dropout, residual adds, the optimizer step); 0: such work is not
-      timed (the model before issue 21).
+      timed.
     - ``attention_flops_per_s``: the rate of flash-attention kernels (forward and backward
       together); 0: ``bf16_flops_per_s``.
     - ``kernel_launch_s``: fixed cost of one kernel (the gap between dependent kernels of an
@@ -273,14 +273,14 @@ _TB = 1e12
 # - bf16_flops_per_s: measured Maximum Achievable Matmul FLOPS, BF16 (S. Bekman,
 #   stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
 #   comparison table"): A100 SXM 271.2, H100 SXM 794.5 TFLOP/s. H200: the H100 SXM's (same die,
-#   clocks and 700 W); an 8192^3 bf16 product measured 769-798 TFLOP/s on an H200 of this
-#   project's device pool.
+#   clocks and 700 W); an 8192^3 bf16 product measured 769-798 TFLOP/s on an H200
+#   (docs/planner-model.md).
 # - peak_flops_per_s: datasheet dense 16-bit, A100 312, H100 SXM / H200 989 TFLOP/s.
 # - hbm_bytes_per_s: HBM_EFFICIENCY of the datasheet bandwidth (A100 80GB 2.039, H100 SXM 3.35,
 #   H200 4.8 TB/s). HBM_EFFICIENCY is the one fitted constant: what Megatron's memory-bound
 #   kernels achieve on a 22B layer (Korthikanti et al. 2022, Table 4, the three times without
 #   sequence parallelism; published.calibrate_hbm_efficiency). A bare device-to-device copy
-#   does better (4.3 of 4.8 TB/s, 0.9, on an H200 of this project's device pool): small and
+#   does better (4.3 of 4.8 TB/s, 0.9, measured on an H200): small and
 #   strided kernels, fp32 statistics and RNG-bound dropout run below a copy's rate. The same
 #   fraction on H100 / H200 [assumption].
 # - attention_flops_per_s: FlashAttention-2 (Dao 2023, section 4.1): on A100 forward up to 73%
@@ -314,16 +314,21 @@ _TB = 1e12
 # - GEMM ridge: datasheet dense bf16 over HBM bandwidth (A100 80GB 312 TFLOP/s / 2.039 TB/s,
 #   H100 SXM 989 / 3.35, H200 989 / 4.8), NVIDIA's ops:byte ratio.
 HBM_EFFICIENCY = 0.70
+# Datasheet figures, each stated once: dense 16-bit peak FLOP/s and HBM bandwidth.
+_A100_PEAK_FLOPS = 312e12
+_H100_PEAK_FLOPS = 989e12  # H100 SXM and H200
 A100_HBM_BYTES_PER_S = 2.039 * _TB
+_H100_HBM_TB_PER_S = 3.35
+_H200_HBM_TB_PER_S = 4.8
 _PRESETS: dict[str, Hardware] = {
     "a100-80gb": _preset(
         name="a100-80gb",
         sm_count=108,
         bf16_flops_per_s=271.2e12,
-        peak_flops_per_s=312e12,
+        peak_flops_per_s=_A100_PEAK_FLOPS,
         hbm_bytes=81920 * _MIB,
         hbm_bytes_per_s=HBM_EFFICIENCY * A100_HBM_BYTES_PER_S,
-        attention_flops_per_s=0.65 * 312e12,
+        attention_flops_per_s=0.65 * _A100_PEAK_FLOPS,
         kernel_launch_s=4e-6,
         d2h_bytes_per_s=15e9,
         h2d_bytes_per_s=15e9,
@@ -336,15 +341,15 @@ _PRESETS: dict[str, Hardware] = {
         inter_node_busbw_fraction=0.92,
         inter_node_one_gpu_busbw_fraction=0.746,
         collective_sms=24,
-        gemm_ridge_flops_per_byte=312e12 / 2.039e12,
+        gemm_ridge_flops_per_byte=_A100_PEAK_FLOPS / A100_HBM_BYTES_PER_S,
     ),
     "h100-80gb": _preset(
         name="h100-80gb",
         sm_count=132,
         bf16_flops_per_s=794.5e12,
-        peak_flops_per_s=989e12,
+        peak_flops_per_s=_H100_PEAK_FLOPS,
         hbm_bytes=81559 * _MIB,
-        hbm_bytes_per_s=HBM_EFFICIENCY * 3.35 * _TB,
+        hbm_bytes_per_s=HBM_EFFICIENCY * _H100_HBM_TB_PER_S * _TB,
         attention_flops_per_s=335e12,
         kernel_launch_s=4e-6,
         d2h_bytes_per_s=21e9,
@@ -358,15 +363,19 @@ _PRESETS: dict[str, Hardware] = {
         inter_node_busbw_fraction=0.94,
         inter_node_one_gpu_busbw_fraction=0.76,
         collective_sms=16,
-        gemm_ridge_flops_per_byte=989e12 / 3.35e12,
+        gemm_ridge_flops_per_byte=_H100_PEAK_FLOPS / (_H100_HBM_TB_PER_S * _TB),
     ),
 }
 # The H200: the H100's die, clocks, links and host side with more and faster HBM.
 _PRESETS["h200"] = dataclasses.replace(
     _PRESETS["h100-80gb"], name="h200", hbm_bytes=143771 * _MIB,
-    hbm_bytes_per_s=HBM_EFFICIENCY * 4.8 * _TB, gemm_ridge_flops_per_byte=989e12 / 4.8e12)
+    hbm_bytes_per_s=HBM_EFFICIENCY * _H200_HBM_TB_PER_S * _TB,
+    gemm_ridge_flops_per_byte=_H100_PEAK_FLOPS / (_H200_HBM_TB_PER_S * _TB))
 
 _ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200-141gb": "h200"}
+#: The preset of each GPU model, by a marker in its device name (torch.cuda.get_device_name),
+#: most specific first: an "H200" name must not be taken for an H100.
+_DEVICE_MARKERS = (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb"))
 
 
 def _key(name: str) -> str:
@@ -388,6 +397,13 @@ def hardware_preset(name: str) -> Hardware:
             f"(or a JSON file written by `pipeoffload probe`)"
         )
     return _PRESETS[key]
+
+
+def device_preset(device_name: str) -> Hardware | None:
+    """The preset of the GPU model ``device_name`` names (as torch.cuda.get_device_name gives
+    it: "NVIDIA H100 80GB HBM3"), or None for a model without one."""
+    name = device_name.upper()
+    return next((_PRESETS[key] for marker, key in _DEVICE_MARKERS if marker in name), None)
 
 
 def load_hardware(name_or_path: str) -> Hardware:

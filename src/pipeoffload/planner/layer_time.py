@@ -185,7 +185,8 @@ def layer_compute_s(spec: TransformerSpec, hw: Hardware, micro_batch: int, tp: i
                          sum(hw.gemm_s(g.input_gradient()) for g in gemms),
                          sum(hw.gemm_s(g.weight_gradient()) for g in gemms))
     if spec.flash_attention and not hw.attention_flops_per_s and not hw.hbm_bytes_per_s:
-        # The model before issue 21: the core's FLOPs (this count) at the preset's rate.
+        # A preset that times neither flash kernels nor memory-bound work: the core's FLOPs
+        # (this count) at the preset's matmul rate.
         flops = layer_flops(spec, micro_batch, tp=tp, count=as_flop_count(count))
         linear_flops = sum(gemm.flops for gemm in gemms)
         return linear + PassSeconds(hw.compute_s(max(0.0, flops.f - linear_flops)),

@@ -6,7 +6,7 @@ bias gradients, the unfused attention's softmax and dropout over its s x s score
 and the loss move a few bytes per element and do a few FLOPs per byte, far below any GPU's
 ops:byte ratio, so they take bytes / achievable memory bandwidth (``Hardware.memory_s``), plus a
 fixed cost per kernel. Their bytes grow as b s h per layer against the matmuls' b s h^2: they
-weigh most on narrow layers (the error they left in the planner fell as 1 / h, issue 21).
+weigh most on narrow layers (leaving them out errs as 1 / h, docs/planner-model.md).
 
 The kernels are Megatron-LM's GPT layer (megatron/model/transformer.py: ParallelTransformerLayer,
 ParallelAttention, ParallelMLP; the code behind Narayanan et al. 2021 and Korthikanti et al. 2022)

@@ -266,7 +266,7 @@ class LayerTime:
     sequence_parallel: bool
     with_backward: bool
     measured_s: float
-    checked: bool  # one of the four times issue 21 checks; the others choose HBM_EFFICIENCY
+    checked: bool  # a time the model is checked against; the others fit HBM_EFFICIENCY
 
 
 TABLE4_SPEC = megatron_gpt("gpt-22B", 48, 6144, 64)

@@ -10,8 +10,8 @@ that lasts longer than m_a. Two symptoms of one are checked, and either sends th
 simulation instead:
 - the two periods differ (time(m_c) - time(m_b) != time(m_b) - time(m_a), relative 1e-6);
 - a period adds less than the busiest rank's work (L times its stages' F + I + W): no steady
-  state can (issue 21's 18.4B zbv PP4 case: 2p and 3p microbatches were still filling the
-  pipeline behind a heavier last stage, -3.5% and a negative bubble).
+  state can (an 18.4B zbv PP4 case: 2p and 3p microbatches were still filling the pipeline
+  behind a heavier last stage, -3.5% and a negative bubble).
 Peak memory is the largest of the runs' peaks: the zoo's schedules (GPipe aside, which the
 planner does not search) reach their peak within the first periods. Compute alone repeats
 exactly; the offload planner's choices need not (which transfers it keeps, and where they

@@ -152,15 +152,16 @@ def render_result(result: SearchResult, inputs_line: str, *, fixed: bool = False
         lines.append("every dimension was fixed (tp, pp, chunks, microbatch size, schedule, "
                      "recompute, offload): this is that configuration's prediction, "
                      + ("and it fits" if best.feasible else "and it does NOT fit"))
+    command = str(train_command(best.candidate, result.spec))
     if best.feasible:
         lines.append(f"{'yours' if fixed else 'best'}: {summary}")
-        lines.append(best.candidate.command(result.spec))
+        lines.append(command)
     else:
         if fixed:
             lines.append(f"yours: {summary}")
         lines.append(result.shortfall("this configuration" if fixed else "the nearest plan")
                      or "")
-        lines.append(("yours: " if fixed else "nearest: ") + best.candidate.command(result.spec))
+        lines.append(("yours: " if fixed else "nearest: ") + command)
     if verdict is not None:
         lines.append(verdict.line())
     return "\n".join(lines)

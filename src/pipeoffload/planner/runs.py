@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import NamedTuple, TypeVar
 
-from pipeoffload.core import registry
+from pipeoffload.core.registry import REGISTRY, Registry
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.plan import OffloadPlan, add_offload
 from pipeoffload.offload.targets import parse_target
@@ -74,11 +74,12 @@ class Simulated(NamedTuple):
 
 
 class Runner:
-    """Builds, keeps and simulates schedules (see the module docstring). ``simulations``
-    counts bare simulations, offload plans and graph passes."""
+    """Builds (from ``registry``), keeps and simulates schedules (see the module docstring).
+    ``simulations`` counts bare simulations, offload plans and graph passes."""
 
-    def __init__(self, extrapolation: Extrapolation) -> None:
+    def __init__(self, extrapolation: Extrapolation, registry: Registry = REGISTRY) -> None:
         self.extrapolation = extrapolation
+        self.registry = registry
         self._schedules: dict[tuple, Schedule] = {}
         self._graphs: dict[Hashable, tuple[Schedule, ComputeGraph]] = {}
         self._bare: dict[Hashable, tuple[Schedule, SimResult]] = {}
@@ -91,7 +92,8 @@ class Runner:
         """The registry's schedule (raises ConfigError when the family rejects the shape)."""
         key = (name, pp, microbatches, tuple(sorted(options.items())))
         if key not in self._schedules:  # building pauses the collector itself (registry.py)
-            self._schedules[key] = registry.build_schedule(name, pp, microbatches, **options)
+            self._schedules[key] = self.registry.build_schedule(name, pp, microbatches,
+                                                                **options)
         return self._schedules[key]
 
     def resident(self, schedule: Schedule) -> ResidentCounts:

@@ -49,428 +49,308 @@ where so marked); the search does not simulate plans only to fill the table.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
-from pipeoffload.checks import check_number, check_optional
 from pipeoffload.errors import ConfigError
-from pipeoffload.planner.costing import GIB, MemoryConfig
-from pipeoffload.planner.evaluate import (
-    CHUNKED,
-    RECOMPUTE_AND_OFFLOAD,
-    V_SHAPED,
-    Candidate,
-    Evaluator,
-    Plan,
-)
+from pipeoffload.planner.candidate import Candidate
+from pipeoffload.planner.evaluate import Evaluator, Plan
 from pipeoffload.planner.hardware import Hardware
-from pipeoffload.planner.ratio import (
-    OffloadRatio,
-    PieceCost,
-    RunConfig,
-    layer_cost,
-    offload_ratio,
+from pipeoffload.planner.layer_time import RunConfig
+from pipeoffload.planner.ratio import offload_ratio
+from pipeoffload.planner.result import SearchResult, SearchStats
+from pipeoffload.planner.space import (
+    DEFAULT_SCHEDULES,
+    OFFLOAD_ORDER,
+    SearchConfig,
+    SearchSpace,
+    configurations,
 )
-from pipeoffload.planner.reduced import Extrapolation
-from pipeoffload.planner.transformer import Recompute, TransformerSpec, as_recompute
+from pipeoffload.planner.transformer import Recompute, TransformerSpec
 from pipeoffload.sim.collector import cyclic_gc_paused
 
-DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "v-min",
-                     "grouped-interleaved")
-OFFLOAD_ORDER = ("none", "chunks:1", "all", RECOMPUTE_AND_OFFLOAD)
+# The search's inputs and results live in space.py and result.py; callers import them here.
+__all__ = ["DEFAULT_SCHEDULES", "OFFLOAD_ORDER", "SearchConfig", "SearchResult", "SearchSpace",
+           "SearchState", "SearchStats", "Why", "configurations", "search"]
 
 
-@dataclass(frozen=True)
-class SearchSpace:
-    """What the search may choose. ``tp`` / ``pp`` None: every divisor that fits (TP dividing a
-    node's GPUs and the heads). ``group_sizes``: "min" (ceil(p/2)), "max" (p) or both."""
+class Why(Enum):
+    """Why a queued candidate has its key (Note: [branch and bound]); a search that stops
+    counts each one left by it (``SearchState.left_at_stop``)."""
 
-    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
-    chunks: tuple[int, ...] = (2, 4)
-    group_sizes: tuple[str, ...] = ("min", "max")
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
-    recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.LGD, Recompute.FULL)
-    offload: tuple[str, ...] = OFFLOAD_ORDER
-    tp: tuple[int, ...] | None = None
-    pp: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "recompute", tuple(as_recompute(r) for r in self.recompute))
-        unknown = [o for o in self.offload if o not in OFFLOAD_ORDER]
-        if unknown:
-            raise ConfigError(f"SearchSpace.offload: {unknown} not searchable; "
-                              f"use some of {', '.join(OFFLOAD_ORDER)}")
-        if "dualpipe" in self.schedules:
-            raise ConfigError("SearchSpace: the planner's memory model has no schedule with two "
-                              "copies of the weights per rank, so dualpipe is not searched; "
-                              "search dualpipev (one copy, V placement) instead")
-        if not self.schedules or not self.recompute or not self.micro_batch_sizes:
-            raise ConfigError("SearchSpace: schedules, recompute and micro_batch_sizes "
-                              "must each list at least one value")
-        for name in ("chunks", "micro_batch_sizes", "tp", "pp"):
-            for value in getattr(self, name) or ():
-                check_number(f"SearchSpace.{name}", value, minimum=1, integer=True)
-
-
-@dataclass(frozen=True)
-class SearchConfig:
-    """How to search: the memory budget per GPU (None: the GPU's memory), the global batch in
-    sequences, how many plans to keep, memory accounting and the reduced simulation."""
-
-    gpus: int
-    global_batch: int
-    budget_bytes: float | None = None
-    top_k: int = 10
-    memory: MemoryConfig = MemoryConfig()
-    extrapolation: Extrapolation = Extrapolation()
-    nearest_tries: int = 4
-    """When nothing fits: how many of the memory-pruned configurations to simulate for the
-    nearest one."""
-    tolerance: float = 0.005
-    """The returned plan may be slower than the best by this share (Note: [branch and bound]);
-    0 returns the best (and simulates every near tie to find it)."""
-    host_budget_bytes: float | None = None
-    """Pinned host memory per node that offload may use (None: the hardware's
-    ``host_bytes_per_node``; 0: not checked)."""
-
-    def __post_init__(self) -> None:
-        for name in ("gpus", "global_batch", "top_k"):
-            check_number(f"SearchConfig.{name}", getattr(self, name), minimum=1, integer=True)
-        check_number("SearchConfig.nearest_tries", self.nearest_tries, minimum=0, integer=True)
-        check_number("SearchConfig.tolerance", self.tolerance, minimum=0, maximum=1)
-        check_optional("SearchConfig.budget_bytes", self.budget_bytes, above=0)
-        check_optional("SearchConfig.host_budget_bytes", self.host_budget_bytes, minimum=0)
-
-
-@dataclass(frozen=True)
-class SearchStats:
-    """Candidates (variants) searched and what became of them: ``simulated`` counts simulator
-    runs (a reduced plan is three), ``finalists`` the reduced plans re-simulated in full,
-    ``dominated`` the offloaded variants pruned by their offload-free sibling's time."""
-
-    configurations: int = 0
-    simulated: int = 0
-    pruned_by_time: int = 0
-    pruned_by_memory: int = 0
-    dominated: int = 0
-    pruned_by_copies: int = 0
-    """Offloaded variants that could fit only by a step slower than the best (Note:
-    [fitting time], planner/fit_bound.py)."""
-    not_buildable: int = 0
-    finalists: int = 0
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """Ranked plans (feasible by step time, then the rest by memory) and how they were found.
-    ``best`` is the fastest feasible plan or, when nothing fits, the nearest one."""
-
-    k: OffloadRatio
-    budget_bytes: float
-    candidates: tuple[Plan, ...]
-    stats: SearchStats
-    notes: tuple[str, ...] = field(default=())
-    spec: TransformerSpec | None = None  # the model searched for (its shape goes in commands)
-    evaluator: Evaluator | None = field(default=None, compare=False, repr=False)
-    """What priced the plans, with its built schedules and plans: a further search of the
-    same model, hardware and config passes it on (``search(..., evaluator=)``)."""
-
-    @property
-    def best(self) -> Plan | None:
-        return self.candidates[0] if self.candidates else None
-
-    def shortfall(self, subject: str = "the nearest plan") -> str | None:
-        """What the nearest plan (``subject``) would need, when nothing fits; None otherwise."""
-        best = self.best
-        if best is None or best.feasible:
-            return None
-        if best.fits_device:
-            over = best.host_node_bytes - best.host_budget_bytes
-            return (f"nothing fits in {best.host_budget_bytes / GIB:.1f} GiB of pinned host "
-                    f"memory per node; {subject} needs {best.host_node_bytes / GIB:.1f} "
-                    f"GiB per node, {over / GIB:.1f} GiB over: offload less, add nodes, or "
-                    f"raise --host-memory")
-        over = best.memory.total - self.budget_bytes
-        part, size = best.memory.largest_part()
-        fixes = {"activations": "offload more, recompute (--recompute full) or shorten the "
-                                "sequence",
-                 "optimizer state": "shard the optimizer (--sharded-optimizer) over more DP "
-                                    "ranks or add GPUs",
-                 "gradients": "add GPUs (more PP / TP)",
-                 "parameters": "add GPUs (more PP / TP)"}
-        return (f"nothing fits in {self.budget_bytes / GIB:.1f} GiB; {subject} needs "
-                f"{best.memory_gib:.1f} GiB per device, {over / GIB:.1f} GiB over the budget; "
-                f"the largest part is {part} ({size / GIB:.1f} GiB): {fixes[part]}, "
-                f"or raise --memory")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _layouts(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
-             space: SearchSpace) -> Iterator[tuple[int, int, int]]:
-    for tp in _divisors(config.gpus):
-        # TP inside one node: a group that straddles nodes would run at the network's rate
-        if hw.gpus_per_node % tp or spec.heads % tp or (space.tp and tp not in space.tp):
-            continue
-        for pp in _divisors(config.gpus // tp):
-            if pp > spec.num_layers or (space.pp and pp not in space.pp):
-                continue
-            dp = config.gpus // (tp * pp)
-            if config.global_batch % dp == 0:
-                yield dp, tp, pp
-
-
-def _shapes(schedule: str, pp: int, space: SearchSpace) -> Iterator[tuple[int, int | None]]:
-    """(chunks, group size) pairs a schedule is tried with."""
-    if schedule in V_SHAPED:
-        yield 2, None
-    elif schedule == "grouped-interleaved":
-        groups = sorted({math.ceil(pp / 2) if g == "min" else pp for g in space.group_sizes})
-        for v in space.chunks:
-            for g in groups:
-                yield v, g
-    elif schedule in CHUNKED:
-        for v in space.chunks:
-            yield v, None
-    else:
-        yield 1, None
-
-
-def configurations(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
-                   space: SearchSpace) -> list[list[Candidate]]:
-    """Every configuration as its list of variants (recompute x offload), in dominance order
-    (fastest kind first), before any pruning. b > 1 variants follow b = 1's."""
-    out = []
-    layer_costs: dict[RunConfig, PieceCost] = {}
-
-    def priced(run: RunConfig) -> PieceCost:
-        if run not in layer_costs:
-            layer_costs[run] = layer_cost(spec, hw, run)
-        return layer_costs[run]
-
-    for dp, tp, pp in _layouts(spec, hw, config, space):
-        per_replica = config.global_batch // dp
-        for schedule in space.schedules:
-            if pp == 1 and schedule != "1f1b":
-                continue
-            for chunks, group in _shapes(schedule, pp, space):
-                if pp * chunks > spec.num_layers:
-                    continue
-                for b in space.micro_batch_sizes:
-                    if per_replica % b:
-                        continue
-                    m = per_replica // b
-                    if schedule == "interleaved-1f1b" and m % pp:
-                        continue  # Megatron's rule: groups of p microbatches
-                    if schedule == "zb-h2" and m < 2 * pp - 1:
-                        continue
-                    base = Candidate(schedule, dp, tp, pp, chunks, b, m, group_size=group)
-                    variants = _variants(priced, base, space)
-                    if variants:
-                        out.append(variants)
-    return out
-
-
-def _variants(priced: Callable[[RunConfig], PieceCost], base: Candidate,
-              space: SearchSpace) -> list[Candidate]:
-    keyed = []
-    for r in space.recompute:
-        cost = priced(RunConfig(base.micro_batch, base.tp, r))
-        keyed.append(((cost.chunk_s, cost.activation_bytes), r))
-    keyed.sort(key=lambda item: item[0])
-    kept: list[Recompute] = []
-    for (time_s, _), r in keyed:
-        # Same time as an earlier (smaller) option: dominated.
-        if not any(math.isclose(time_s, k[0][0]) for k in keyed if k[1] in kept):
-            kept.append(r)
-    offloads = [o for o in space.offload if base.pp > 1 or o == "none"]
-    if base.chunks < 2:
-        offloads = [o for o in offloads if o not in ("chunks:1", RECOMPUTE_AND_OFFLOAD)]
-    return [Candidate(base.schedule, base.dp, base.tp, base.pp, base.chunks, base.micro_batch,
-                      base.microbatches, r, o, base.group_size)
-            for r in kept for o in offloads]
+    BOUND = "bound"  # its step-time lower bound (rule 1's start)
+    SIBLING = "sibling"  # its offload-free sibling's time (rule 1)
+    REDUCED = "reduced"  # its reduced plan's time over the reduced tolerance (rule 2)
+    UNFIT = "unfit"  # the earliest step at which it could fit (rule 2b)
 
 
 @dataclass
 class _Queue:
     """The candidates the search may still simulate, smallest time key first (Note: [branch
-    and bound]). Entries: (key, order, kind, candidate, reduced plan or None)."""
+    and bound]). Entries: (key, not a finalist, order, why, candidate, reduced plan or None)."""
 
-    entries: list[tuple[float, bool, int, str, Candidate, Plan | None]] = field(
+    entries: list[tuple[float, bool, int, Why, Candidate, Plan | None]] = field(
         default_factory=list)
     order: Iterator[int] = field(default_factory=itertools.count)
 
-    def push(self, key: float, kind: str, candidate: Candidate, plan: Plan | None = None) -> None:
+    def push(self, key: float, why: Why, candidate: Candidate, plan: Plan | None = None) -> None:
         # At equal keys a finalist goes first: its full time may end the search.
-        heapq.heappush(self.entries, (key, plan is None, next(self.order), kind, candidate, plan))
+        heapq.heappush(self.entries, (key, plan is None, next(self.order), why, candidate, plan))
 
-    def pop(self) -> tuple[float, str, Candidate, Plan | None]:
-        key, _, _, kind, candidate, plan = heapq.heappop(self.entries)
-        return key, kind, candidate, plan
+    def pop(self) -> tuple[float, Why, Candidate, Plan | None]:
+        key, _, _, why, candidate, plan = heapq.heappop(self.entries)
+        return key, why, candidate, plan
+
+
+def _siblings(groups: list[list[Candidate]]) -> dict[Candidate, Candidate]:
+    """Each variant's sibling without offload (same configuration and recompute)."""
+    free_of: dict[Candidate, Candidate] = {}
+    for variants in groups:
+        without = {c.recompute: c for c in variants if c.offload == "none"}
+        for c in variants:
+            free_of[c] = without.get(c.recompute) or replace(c, offload="none")
+    return free_of
+
+
+class SearchState:
+    """One search as it runs (Note: [branch and bound]): the queue, what each candidate
+    became, the siblings' times that bound their offloaded variants, and the best full-simulated
+    feasible step time, which the stopping rule compares keys with.
+
+    ``run`` takes candidates off the queue until the rule stops it; ``settle_nearest`` prices
+    the nearest plans when nothing fits; ``ranked`` and ``stats`` say what was found."""
+
+    def __init__(self, evaluator: Evaluator, config: SearchConfig, groups: list[list[Candidate]],
+                 progress: Callable[[str], None] | None, started: float) -> None:
+        self.evaluator, self.config, self.progress = evaluator, config, progress
+        self.budget = evaluator.budget_bytes
+        self.reduced_error = 1 + config.extrapolation.tolerance
+        self.stats = SearchStats(configurations=sum(len(g) for g in groups))
+        self.queue = _Queue()
+        self.too_big: list[tuple[float, Candidate]] = []  # pruned by memory: nearest plans
+        self.free_of = _siblings(groups)
+        # Plans without offload whose time bounds an offloaded sibling's (rule 1 of the Note).
+        self.floors_siblings = {self.free_of[c] for c in self.free_of if c.offload != "none"}
+        self.feasible: dict[Candidate, Plan] = {}  # full or reduced, the latest of each
+        self.infeasible: list[Plan] = []
+        self.sibling_floor: dict[Candidate, float] = {}  # offload-free variant's time, from below
+        self.unpriced: set[Candidate] = set()  # offload-free, over the budget, not simulated
+        self.unbuildable: set[tuple[str, int, int, int, int | None]] = set()
+        self.best = math.inf  # the best full-simulated feasible step time
+        self.last_report = started
+        self._seed(groups)
+
+    def _seed(self, groups: list[list[Candidate]]) -> None:
+        """Queue every variant by its time bound, or set it aside by its memory floor."""
+        for variants in groups:
+            for candidate in variants:
+                floor = self.evaluator.state_and_floor(candidate)
+                if floor > self.budget:
+                    self.stats.pruned_by_memory += 1
+                    self.too_big.append((floor, candidate))
+                else:
+                    self.queue.push(self.evaluator.time_bound(candidate), Why.BOUND, candidate)
+
+    def run(self) -> None:
+        """Take candidates off the queue, smallest key first, until nothing left can beat the
+        best by more than the tolerance (rule 3)."""
+        while self.queue.entries:
+            key, why, candidate, plan = self.queue.pop()
+            if key * (1 + self.config.tolerance) >= self.best:
+                self.left_at_stop(why)
+                for entry in self.queue.entries:
+                    self.left_at_stop(entry[3])
+                return
+            self._report()
+            if plan is not None:  # a reduced plan that fits: a finalist, simulated in full
+                self.stats.finalists += 1
+                plan = self.evaluator.evaluate(candidate, full=True)
+            else:
+                plan = self._first_look(key, candidate)
+                if plan is None:
+                    continue
+            self._record(candidate, plan)
+
+    def left_at_stop(self, why: Why) -> None:
+        """Count a candidate the stopping rule leaves, by what its key was."""
+        if why is Why.SIBLING:
+            self.stats.dominated += 1
+        elif why is Why.UNFIT:
+            self.stats.pruned_by_copies += 1
+        else:
+            self.stats.pruned_by_time += 1
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        if self.progress is not None and now - self.last_report >= 1.0:
+            self.last_report = now
+            shown = f", best {self.best:.3f} s" if self.best < math.inf else ""
+            self.progress(f"plan: {len(self.queue.entries)} candidates left, "
+                          f"{self.evaluator.simulations} simulations{shown}")
+
+    def _floor(self, plan: Plan) -> float:
+        """A lower bound of the full step time of ``plan``'s candidate."""
+        return plan.step_time / self.reduced_error if plan.extrapolated else plan.step_time
+
+    def _first_look(self, key: float, candidate: Candidate) -> Plan | None:
+        """A candidate not simulated yet: its plan, or None when it is pruned, cannot be built,
+        or went back into the queue under a larger key."""
+        free = self.free_of[candidate]
+        if self.sibling_floor.get(free, 0.0) > key:
+            self.queue.push(self.sibling_floor[free], Why.SIBLING, candidate)
+            return None
+        if candidate.schedule_shape in self.unbuildable:
+            self.stats.not_buildable += 1
+            return None
+        try:
+            plan = self._price(key, candidate, free)
+        except ConfigError:
+            self.unbuildable.add(candidate.schedule_shape)
+            self.stats.not_buildable += 1
+            return None
+        if plan is not None and candidate.offload == "none":
+            self.sibling_floor[free] = self._floor(plan)
+        return plan
+
+    def _price(self, key: float, candidate: Candidate, free: Candidate) -> Plan | None:
+        """Rules 1, 2 and 2b of the Note before simulating ``candidate``; raises ConfigError
+        when its family cannot build its shape."""
+        offloaded = candidate.offload != "none"
+        bound = self.evaluator.memory_bound(candidate)
+        if bound > self.budget:
+            self.stats.pruned_by_memory += 1
+            if not offloaded:
+                self.too_big.append((bound, candidate))
+                if candidate in self.floors_siblings:  # priced if a sibling needs its time
+                    self.unpriced.add(candidate)
+            return None
+        if offloaded:
+            fit = self.evaluator.fitting_time_bound(candidate)
+            if fit > key:  # fitting takes longer than the key says (rule 2b)
+                self.queue.push(fit, Why.UNFIT, candidate)
+                return None
+        if free in self.unpriced and self._sibling_outruns(key, candidate, free):
+            return None
+        memory = self.evaluator.first_count_memory(candidate) if offloaded else None
+        if memory is not None and memory > self.budget * (
+                1 + self.config.extrapolation.memory_tolerance):
+            self.stats.pruned_by_memory += 1
+            self.too_big.append((memory, candidate))
+            return None
+        self.stats.finalists += memory is not None
+        return self.evaluator.evaluate(candidate, full=offloaded)
+
+    def _sibling_outruns(self, key: float, candidate: Candidate, free: Candidate) -> bool:
+        """Price the offload-free sibling over the budget now that a variant needs its time;
+        whether that time sent ``candidate`` back into the queue."""
+        self.unpriced.discard(free)
+        free_plan = self.evaluator.evaluate(free)
+        self.infeasible.append(free_plan)
+        self.sibling_floor[free] = self._floor(free_plan)
+        if self.sibling_floor[free] > key:
+            self.queue.push(self.sibling_floor[free], Why.SIBLING, candidate)
+            return True
+        return False
+
+    def _record(self, candidate: Candidate, plan: Plan) -> None:
+        """Keep a simulated plan; a reduced one that fits goes back into the queue (rule 2)."""
+        if not plan.feasible:
+            self.infeasible.append(plan)
+            self.feasible.pop(candidate, None)
+            return
+        self.feasible[candidate] = plan
+        if plan.extrapolated:
+            self.queue.push(plan.step_time / self.reduced_error, Why.REDUCED, candidate, plan)
+        else:
+            self.best = min(self.best, plan.step_time)
+
+    def settle_nearest(self) -> None:
+        """When no plan simulated in full fits: drop the reduced ones and simulate the
+        ``nearest_tries`` smallest of those set aside by memory, for the nearest plan."""
+        if any(not plan.extrapolated for plan in self.feasible.values()):
+            return
+        self.feasible.clear()
+        tried = {plan.candidate for plan in self.infeasible}
+        self.too_big.sort(key=lambda item: item[0])
+        for _, candidate in self.too_big[: self.config.nearest_tries]:
+            if candidate in tried:
+                continue
+            try:
+                self.infeasible.append(self.evaluator.evaluate(candidate))
+            except ConfigError:
+                continue
+
+    def ranked(self) -> tuple[Plan, ...]:
+        """Feasible plans by step time, else the rest by memory; ``top_k`` of them."""
+        ranked_feasible = sorted(self.feasible.values(),
+                                 key=lambda p: (p.step_time, p.memory.total))
+        self.infeasible.sort(key=lambda p: (p.memory.total, p.step_time))
+        top_k = self.config.top_k
+        return tuple(ranked_feasible[:top_k] or self.infeasible[:top_k])
+
 
 
 def search(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
-           space: SearchSpace = SearchSpace(),
+           space: SearchSpace | None = None,
            progress: Callable[[str], None] | None = None,
            evaluator: Evaluator | None = None) -> SearchResult:
-    """Search (Note: [branch and bound]); ``progress`` gets a status line about once a second.
-    ``evaluator``: an earlier search's (``SearchResult.evaluator``) for the same model,
-    hardware and config (``top_k`` and the space may differ): what it priced is reused."""
+    """Search ``space`` (default ``SearchSpace()``) (Note: [branch and bound]); ``progress``
+    gets a status line about once a second. ``evaluator``: an earlier search's
+    (``SearchResult.evaluator``) for the same model, hardware, config and registry (``top_k``
+    and the rest of the space may differ): what it priced is reused."""
     with cyclic_gc_paused():
-        return _search(spec, hw, config, space, progress, evaluator)
+        return _search(spec, hw, config, space or SearchSpace(), progress, evaluator)
+
+
+def _evaluator(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: SearchSpace,
+               evaluator: Evaluator | None) -> Evaluator:
+    """A new evaluator for this search, or ``evaluator`` when it prices the same things."""
+    budget = config.budget_bytes if config.budget_bytes is not None else hw.hbm_bytes
+    host_budget = (config.host_budget_bytes if config.host_budget_bytes is not None
+                   else hw.host_bytes_per_node)
+    if evaluator is None:
+        return Evaluator(spec, hw, config.memory, budget, config.extrapolation,
+                         host_budget_bytes=host_budget, registry=space.registry)
+    if (evaluator.spec, evaluator.hw, evaluator.memory, evaluator.budget_bytes,
+            evaluator.extrapolation, evaluator.host_budget_bytes) != (
+                spec, hw, config.memory, budget, config.extrapolation, host_budget) \
+            or evaluator.registry is not space.registry:
+        raise ValueError("search: the evaluator passed in prices another model, hardware, "
+                         "config or registry")
+    return evaluator
 
 
 def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: SearchSpace,
             progress: Callable[[str], None] | None, evaluator: Evaluator | None
             ) -> SearchResult:
     started = time.monotonic()
-    budget = config.budget_bytes if config.budget_bytes is not None else hw.hbm_bytes
-    host_budget = (config.host_budget_bytes if config.host_budget_bytes is not None
-                   else hw.host_bytes_per_node)
-    if evaluator is None:
-        evaluator = Evaluator(spec, hw, config.memory, budget, config.extrapolation,
-                              host_budget_bytes=host_budget)
-    elif (evaluator.spec, evaluator.hw, evaluator.memory, evaluator.budget_bytes,
-          evaluator.extrapolation, evaluator.host_budget_bytes) != (
-              spec, hw, config.memory, budget, config.extrapolation, host_budget):
-        raise ValueError("search: the evaluator passed in prices another model, hardware or "
-                         "config")
+    evaluator = _evaluator(spec, hw, config, space, evaluator)
     simulations_before = evaluator.simulations
-    reduced_error = 1 + config.extrapolation.tolerance
     groups = configurations(spec, hw, config, space)
-    stats = dict.fromkeys(("pruned_by_time", "pruned_by_memory", "dominated",
-                           "pruned_by_copies", "not_buildable", "finalists"), 0)
-    pruned_as = {"sibling": "dominated", "unfit": "pruned_by_copies"}
-    queue = _Queue()
-    too_big: list[tuple[float, Candidate]] = []
-    # Plans without offload whose time bounds an offloaded sibling's (rule 1 of the Note).
-    free_of: dict[Candidate, Candidate] = {}  # each variant's sibling without offload
-    for variants in groups:
-        without = {c.recompute: c for c in variants if c.offload == "none"}
-        for c in variants:
-            free_of[c] = without.get(c.recompute) or replace(c, offload="none")
-    floors_siblings = {free_of[c] for c in free_of if c.offload != "none"}
-    for variants in groups:
-        for candidate in variants:
-            floor = evaluator.state_and_floor(candidate)
-            if floor > budget:
-                stats["pruned_by_memory"] += 1
-                too_big.append((floor, candidate))
-            else:
-                queue.push(evaluator.time_bound(candidate), "bound", candidate)
-    feasible: dict[Candidate, Plan] = {}  # full or reduced, the latest of each candidate
-    infeasible: list[Plan] = []
-    sibling_floor: dict[Candidate, float] = {}  # the offload-free variant's time, from below
-    unpriced: set[Candidate] = set()  # offload-free variants over the budget, not yet simulated
-    unbuildable: set[tuple] = set()
-    best = math.inf  # the best full-simulated feasible step time
-    last_report = started
-    while queue.entries:
-        key, kind, candidate, plan = queue.pop()
-        if key * (1 + config.tolerance) >= best:
-            stats[pruned_as.get(kind, "pruned_by_time")] += 1
-            for _, _, _, rest, _, _ in queue.entries:
-                stats[pruned_as.get(rest, "pruned_by_time")] += 1
-            break
-        now = time.monotonic()
-        if progress is not None and now - last_report >= 1.0:
-            last_report = now
-            shown = f", best {best:.3f} s" if best < math.inf else ""
-            progress(f"plan: {len(queue.entries)} candidates left, "
-                     f"{evaluator.simulations} simulations{shown}")
-        if plan is not None:  # a reduced plan that fits: a finalist, simulated in full
-            stats["finalists"] += 1
-            plan = evaluator.evaluate(candidate, full=True)
-        else:
-            free = free_of[candidate]
-            if sibling_floor.get(free, 0.0) > key:
-                queue.push(sibling_floor[free], "sibling", candidate)
-                continue
-            if candidate.schedule_shape in unbuildable:
-                stats["not_buildable"] += 1
-                continue
-            try:
-                offloaded = candidate.offload != "none"
-                if evaluator.memory_bound(candidate) > budget:
-                    stats["pruned_by_memory"] += 1
-                    if not offloaded:
-                        too_big.append((evaluator.memory_bound(candidate), candidate))
-                        if candidate in floors_siblings:  # priced if a sibling needs its time
-                            unpriced.add(candidate)
-                    continue
-                fit = evaluator.fitting_time_bound(candidate) if offloaded else 0.0
-                if fit > key:  # fitting takes longer than the key says (rule 2b of the Note)
-                    queue.push(fit, "unfit", candidate)
-                    continue
-                if free in unpriced:  # the sibling without offload, priced for its time now
-                    unpriced.discard(free)
-                    free_plan = evaluator.evaluate(free)
-                    infeasible.append(free_plan)
-                    sibling_floor[free] = (free_plan.step_time / reduced_error
-                                           if free_plan.extrapolated else free_plan.step_time)
-                    if sibling_floor[free] > key:
-                        queue.push(sibling_floor[free], "sibling", candidate)
-                        continue
-                memory = evaluator.first_count_memory(candidate) if offloaded else None
-                if memory is not None and memory > budget * (
-                        1 + config.extrapolation.memory_tolerance):
-                    stats["pruned_by_memory"] += 1
-                    too_big.append((memory, candidate))
-                    continue
-                stats["finalists"] += memory is not None
-                plan = evaluator.evaluate(candidate, full=offloaded)
-            except ConfigError:
-                unbuildable.add(candidate.schedule_shape)
-                stats["not_buildable"] += 1
-                continue
-            if candidate.offload == "none":
-                sibling_floor[free] = (plan.step_time / reduced_error if plan.extrapolated
-                                       else plan.step_time)
-        if not plan.feasible:
-            infeasible.append(plan)
-            feasible.pop(candidate, None)
-            continue
-        feasible[candidate] = plan
-        if plan.extrapolated:
-            queue.push(plan.step_time / reduced_error, "reduced", candidate, plan)
-        else:
-            best = min(best, plan.step_time)
+    state = SearchState(evaluator, config, groups, progress, started)
+    state.run()
+    state.settle_nearest()
     notes: list[str] = []
-    if not any(not plan.extrapolated for plan in feasible.values()):
-        feasible.clear()
-        tried = {plan.candidate for plan in infeasible}
-        too_big.sort(key=lambda item: item[0])
-        for _, candidate in too_big[: config.nearest_tries]:
-            if candidate in tried:
-                continue
-            try:
-                infeasible.append(evaluator.evaluate(candidate))
-            except ConfigError:
-                continue
     if not groups:
         notes.append(f"no layout of {config.gpus} GPUs fits this model and batch: "
                      f"DP must divide the global batch ({config.global_batch}), TP the heads "
                      f"({spec.heads}) and {hw.gpus_per_node} (GPUs per node), PP x chunks <= "
                      f"layers ({spec.num_layers})")
-    ranked_feasible = sorted(feasible.values(), key=lambda p: (p.step_time, p.memory.total))
-    infeasible.sort(key=lambda p: (p.memory.total, p.step_time))
-    ranked = tuple(ranked_feasible[: config.top_k] or infeasible[: config.top_k])
     k = offload_ratio(spec, hw, RunConfig(1, 1, space.recompute[0] if len(space.recompute) == 1
                                           else Recompute.LGD))
     return SearchResult(
         k=k,
-        budget_bytes=budget,
-        candidates=ranked,
-        stats=SearchStats(configurations=sum(len(g) for g in groups),
-                          simulated=evaluator.simulations - simulations_before,
-                          seconds=time.monotonic() - started, **stats),
+        budget_bytes=evaluator.budget_bytes,
+        candidates=state.ranked(),
+        stats=dataclasses.replace(state.stats,
+                                  simulated=evaluator.simulations - simulations_before,
+                                  seconds=time.monotonic() - started),
         notes=tuple(notes),
         spec=spec,
         evaluator=evaluator,

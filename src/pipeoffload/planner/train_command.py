@@ -7,6 +7,7 @@ What train accepts (cli/train.py, docs/training.md): ``--pp --dp --tp``, ``--sch
 and the reference model's shape; ``--offload recompute-chunks:1+all`` is the planner's
 per-chunk mix of recompute and offload (RECOMPUTE_AND_OFFLOAD). What train refuses, so the
 printer refuses too:
+- a schedule family the library's registry does not hold (a planner given its own registry);
 - a tensor-parallel degree that does not divide the heads, key/value heads, MLP width or the
   reference model's byte vocabulary;
 - activations of other than 2 (bf16) or 4 (fp32) bytes;
@@ -18,18 +19,18 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pipeoffload import hf_families
-
-if TYPE_CHECKING:
-    from pipeoffload.planner.evaluate import Candidate
-    from pipeoffload.planner.transformer import TransformerSpec
+from pipeoffload.core.registry import FAMILIES
+from pipeoffload.planner.candidate import Candidate
+from pipeoffload.planner.transformer import TransformerSpec
 
 #: The reference model's vocabulary (byte-level text, training/model.py ModelConfig.vocab_size).
 TRAIN_VOCAB = 256
 #: Bytes per activation element -> train's --dtype (None: train's default, fp32).
 DTYPE_FLAGS = {2: "bf16", 4: None}
+
+
 @dataclass(frozen=True)
 class TrainCommand:
     """Either ``argv`` (the command, as one line) or ``refused`` (why train cannot run it)."""
@@ -52,14 +53,15 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None) -> 
     parts = ["pipeoffload train", f"--pp {c.pp}", f"--dp {c.dp}"]
     if c.tp > 1:
         parts.append(f"--tp {c.tp}")
+    preset, family = c.preset, FAMILIES[c.schedule]
     parts.append(f"--schedule {c.display_name}")
-    if c.schedule in ("interleaved-1f1b", "grouped-interleaved"):
+    if "chunks" in family.options:
         parts.append(f"--chunks {c.chunks}")
-    if c.group_size is not None and c.display_name == "grouped-interleaved":
+    if c.group_size is not None and preset is None:
         parts.append(f"--group-size {c.group_size}")
     parts += [f"--microbatches {c.microbatches}",
               f"--batch-size {c.dp * c.microbatches * c.micro_batch}"]
-    if c.display_name not in ("po-h", "po-f"):
+    if preset is None:
         parts.append(f"--offload {c.offload}")
     if c.recompute.value != "none":
         parts.append(f"--recompute {c.recompute.value}")
@@ -77,6 +79,8 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None) -> 
 
 
 def _refusal(c: Candidate, spec: TransformerSpec | None) -> str | None:
+    if c.schedule not in FAMILIES:
+        return f"train has no schedule {c.schedule!r} (`pipeoffload schedules` lists its own)"
     if c.recompute.value not in ("none", "lgd", "full"):
         return (f"its recompute option is {c.recompute.value}; train recomputes lgd or full "
                 "(selective recompute is Megatron's unfused-attention variant)")

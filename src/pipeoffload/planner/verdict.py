@@ -58,8 +58,7 @@ class Verdict:
 
 def _name(plan: Plan) -> str:
     c = plan.candidate
-    offload = "" if c.offload == "none" or c.display_name in ("po-h", "po-f") \
-        else f" + offload {c.offload}"
+    offload = "" if c.offload == "none" or c.preset is not None else f" + offload {c.offload}"
     return f"{c.display_name}{offload} (pp {c.pp}, tp {c.tp}, dp {c.dp})"
 
 

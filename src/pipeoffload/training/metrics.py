@@ -6,8 +6,8 @@ processes x peak FLOP/s of one device). The FLOPs are the planner's ``FlopCount.
 (planner/transformer.py: every linear layer's forward and two backward matmuls, the full s x s
 attention core, the head; no recompute, no flash re-run), so recompute shows as lower MFU, as
 in Megatron and torchtitan. The peak is the caller's (``--peak-tflops``) or, for bf16 on a GPU
-this table knows, the datasheet dense bf16 rate; elsewhere MFU is not reported (None) and the
-achieved model FLOP/s is.
+with a hardware preset (planner/hardware.py), the preset's datasheet dense 16-bit rate;
+elsewhere MFU is not reported (None) and the achieved model FLOP/s is.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from pipeoffload.planner.hardware import device_preset
 from pipeoffload.planner.presets import load_model
 from pipeoffload.planner.transformer import (
     FlopCount,
@@ -27,11 +28,6 @@ from pipeoffload.planner.transformer import (
     head_flops,
     layer_flops,
 )
-
-# Dense bf16 tensor-core peaks, NVIDIA datasheets (A100 80GB SXM, H100 SXM, H200 SXM); the
-# hardware presets' ``gemm_ridge_flops_per_byte`` uses the same numbers. Matched against
-# torch.cuda.get_device_name() in this order (so "H100" does not match an "H200").
-DATASHEET_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
 
 
 def model_flops_per_step(model: Any, seq_len: int, batch_size: int) -> float:
@@ -56,13 +52,12 @@ def spec_flops_per_step(spec: TransformerSpec, batch_size: int) -> float:
 
 
 def datasheet_peak_flops(device_name: str, dtype: str) -> float | None:
-    """The dense bf16 peak of a GPU this module knows, for a bf16 run; else None."""
-    if dtype != "bf16":
+    """The datasheet dense bf16 peak of a GPU with a hardware preset, for a bf16 run; else
+    None."""
+    preset = device_preset(device_name) if dtype == "bf16" else None
+    if preset is None or not preset.peak_flops_per_s:
         return None
-    for key, flops in DATASHEET_BF16_FLOPS:
-        if key in device_name.upper():
-            return flops
-    return None
+    return preset.peak_flops_per_s
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeoffload.planner.gemm import Gemm
-from pipeoffload.planner.hardware import Hardware, hardware_preset
+from pipeoffload.planner.hardware import Hardware, device_preset, hardware_preset
 
 NO_DEVICE_MESSAGE = "no CUDA device; nothing to probe"
 
@@ -91,11 +91,7 @@ class ProbeResult:
 
 def base_preset(device_name: str) -> Hardware:
     """The preset whose link figures a probe of ``device_name`` keeps (H100's if unknown)."""
-    name = device_name.upper()
-    for marker, preset in (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb")):
-        if marker in name:
-            return hardware_preset(preset)
-    return hardware_preset("h100-80gb")
+    return device_preset(device_name) or hardware_preset("h100-80gb")
 
 
 def to_hardware(

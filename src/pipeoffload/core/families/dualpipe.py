@@ -21,7 +21,8 @@ from __future__ import annotations
 from pipeoffload.core.errors import ConfigError
 from pipeoffload.core.families.base import FamilySpec, check_common
 from pipeoffload.core.families.dual_program import dual_program
-from pipeoffload.core.schedule import Schedule, v_placement
+from pipeoffload.core.families.dualpipev import DUALPIPEV
+from pipeoffload.core.schedule import Placement, Schedule, v_placement
 from pipeoffload.core.validate import validate
 
 DUALPIPE = "dualpipe"
@@ -57,4 +58,9 @@ SPEC = FamilySpec(
                 "overlapped F/B pairs; even pp, m >= 2p",
     build=dualpipe,
     fixed_chunks=2,
+    placement=Placement.V,
+    split_backward=True,
+    w_deferred=True,
+    weight_copies=2,
+    one_copy_variant=DUALPIPEV,
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pipeoffload.core.errors import ConfigError
 from pipeoffload.core.families.base import FamilySpec, check_common
 from pipeoffload.core.families.dual_program import dual_program
-from pipeoffload.core.schedule import Schedule, v_placement
+from pipeoffload.core.schedule import Placement, Schedule, v_placement
 from pipeoffload.core.validate import validate
 
 DUALPIPEV = "dualpipev"
@@ -38,4 +38,7 @@ SPEC = FamilySpec(
                 "chunks, needs m >= 2p",
     build=dualpipev,
     fixed_chunks=2,
+    placement=Placement.V,
+    split_backward=True,
+    w_deferred=True,
 )

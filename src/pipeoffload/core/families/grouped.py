@@ -29,7 +29,13 @@ import math
 
 from pipeoffload.core.actions import Kind
 from pipeoffload.core.errors import ConfigError
-from pipeoffload.core.families.base import FamilySpec, check_common, check_int
+from pipeoffload.core.families.base import (
+    FamilySpec,
+    PlannerHints,
+    PresetSpec,
+    check_common,
+    check_int,
+)
 from pipeoffload.core.families.block import order_by_slot
 from pipeoffload.core.schedule import Schedule, loop_placement
 from pipeoffload.core.validate import validate
@@ -73,4 +79,20 @@ SPEC = FamilySpec(
     build=grouped_interleaved,
     options=("chunks", "group_size"),
     aliases=("groupinterleaved", "groupedinterleaved1f1b", "groupinterleaved1f1b", "grouped"),
+    split_backward=True,
+    planner=PlannerHints(by_default=True),
+)
+
+#: PipeOffload's presets (docs/method.md section 4): grouped-interleaved, v = 2, g = ceil(p/2).
+PO_H = PresetSpec(
+    name="po-h",
+    description="PipeOffload: grouped-interleaved, g=ceil(p/2), longest-lived chunk offloaded",
+    family=NAME,
+    offload="chunks:1",
+)
+PO_F = PresetSpec(
+    name="po-f",
+    description="PipeOffload: grouped-interleaved, g=ceil(p/2), full offload",
+    family=NAME,
+    offload="all",
 )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pipeoffload.core.actions import Action, B, F
 from pipeoffload.core.errors import ConfigError
-from pipeoffload.core.families.base import FamilySpec, check_common, check_int
+from pipeoffload.core.families.base import FamilySpec, PlannerHints, check_common, check_int
 from pipeoffload.core.schedule import Schedule, loop_placement
 from pipeoffload.core.validate import validate
 
@@ -71,10 +71,16 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int = 2) -> Schedule:
     return validate(Schedule(ranks, loop_placement(pp, chunks), microbatches, NAME))
 
 
+def groups_of_pp(pp: int, microbatches: int) -> bool:
+    """Megatron's rule, which the planner keeps to: microbatches in whole groups of pp."""
+    return microbatches % pp == 0
+
+
 SPEC = FamilySpec(
     name=NAME,
     description="Megatron's interleaved 1F1B: v chunks per rank (loop), ~1/v of 1F1B's bubble",
     build=interleaved_1f1b,
     options=("chunks",),
     aliases=("interleaved", "interleaved1f1b", "virtualpipeline", "megatroninterleaved"),
+    planner=PlannerHints(by_default=True, microbatches=groups_of_pp),
 )

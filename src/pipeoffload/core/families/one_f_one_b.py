@@ -11,7 +11,7 @@ microbatches and the bubble is (p-1)/(m+p-1). For m < p the warm-up simply holds
 from __future__ import annotations
 
 from pipeoffload.core.actions import Kind
-from pipeoffload.core.families.base import FamilySpec, check_common
+from pipeoffload.core.families.base import FamilySpec, PlannerHints, check_common
 from pipeoffload.core.families.block import order_by_slot
 from pipeoffload.core.schedule import Schedule, loop_placement
 from pipeoffload.core.validate import validate
@@ -38,4 +38,5 @@ SPEC = FamilySpec(
     build=one_f_one_b,
     fixed_chunks=1,
     aliases=("onefoneb", "pipedream", "pipedreamflush"),
+    planner=PlannerHints(by_default=True, at_one_rank=True),
 )

@@ -20,9 +20,9 @@ Where we differ: the papers' cool-down reordering is a search; ours is that gree
 from __future__ import annotations
 
 from pipeoffload.core.actions import Kind
-from pipeoffload.core.families.base import FamilySpec, check_common
+from pipeoffload.core.families.base import FamilySpec, PlannerHints, check_common
 from pipeoffload.core.families.block import first_free_slot, order_by_slot, order_peaks, tighten
-from pipeoffload.core.schedule import Schedule, v_placement
+from pipeoffload.core.schedule import Placement, Schedule, v_placement
 from pipeoffload.core.validate import validate
 
 ZBV = "zbv"
@@ -113,16 +113,28 @@ SPEC_ZBV = FamilySpec(
     build=zbv,
     fixed_chunks=2,
     aliases=("zbvzerobubble", "zerobubblev", "vzb", "zb-v"),
+    placement=Placement.V,
+    split_backward=True,
+    w_deferred=True,
+    planner=PlannerHints(by_default=True),
 )
 SPEC_V_HALF = FamilySpec(
     name=V_HALF,
     description="V-Half (controllable memory): V placement, peak about p/2 + 1, half of 1F1B's",
     build=v_half,
     fixed_chunks=2,
+    placement=Placement.V,
+    split_backward=True,
+    w_deferred=True,
+    planner=PlannerHints(by_default=True),
 )
 SPEC_V_MIN = FamilySpec(
     name=V_MIN,
     description="V-Min (controllable memory): V placement, peak about p/3 + 1, a third of 1F1B's",
     build=v_min,
     fixed_chunks=2,
+    placement=Placement.V,
+    split_backward=True,
+    w_deferred=True,
+    planner=PlannerHints(by_default=True),
 )

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pipeoffload.core.actions import Kind
 from pipeoffload.core.errors import ConfigError
-from pipeoffload.core.families.base import FamilySpec, check_common
+from pipeoffload.core.families.base import FamilySpec, PlannerHints, check_common
 from pipeoffload.core.families.block import order_by_slot
 from pipeoffload.core.schedule import Schedule, loop_placement
 from pipeoffload.core.validate import validate
@@ -64,12 +64,20 @@ def zb_h2(pp: int, microbatches: int) -> Schedule:
     return validate(Schedule(ranks, placement, microbatches, H2))
 
 
+def fills_warm_up(pp: int, microbatches: int) -> bool:
+    """Whether ZB-H2 builds at this count: its warm-up takes 2pp - 1 microbatches."""
+    return microbatches >= 2 * pp - 1
+
+
 SPEC_H1 = FamilySpec(
     name=H1,
     description="zero bubble H1: I/W split, 1F1B's peak (p), about 1/3 of its bubble",
     build=zb_h1,
     fixed_chunks=1,
     aliases=("zerobubbleh1",),
+    split_backward=True,
+    w_deferred=True,
+    planner=PlannerHints(by_default=True),
 )
 SPEC_H2 = FamilySpec(
     name=H2,
@@ -77,4 +85,7 @@ SPEC_H2 = FamilySpec(
     build=zb_h2,
     fixed_chunks=1,
     aliases=("zerobubbleh2",),
+    split_backward=True,
+    w_deferred=True,
+    planner=PlannerHints(microbatches=fills_warm_up),
 )

@@ -1,0 +1,196 @@
+"""What the planner's search may choose (``SearchSpace``), how it searches (``SearchConfig``),
+and every configuration of a model on N GPUs within a space (``configurations``).
+
+The schedule families come from the space's registry; how each one is tried (its chunks, group
+sizes, the microbatch counts it takes, whether it runs at pp = 1) is read from its
+``FamilySpec`` (core/families/base.py), so a new family needs nothing here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from pipeoffload.checks import check_number, check_optional
+from pipeoffload.core.families.base import FamilySpec, GroupSize
+from pipeoffload.core.registry import REGISTRY, Registry
+from pipeoffload.errors import ConfigError
+from pipeoffload.planner.candidate import Candidate
+from pipeoffload.planner.costing import MemoryConfig
+from pipeoffload.planner.hardware import Hardware
+from pipeoffload.planner.layer_time import RunConfig
+from pipeoffload.planner.ratio import PieceCost, layer_cost
+from pipeoffload.planner.reduced import Extrapolation
+from pipeoffload.planner.runs import RECOMPUTE_AND_OFFLOAD
+from pipeoffload.planner.transformer import Recompute, TransformerSpec, as_recompute
+
+#: The families searched when none are named: those that declare it, in registry order.
+DEFAULT_SCHEDULES = tuple(name for name, family in REGISTRY.families.items()
+                          if family.planner.by_default)
+OFFLOAD_ORDER = ("none", "chunks:1", "all", RECOMPUTE_AND_OFFLOAD)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search may choose. ``schedules``: names in ``registry`` (any accepted spelling;
+    kept as canonical names). ``tp`` / ``pp`` None: every divisor that fits (TP dividing a
+    node's GPUs and the heads). ``group_sizes``: for families with a group size, "min"
+    (ceil(p/2)), "max" (p) or both."""
+
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    chunks: tuple[int, ...] = (2, 4)
+    group_sizes: tuple[GroupSize, ...] = (GroupSize.MIN, GroupSize.MAX)
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.LGD, Recompute.FULL)
+    offload: tuple[str, ...] = OFFLOAD_ORDER
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    registry: Registry = REGISTRY
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", tuple(as_recompute(r) for r in self.recompute))
+        unknown = [o for o in self.offload if o not in OFFLOAD_ORDER]
+        if unknown:
+            raise ConfigError(f"SearchSpace.offload: {unknown} not searchable; "
+                              f"use some of {', '.join(OFFLOAD_ORDER)}")
+        if not self.schedules or not self.recompute or not self.micro_batch_sizes:
+            raise ConfigError("SearchSpace: schedules, recompute and micro_batch_sizes "
+                              "must each list at least one value")
+        names = tuple(dict.fromkeys(self.registry.canonical_name(n) for n in self.schedules))
+        object.__setattr__(self, "schedules", names)
+        for name in names:
+            _check_searchable(self.registry.family(name))
+        sizes = [g for g in self.group_sizes if g not in tuple(GroupSize)]
+        if sizes or not self.group_sizes:
+            raise ConfigError(f"SearchSpace.group_sizes: {sizes or 'none'}; give some of "
+                              f"{', '.join(g.value for g in GroupSize)}")
+        object.__setattr__(self, "group_sizes", tuple(GroupSize(g) for g in self.group_sizes))
+        for name in ("chunks", "micro_batch_sizes", "tp", "pp"):
+            for value in getattr(self, name) or ():
+                check_number(f"SearchSpace.{name}", value, minimum=1, integer=True)
+
+
+def _check_searchable(family: FamilySpec) -> None:
+    """ConfigError for a family the planner's memory model cannot price."""
+    if family.weight_copies == 1:
+        return
+    instead = (f"; search {family.one_copy_variant} (one copy) instead"
+               if family.one_copy_variant else "")
+    raise ConfigError(f"SearchSpace: the planner's memory model holds one copy of the "
+                      f"weights per rank, and {family.name} keeps {family.weight_copies}, so it "
+                      f"is not searched{instead}")
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How to search: the memory budget per GPU (None: the GPU's memory), the global batch in
+    sequences, how many plans to keep, memory accounting and the reduced simulation."""
+
+    gpus: int
+    global_batch: int
+    budget_bytes: float | None = None
+    top_k: int = 10
+    memory: MemoryConfig = MemoryConfig()
+    extrapolation: Extrapolation = Extrapolation()
+    nearest_tries: int = 4
+    """When nothing fits: how many of the memory-pruned configurations to simulate for the
+    nearest one."""
+    tolerance: float = 0.005
+    """The returned plan may be slower than the best by this share (Note: [branch and bound],
+    planner/search.py); 0 returns the best (and simulates every near tie to find it)."""
+    host_budget_bytes: float | None = None
+    """Pinned host memory per node that offload may use (None: the hardware's
+    ``host_bytes_per_node``; 0: not checked)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "global_batch", "top_k"):
+            check_number(f"SearchConfig.{name}", getattr(self, name), minimum=1, integer=True)
+        check_number("SearchConfig.nearest_tries", self.nearest_tries, minimum=0, integer=True)
+        check_number("SearchConfig.tolerance", self.tolerance, minimum=0, maximum=1)
+        check_optional("SearchConfig.budget_bytes", self.budget_bytes, above=0)
+        check_optional("SearchConfig.host_budget_bytes", self.host_budget_bytes, minimum=0)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
+             space: SearchSpace) -> Iterator[tuple[int, int, int]]:
+    for tp in _divisors(config.gpus):
+        # TP inside one node: a group that straddles nodes would run at the network's rate
+        if hw.gpus_per_node % tp or spec.heads % tp or (space.tp and tp not in space.tp):
+            continue
+        for pp in _divisors(config.gpus // tp):
+            if pp > spec.num_layers or (space.pp and pp not in space.pp):
+                continue
+            dp = config.gpus // (tp * pp)
+            if config.global_batch % dp == 0:
+                yield dp, tp, pp
+
+
+def _shapes(family: FamilySpec, pp: int, space: SearchSpace) -> Iterator[tuple[int, int | None]]:
+    """(chunks, group size) pairs a family is tried with."""
+    if family.fixed_chunks is not None:
+        yield family.fixed_chunks, None
+    elif "group_size" in family.options:
+        groups = sorted({size.of(pp) for size in space.group_sizes})
+        for v in space.chunks:
+            for g in groups:
+                yield v, g
+    else:
+        for v in space.chunks:
+            yield v, None
+
+
+def configurations(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
+                   space: SearchSpace) -> list[list[Candidate]]:
+    """Every configuration as its list of variants (recompute x offload), in dominance order
+    (fastest kind first), before any pruning. b > 1 variants follow b = 1's."""
+    out = []
+    layer_costs: dict[RunConfig, PieceCost] = {}
+
+    def priced(run: RunConfig) -> PieceCost:
+        if run not in layer_costs:
+            layer_costs[run] = layer_cost(spec, hw, run)
+        return layer_costs[run]
+
+    families = [space.registry.family(name) for name in space.schedules]
+    for dp, tp, pp in _layouts(spec, hw, config, space):
+        per_replica = config.global_batch // dp
+        for family in families:
+            if pp == 1 and not family.planner.at_one_rank:
+                continue
+            for chunks, group in _shapes(family, pp, space):
+                if pp * chunks > spec.num_layers:
+                    continue
+                for b in space.micro_batch_sizes:
+                    if per_replica % b or not family.planner.microbatches(pp, per_replica // b):
+                        continue
+                    base = Candidate(family.name, dp, tp, pp, chunks, b, per_replica // b,
+                                     group_size=group)
+                    variants = _variants(priced, base, space)
+                    if variants:
+                        out.append(variants)
+    return out
+
+
+def _variants(priced: Callable[[RunConfig], PieceCost], base: Candidate,
+              space: SearchSpace) -> list[Candidate]:
+    keyed = []
+    for r in space.recompute:
+        cost = priced(RunConfig(base.micro_batch, base.tp, r))
+        keyed.append(((cost.chunk_s, cost.activation_bytes), r))
+    keyed.sort(key=lambda item: item[0])
+    kept: list[Recompute] = []
+    for (time_s, _), r in keyed:
+        # Same time as an earlier (smaller) option: dominated.
+        if not any(math.isclose(time_s, k[0][0]) for k in keyed if k[1] in kept):
+            kept.append(r)
+    offloads = [o for o in space.offload if base.pp > 1 or o == "none"]
+    if base.chunks < 2:
+        offloads = [o for o in offloads if o not in ("chunks:1", RECOMPUTE_AND_OFFLOAD)]
+    return [Candidate(base.schedule, base.dp, base.tp, base.pp, base.chunks, base.micro_batch,
+                      base.microbatches, r, o, base.group_size)
+            for r in kept for o in offloads]
