@@ -216,8 +216,8 @@ class Evaluator:
         warm-up more microbatches add no resident activation, tested against full
         evaluations) (planner/bounds.py, Note [kept activation]): exact for offload none, the
         best choice of stages for chunks:K; the state floor for other targets."""
-        target = parse_target(candidate.offload.split("+")[-1])
-        if target.kind not in (TargetKind.NONE, TargetKind.CHUNKS) or "+" in candidate.offload:
+        target = parse_target(candidate.offload)
+        if target.kind not in (TargetKind.NONE, TargetKind.CHUNKS):
             return self.state_and_floor(candidate)
         offloaded = int(target.value) if target.kind is TargetKind.CHUNKS else 0
         count = self.extrapolation.first_count(candidate.microbatches, candidate.pp,
