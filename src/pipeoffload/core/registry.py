@@ -22,7 +22,10 @@ from pipeoffload.core.families import (
     gpipe,
     grouped,
     interleaved,
+    interleaved_zb,
+    looped_bfs,
     one_f_one_b,
+    torch_zbv,
     v_shape,
     zero_bubble,
 )
@@ -43,6 +46,9 @@ FAMILIES: MappingProxyType[str, FamilySpec] = MappingProxyType({
         grouped.SPEC,
         dualpipe.SPEC,
         dualpipev.SPEC,
+        interleaved_zb.SPEC,
+        looped_bfs.SPEC,
+        torch_zbv.SPEC,
     )
 })
 

@@ -45,14 +45,15 @@ from pipeoffload.planner.transformer import Recompute, TransformerSpec
 from pipeoffload.sim.costs import CostModel
 
 #: Schedules whose stages sit in V placement (two per rank).
-V_SHAPED = frozenset({"zbv", "v-half", "v-min", "dualpipev"})
+V_SHAPED = frozenset({"zbv", "v-half", "v-min", "dualpipev", "torch-zbv"})
 #: Schedules with a ``chunks`` option (the others run a fixed number of stages per rank).
-CHUNKED = frozenset({"interleaved-1f1b", "grouped-interleaved"})
+CHUNKED = frozenset({"interleaved-1f1b", "grouped-interleaved", "interleaved-zb", "looped-bfs"})
 #: Schedules that run the whole backward (B) of every stage; the others split it into I and W.
-WHOLE_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
+WHOLE_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"})
 #: Schedules that run W apart from its I (zero bubble and its V and DualPipe kin): the TP
 #: reduce-scatter Megatron hides behind W is exposed in I (layer_time.py).
-W_DEFERRED = frozenset({"zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipe", "dualpipev"})
+W_DEFERRED = frozenset({"zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipe", "dualpipev",
+                        "interleaved-zb", "torch-zbv"})
 
 
 @dataclass(frozen=True)
