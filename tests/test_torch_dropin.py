@@ -279,3 +279,18 @@ def test_stand_in_stages_build_the_order() -> None:
     assert sorted(pipe.pipeline_order_with_comms) == [0, 1, 2, 3]
     assert [len(row) for row in pipe.pipeline_order.values()] == \
         [sum(a.kind.is_compute for a in row) for row in schedule.ranks]
+
+
+@pytest.mark.parametrize("name", sorted(CLASSES))
+def test_same_class_from_a_torch_schedule(name: str) -> None:
+    """The torchtitan hook's swap (docs/torchtitan.md): our class of the torch schedule's name
+    over its stages and loss, offload added, gives its gradients."""
+    mods = modules(CLASSES[name])
+    native = build(name, True, mods)
+    pipe = ours.get_schedule_class(type(native).__name__).from_torch(native, **OFFLOAD)
+    assert type(pipe).__name__ == type(native).__name__
+    x, y = batch()
+    pipe.step(x, target=y)
+    grads = [p.grad.clone() for m in mods for p in m.parameters()]
+    expected, _, _, _ = train(name, True, steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))

@@ -92,12 +92,16 @@ class _TorchNamed(PipeOffloadSchedule):
     @classmethod
     def from_torch(cls, torch_schedule: Any, schedule: Any = None,  # type: ignore[override]
                    **options: Any) -> PipeOffloadSchedule:
-        """This class over ``torch_schedule``'s stages, loss, microbatch count and grad scaling
-        (``schedule``: run that pipeoffload Schedule instead, as ``PipeOffloadSchedule``)."""
+        """This class over ``torch_schedule``'s stages, loss, microbatch count, chunk specs and
+        grad scaling (``schedule``: run that pipeoffload Schedule instead, as
+        ``PipeOffloadSchedule``); ``options`` as the constructor's (``offload=``, ...)."""
         if schedule is not None:
             return PipeOffloadSchedule.from_torch(torch_schedule, schedule, **options)
         stages = getattr(torch_schedule, "_stages", None) or [torch_schedule._stage]
         return cls(stages, torch_schedule._n_microbatches, loss_fn=torch_schedule._loss_fn,
+                   args_chunk_spec=torch_schedule._args_chunk_spec,
+                   kwargs_chunk_spec=torch_schedule._kwargs_chunk_spec,
+                   output_merge_spec=torch_schedule._output_merge_spec,
                    scale_grads=torch_schedule.scale_grads, **options)
 
 

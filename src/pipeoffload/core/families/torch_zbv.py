@@ -1,15 +1,14 @@
 """ZB-V in torch's order: torch.distributed.pipelining's ``ScheduleZBVZeroBubble``.
 
 From Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism" (ICLR 2024, arXiv 2401.10241),
-section 6, as torch writes it with loops (our ``zbv``, v_shape.py, builds the same steady state
-from the paper's building block and tightens warm-up and cool-down by a greedy replay, so the
-two differ only there). V placement: rank r holds stage r (chunk 0) and 2p-1-r (chunk 1). With
-n = max(2p-1, m) microbatches per chunk, rank r runs
+section 6, as torch writes it with loops (our ``zbv``, v_shape.py, builds ZB-V from the paper's
+building block and tightens it by a greedy replay: another order with the same bubble and peaks
+at p = 4 and 8, docs/schedules.md). V placement: rank r holds stage r (chunk 0) and 2p-1-r
+(chunk 1). With n = max(2p-1, m) microbatches per chunk, rank r runs
   1. 2(p-r)-1 x F0;  2. r x (F1 F0);  3. p-r x (F1 I1 W1);
   4. while chunk 1 has forwards left: [F0 while chunk 0 has], I0 W0, F1 I1 W1;
   5. r x (I0 I1);  6. p-r x (I0 W0);  then the W1's left, then the W0's left;
 and every action of a microbatch >= m is dropped (torch's padding to 2p-1 microbatches).
-Peak about p microbatches (2p chunk activations) per rank, like ZB-V's.
 Where we differ: nothing in the order, which is torch's (tests compare it with torch's own).
 """
 
