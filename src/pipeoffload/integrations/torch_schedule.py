@@ -13,9 +13,11 @@ OFFLOAD_WAIT) are then spliced back after the compute action they followed on th
 four hidden actions per offloaded (stage, microbatch) (Note: [torch splice]).
 
 Private torch API used (hence the version pin, ``SUPPORTED_TORCH``): ``_PipelineScheduleRuntime``,
-``_Action``, ``_prepare_schedule_with_comms``, ``pipeline_order_with_comms``,
-``_comp_type_to_function_map``, ``PipelineStage.args_recv_info`` and, from torch 2.15,
-``_validate_send_waits``. What differs between the tested versions: integrations/torch_versions.py.
+``_Action`` (with ``OVERLAP_F_B`` sub-actions), ``_prepare_schedule_with_comms``,
+``pipeline_order_with_comms``, ``_comp_type_to_function_map``, ``_has_backward``,
+``_check_torch_compile_compatibility``, ``PipelineStage.args_recv_info`` and, from torch 2.15,
+``_validate_send_waits``. torch's class names over these: integrations/torch_classes.py. What
+differs between the tested versions: integrations/torch_versions.py.
 """
 
 from __future__ import annotations
