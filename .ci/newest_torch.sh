@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CI: the torch adapter (bitwise against torch's own schedules on 2 and 4 ranks), the CSV files
+# CI: the torch adapter (bitwise against torch's own schedules on 2 and 4 ranks), its drop-in
+# classes (their orders against what torch's classes dump, torch's test scenarios), the CSV files
 # torch writes and the Hugging Face stages, on the newest torch the package registry serves, in
 # an environment of its own (the README's test command pins torch 2.13.0).
 #
@@ -45,7 +46,8 @@ echo "newest-torch: torch $("$py" -c 'import torch; print(torch.__version__)') i
 
 cd "$repo"
 "$py" -m pytest -p no:cacheprovider -rs tests/test_torch_adapter.py tests/test_torch_csv.py \
-    tests/test_torch_versions.py tests/test_hf.py 2>&1 | tee "$work/pytest.log"
+    tests/test_torch_versions.py tests/test_torch_orders.py tests/test_torch_dropin.py \
+    tests/test_torch_multirank.py tests/test_hf.py 2>&1 | tee "$work/pytest.log"
 if grep -q "^SKIPPED" "$work/pytest.log"; then
     echo "newest-torch: tests were skipped on torch $version (above); this job runs them all" >&2
     exit 1

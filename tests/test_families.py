@@ -44,7 +44,7 @@ def gaps(result: SimResult, rank: int) -> float:
 
 def buildable(name: str, p: int, m: int) -> bool:
     return not ((name == "zb-h2" and m < 2 * p - 1)
-                or (name == "interleaved-1f1b" and m % max(1, m // p))
+                or (name in ("interleaved-1f1b", "interleaved-zb") and m % max(1, m // p))
                 or (name == "dualpipev" and m < 2 * p)
                 or (name == "dualpipe" and (p % 2 or m % 2 or m < 2 * p)))
 
@@ -60,10 +60,11 @@ def test_every_schedule_validates_with_its_name_and_placement(name: str, p: int,
     assert validate(schedule) is schedule
     assert schedule.name == name
     assert (schedule.num_ranks, schedule.microbatches) == (p, m)
-    v_shaped = ("zbv", "v-half", "v-min", "dualpipe", "dualpipev")
+    v_shaped = ("zbv", "v-half", "v-min", "dualpipe", "dualpipev", "torch-zbv")
     expected = Placement.V if name in v_shaped else Placement.LOOP
     assert schedule.placement is expected
-    split = name in ("zb-h1", "zb-h2", "zbv", "v-half", "v-min", "grouped-interleaved")
+    split = name in ("zb-h1", "zb-h2", "zbv", "v-half", "v-min", "grouped-interleaved",
+                     "interleaved-zb", "torch-zbv")
     kinds = {a.kind for acts in schedule.ranks for a in acts}
     if name in ("dualpipe", "dualpipev"):  # full backwards in the middle, split at both ends
         assert kinds == {Kind.F, Kind.B, Kind.I, Kind.W}
@@ -200,7 +201,10 @@ def test_grouped_interleaved_bubble_close_to_interleaved(p: int, v: int) -> None
         ("zbv", 4, 0, {}, "microbatches must be >= 1"),
         ("gpipe", 2.5, 4, {}, "pp must be an integer"),
         ("v-min", True, 4, {}, "pp must be an integer"),
-        ("interleaved-1f1b", 4, 8, {"chunks": 1}, "chunks must be >= 2.*1f1b"),
+        ("interleaved-1f1b", 4, 8, {"chunks": 0}, "chunks must be >= 1"),
+        ("interleaved-zb", 4, 9, {}, "does not split into equal groups"),
+        ("looped-bfs", 4, 8, {"chunks": 0}, "chunks must be >= 1"),
+        ("torch-zbv", 4, 8, {"chunks": 1}, "exactly 2 stage"),
         ("grouped-interleaved", 8, 16, {"group_size": 3}, r"group_size=3.*4\.\.8"),
         ("grouped-interleaved", 8, 16, {"group_size": 9}, r"group_size=9.*4\.\.8"),
         ("grouped-interleaved", 4, 8, {"chunks": 1}, "chunks must be >= 2"),

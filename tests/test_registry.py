@@ -12,7 +12,8 @@ from pipeoffload.errors import ConfigError, ScheduleError
 from pipeoffload.sim.simulator import simulate
 
 CANONICAL = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "v-min",
-             "grouped-interleaved", "dualpipe", "dualpipev"]
+             "grouped-interleaved", "dualpipe", "dualpipev", "interleaved-zb", "looped-bfs",
+             "torch-zbv"]
 
 
 def test_schedule_names_lists_every_family_with_a_description() -> None:
@@ -37,6 +38,8 @@ def test_registry_is_a_read_only_mapping() -> None:
         ("GroupedInterleaved", "grouped-interleaved"),
         ("grouped_interleaved", "grouped-interleaved"),
         ("group-interleaved-1f1b", "grouped-interleaved"),
+        ("InterleavedZeroBubble", "interleaved-zb"), ("ScheduleLoopedBFS", "looped-bfs"),
+        ("zb1p", "interleaved-zb"), ("torch_zbv", "torch-zbv"),
     ],
 )
 def test_name_normalisation(spelling: str, canonical: str) -> None:

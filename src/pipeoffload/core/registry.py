@@ -27,7 +27,10 @@ from pipeoffload.core.families import (
     gpipe,
     grouped,
     interleaved,
+    interleaved_zb,
+    looped_bfs,
     one_f_one_b,
+    torch_zbv,
     v_shape,
     zero_bubble,
 )
@@ -134,6 +137,9 @@ REGISTRY = Registry((
     grouped.SPEC,
     dualpipe.SPEC,
     dualpipev.SPEC,
+    interleaved_zb.SPEC,
+    looped_bfs.SPEC,
+    torch_zbv.SPEC,
 ))
 FAMILIES: MappingProxyType[str, FamilySpec] = REGISTRY.families
 

@@ -13,19 +13,21 @@ OFFLOAD_WAIT) are then spliced back after the compute action they followed on th
 four hidden actions per offloaded (stage, microbatch) (Note: [torch splice]).
 
 Private torch API used (hence the version pin, ``SUPPORTED_TORCH``): ``_PipelineScheduleRuntime``,
-``_Action``, ``_prepare_schedule_with_comms``, ``pipeline_order_with_comms``,
-``_comp_type_to_function_map``, ``PipelineStage.args_recv_info`` and, from torch 2.15,
-``_validate_send_waits``. What differs between the tested versions: integrations/torch_versions.py.
+``_Action`` (with ``OVERLAP_F_B`` sub-actions), ``_prepare_schedule_with_comms``,
+``pipeline_order_with_comms``, ``_comp_type_to_function_map``, ``_has_backward``,
+``_check_torch_compile_compatibility``, ``PipelineStage.args_recv_info`` and, from torch 2.15,
+``_validate_send_waits``. torch's class names over these: integrations/torch_classes.py. What
+differs between the tested versions: integrations/torch_versions.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
-from enum import Enum
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
@@ -33,40 +35,25 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
 from pipeoffload.errors import ConfigError, IntegrationError
 from pipeoffload.integrations.torch_versions import torch_pipelining
-from pipeoffload.runtime.config import OffloadConfig
+from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.offloader import ActivationOffloader
+from pipeoffload.runtime.tied import TiedGradients, merge_ties
 
 _TORCH = torch_pipelining(torch.__version__)  # raises IntegrationError on an untested torch
 
 from torch.distributed.pipelining.schedules import (  # noqa: E402 - after the version check
-    BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
-    FORWARD,
-    FULL_BACKWARD,
-    _Action,
+    _check_torch_compile_compatibility,
     _PipelineScheduleRuntime,
 )
 
+from pipeoffload.integrations.torch_splice import (  # noqa: E402 - imports torch's schedules
+    TransferKind,
+    compute_row,
+    forwards_only,
+    splice,
+)
 
-class TransferKind(str, Enum):
-    """The computation types this schedule adds to torch's (text form as ours: ``0OFFLOAD3``)."""
-
-    OFFLOAD = "OFFLOAD"
-    RELOAD = "RELOAD"
-    FETCH = "FETCH"
-    OFFLOAD_WAIT = "OFFLOAD_WAIT"
-    SCOPE_BEGIN = "SCOPE_BEGIN"  # hidden: open the offloader's saved-tensor scope before F
-    SCOPE_END = "SCOPE_END"  # hidden: close it after F (which includes the loss on the last stage)
-    BACKWARD_READY = "BACKWARD_READY"  # hidden: before I / B, wait for the RELOAD copy
-    FREE = "FREE"  # hidden: after the last backward pass (W, or B), drop the host copies
-    UNSHARD_AGAIN = "UNSHARD_AGAIN"  # hidden: before I / W on an FSDP stage (Note: [split FSDP])
-
-
-_TO_TORCH = {Kind.F: FORWARD, Kind.I: BACKWARD_INPUT, Kind.W: BACKWARD_WEIGHT,
-             Kind.B: FULL_BACKWARD}
-_TRANSFER = {Kind.OFFLOAD: TransferKind.OFFLOAD, Kind.RELOAD: TransferKind.RELOAD,
-             Kind.FETCH: TransferKind.FETCH, Kind.OFFLOAD_WAIT: TransferKind.OFFLOAD_WAIT}
 _LEFT_TO_TORCH = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, *MARKER_KINDS)
 
 
@@ -75,9 +62,17 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
 
     ``stages`` must be this rank's stages, ``schedule.stages_on_rank(rank)``; the microbatch count
     is the schedule's. ``loss_fn``, ``scale_grads`` and the other keyword arguments are torch's
-    (``PipelineScheduleMulti``). ``offload_config`` and ``meter`` go to the activation offloader
-    (created only when the schedule offloads). Gradients equal those of the same schedule without
-    offload bitwise, since offload only moves saved tensors.
+    (``PipelineScheduleMulti``); without ``loss_fn`` it runs forwards only, as torch does.
+    ``offload_config`` and ``meter`` go to the activation offloader (created only when the
+    schedule offloads). ``overlapped``: forwards that run with the backward after them as one
+    ``OVERLAP_F_B`` action (``core.families.dualpipev.dualpipev_overlapped``). Tied parameters
+    declared by the stage modules (``tied_parameters``, as ``pipeoffload.hf`` sets them) get their
+    summed gradient after each step, as in ``Pipeline`` (Note: [tied parameters]). Gradients equal
+    those of the same schedule without offload bitwise, since offload only moves saved tensors.
+
+    Stages that carry no ``stage_index`` (torch's schedule-plan tests use such stand-ins) are
+    taken as this rank's in the schedule's order; the order and its lowering are built, and
+    nothing is checked that needs more of them.
     """
 
     def __init__(
@@ -89,6 +84,8 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         *,
         offload_config: OffloadConfig | None = None,
         meter: ActivationMeter | None = None,
+        overlapped: Collection[Action] = (),
+        tied_timeout_s: float = RuntimeConfig().p2p_timeout_s,
         **torch_options: Any,
     ) -> None:
         schedule = validate(schedule)
@@ -103,45 +100,68 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
                 "runtime cannot run; wrap the stage modules in torch's activation checkpointing "
                 "(torch.utils.checkpoint, or torchtitan's activation_checkpoint option) instead, "
                 "or run the schedule with pipeoffload.Pipeline")
+        stages = list(stages)
         _check_stages(stages, schedule)
-        super().__init__(list(stages), n_microbatches=schedule.microbatches, loss_fn=loss_fn,
+        if schedule.has_kind(Kind.I):
+            refuse_compiled(stages, f"{schedule.name!r} (I / W split)")
+        super().__init__(stages, n_microbatches=schedule.microbatches, loss_fn=loss_fn,
                          **torch_options)
         self.schedule = schedule
-        ours = schedule.without(*_LEFT_TO_TORCH) if schedule.has_kind(*_LEFT_TO_TORCH) \
+        self._ours = schedule.without(*_LEFT_TO_TORCH) if schedule.has_kind(*_LEFT_TO_TORCH) \
             else schedule
         self._fsdp = {st.stage_index: [m for m in st.submod.modules() if isinstance(m, FSDPModule)]
-                      for st in self._stages}
-        compute = {rank: [_Action(a.stage, _TO_TORCH[a.kind], a.microbatch) for a in row
-                          if a.kind in _TO_TORCH]
-                   for rank, row in enumerate(ours.ranks)}
+                      for st in stages if isinstance(getattr(st, "submod", None), torch.nn.Module)}
+        self._compute = {rank: compute_row(row, overlapped)
+                         for rank, row in enumerate(self._ours.ranks)}
         # torch's lowering adds UNSHARD / RESHARD, REDUCE_GRAD and SEND / RECV, and sets the
-        # stage -> rank map from the actions.
-        self._prepare_schedule_with_comms(compute)
-        self.pipeline_order = compute
-        fsdp_stages = {s for s, modules in self._fsdp.items() if modules}
-        self.pipeline_order_with_comms = {
-            rank: _splice(ours.ranks[rank], lowered, fsdp_stages if rank == self.rank else set())
-            for rank, lowered in self.pipeline_order_with_comms.items()}
-        if _TORCH.send_waits:
-            _check_send_waits(self.pipeline_order_with_comms)
+        # stage -> rank map from the actions; our override splices our actions back in.
+        self._prepare_schedule_with_comms(self._compute)
+        self.pipeline_order = self._compute
         self._offload_config = offload_config or OffloadConfig()
         self._offloader: ActivationOffloader | None = None
-        if schedule.has_kind(Kind.OFFLOAD):
-            params = [t for st in self._stages
-                      for t in (*st.submod.parameters(), *st.submod.buffers())]
+        modules = {st.stage_index: st.submod for st in stages
+                   if isinstance(getattr(st, "submod", None), torch.nn.Module)}
+        params = [t for m in modules.values() for t in (*m.parameters(), *m.buffers())]
+        device = _device(stages[0])
+        if schedule.has_kind(Kind.OFFLOAD) and modules:
             if meter is not None:
                 meter.exclude(params)
-            device = self._stages[0].device
-            if device.type == "cpu":
-                # CPU tensors carry no index; a stage built on "cpu:1" (torchtitan does) would
-                # otherwise keep every saved tensor as if it lived on another device.
-                device = torch.device("cpu")
             self._offloader = ActivationOffloader(device, self._offload_config, params, meter)
+        ties = merge_ties([getattr(m, "tied_parameters", {}) for m in modules.values()],
+                          schedule.num_stages)
+        self._tied = TiedGradients(ties, modules, schedule, getattr(stages[0], "group", None),
+                                   device, dist.is_available() and dist.is_initialized(),
+                                   tied_timeout_s)
         self._open: dict[tuple[int, int], AbstractContextManager[None]] = {}
         for kind, handler in self._handlers().items():
             # register_custom_function() accepts only torch's own kinds; the runtime's dispatch
             # is a lookup of action.computation_type in this dict, before its built-in kinds.
             self._comp_type_to_function_map[kind] = self._wrap(handler)
+
+    def _prepare_schedule_with_comms(self, actions: dict[int, list[Any]],
+                                     format: str = "compute_only") -> None:
+        """torch's lowering, then our transfer actions spliced back (Note: [torch splice]).
+        Called again by a caller (as torch's tests do after building a schedule), it lowers
+        again; an order other than our schedule's runs without offload, or is refused when the
+        schedule offloads (its transfers were planned for its own order)."""
+        super()._prepare_schedule_with_comms(actions, format)  # type: ignore[arg-type]
+        ours = getattr(self, "_ours", None)
+        if ours is None or format != "compute_only":
+            return
+        same = {rank: [a for a in row if a is not None] for rank, row in actions.items()} \
+            == self._compute
+        if not same and ours.has_kind(Kind.OFFLOAD, Kind.FETCH):
+            raise ConfigError(
+                f"schedule {ours.name!r} plans offload for its own order; an other order given "
+                "to _prepare_schedule_with_comms cannot keep it. Build the schedule for that "
+                "order with pipeoffload (schedule_from_rows, then build_schedule's offload)")
+        fsdp_stages = {s for s, modules in getattr(self, "_fsdp", {}).items() if modules}
+        self.pipeline_order_with_comms = {
+            rank: splice(ours.ranks[rank] if same else (), lowered,
+                         fsdp_stages if rank == self.rank else set())
+            for rank, lowered in self.pipeline_order_with_comms.items()}
+        if _TORCH.send_waits:
+            _check_send_waits(self.pipeline_order_with_comms)
 
     @classmethod
     def from_torch(cls, torch_schedule: Any, schedule: Schedule,
@@ -198,6 +218,8 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
 
     def _wrap(self, handler: Callable[[tuple[int, int]], None]) -> Callable[[Any, Any], None]:
         def run(action: Any, ctx: Any) -> None:
+            if not self._has_backward:
+                return  # forwards only (eval, or no loss_fn): nothing is kept for a backward
             handler((action.stage_index, action.microbatch_index))
             if self._offloader is not None:
                 self._offloader.poll()
@@ -217,7 +239,20 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         scope.__enter__()
         self._open[key] = scope
 
+    @property
+    def tied(self) -> list[str]:
+        """The ties whose gradients each step sums (Note: [tied parameters])."""
+        return self._tied.names
+
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
+        """torch's step over our spliced lists; without a backward (``eval()``, no ``loss_fn``)
+        over this rank's forward work only (Note: [forwards only])."""
+        training = self._has_backward
+        lists = self.pipeline_order_with_comms
+        if training:
+            self._tied.begin_step()
+        else:
+            self.pipeline_order_with_comms = {**lists, self.rank: forwards_only(lists[self.rank])}
         try:
             super()._step_microbatches(*args, **kwargs)
         except BaseException:
@@ -226,9 +261,29 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
             self._open.clear()
             if self._offloader is not None:
                 self._offloader.abandon()
+            if training:
+                self._tied.abandon()
             raise
+        finally:
+            self.pipeline_order_with_comms = lists
         if self._offloader is not None:
             self._offloader.finish()
+        if training:
+            self._tied.finish_step()
+
+
+def refuse_compiled(stages: Sequence[Any], schedule_name: str) -> None:
+    """torch's RuntimeError for a split-backward schedule over ``torch.compile``d stages, with
+    torch's message: the split fails mid-step under inductor ("non-empty donated buffers")."""
+    _check_torch_compile_compatibility(list(stages), schedule_name)
+
+
+def _device(stage: Any) -> torch.device:
+    """The stage's device as a ``torch.device`` (a stage may be built with ``"cpu"``). CPU tensors
+    carry no index; a stage built on "cpu:1" (torchtitan does) would otherwise keep every saved
+    tensor as if it lived on another device."""
+    device = torch.device(getattr(stage, "device", "cpu"))
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def _check_stages(stages: Sequence[Any], schedule: Schedule) -> None:
@@ -239,6 +294,13 @@ def _check_stages(stages: Sequence[Any], schedule: Schedule) -> None:
         raise ConfigError(
             f"the stages' process group has {world} ranks but schedule {schedule.name!r} has "
             f"{schedule.num_ranks}; build the schedule with pp={world}")
+    if any(not hasattr(s, "stage_index") for s in stages):
+        expected = schedule.stages_on_rank(rank)
+        if len(stages) != len(expected):
+            raise ConfigError(
+                f"rank {rank} was given {len(stages)} stages, but schedule {schedule.name!r} "
+                f"places {len(expected)} there ({list(expected)})")
+        return
     given = sorted(s.stage_index for s in stages)
     expected = sorted(schedule.stages_on_rank(rank))
     if given != expected:
@@ -266,47 +328,3 @@ def _check_send_waits(lowered: dict[int, list[Any]]) -> None:
             f"pipeoffload.torch: the action lists with our transfer actions spliced in fail "
             f"torch's send-wait check: {error}. This is a pipeoffload bug; please report it "
             "with the schedule") from error
-
-
-def _splice(row: Sequence[Action], lowered: list[Any], fsdp_stages: set[int]) -> list[Any]:
-    """``lowered`` (torch's compute, comm and FSDP actions for one rank) with our transfer
-    actions put back.
-
-    Note: [torch splice] each transfer action goes right after the compute action it followed
-    in ``row`` (before any, at the head). Around an offloaded (stage, microbatch) we add hidden
-    actions: SCOPE_BEGIN / SCOPE_END around its F (the saved-tensor scope covers the stage's
-    forward and the loss torch computes inside F), BACKWARD_READY before its I / B, and FREE
-    after its last backward pass (W after I, or B). Before each I and W of a stage in
-    ``fsdp_stages`` goes an UNSHARD_AGAIN (Note: [split FSDP]).
-    """
-    offloaded = {(a.stage, a.microbatch) for a in row if a.kind is Kind.OFFLOAD}
-    last_backward = {(a.stage, a.microbatch): _TO_TORCH[a.kind] for a in row
-                     if a.kind in (Kind.B, Kind.W)}
-    after: dict[tuple[int, Any, int], list[Any]] = {}
-    head: list[Any] = []
-    anchor: tuple[int, Any, int] | None = None
-    for action in row:
-        if action.kind in _TO_TORCH:
-            anchor = (action.stage, _TO_TORCH[action.kind], action.microbatch)
-        else:
-            moved = _Action(action.stage, _TRANSFER[action.kind], action.microbatch)
-            (head if anchor is None else after.setdefault(anchor, [])).append(moved)
-    out = list(head)
-    for t in lowered:
-        key = (t.stage_index, t.microbatch_index)
-        kind = t.computation_type
-        hit = key in offloaded
-        if hit and kind == FORWARD:
-            out.append(_Action(key[0], TransferKind.SCOPE_BEGIN, key[1]))
-        if hit and kind in (BACKWARD_INPUT, FULL_BACKWARD):
-            out.append(_Action(key[0], TransferKind.BACKWARD_READY, key[1]))
-        if key[0] in fsdp_stages and kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):
-            out.append(_Action(key[0], TransferKind.UNSHARD_AGAIN, key[1]))
-        out.append(t)
-        if hit and kind == FORWARD:
-            out.append(_Action(key[0], TransferKind.SCOPE_END, key[1]))
-        if hit and kind in (FULL_BACKWARD, BACKWARD_WEIGHT) and last_backward.get(key) == kind:
-            out.append(_Action(key[0], TransferKind.FREE, key[1]))
-        out.extend(after.pop((t.stage_index, kind, t.microbatch_index), []))
-    assert not after, f"transfer actions without their compute action: {after}"
-    return out

@@ -14,8 +14,10 @@ the half pipeline and this rank at ``h`` (0 = the entry rank), the program is ei
   7. (n-h-1) x W I0
   8. (h+1) x W
 W passes run in the order their I's ran. ``F x`` then ``B y`` in steps 4 and 5 is DeepSeek's
-overlapped forward-backward pair (Note: [overlapped pair], sim/simulator.py). The entry rank
-needs c >= 2n microbatches per phase.
+overlapped forward-backward pair (Note: [overlapped pair], sim/simulator.py), except step 4's
+first F0 B1 on the last rank (h = n-1), which DeepSeek runs apart "to further reduce bubble
+size"; ``overlapped_forwards`` names the F that opens each pair (torch runs a pair as one
+``OVERLAP_F_B`` action). The entry rank needs c >= 2n microbatches per phase.
 """
 
 from __future__ import annotations
@@ -30,15 +32,31 @@ def dual_program(n: int, h: int, stages: tuple[int, int],
                  streams: tuple[Sequence[int], Sequence[int]]) -> list[Action]:
     """One rank's actions: ``stages[k]`` runs phase k on the microbatches ``streams[k]`` in
     order (both streams of equal length c >= 2n), this rank ``h`` steps from the entry."""
+    return _program(n, h, stages, streams)[0]
+
+
+def overlapped_forwards(n: int, h: int, stages: tuple[int, int],
+                        streams: tuple[Sequence[int], Sequence[int]]) -> frozenset[Action]:
+    """The forwards of ``dual_program(n, h, stages, streams)`` that open an overlapped pair with
+    the backward right after them."""
+    return _program(n, h, stages, streams)[1]
+
+
+def _program(n: int, h: int, stages: tuple[int, int],
+             streams: tuple[Sequence[int], Sequence[int]]
+             ) -> tuple[list[Action], frozenset[Action]]:
     c = len(streams[0])
     assert len(streams[1]) == c and 0 <= h < n and c >= 2 * n, (n, h, c)
     actions: list[Action] = []
     forwards, backwards = [0, 0], [0, 0]
     weights: deque[Action] = deque()
+    pairs: set[Action] = set()
 
-    def forward(phase: int) -> None:
+    def forward(phase: int, opens_pair: bool = False) -> None:
         actions.append(Action(stages[phase], Kind.F, streams[phase][forwards[phase]]))
         forwards[phase] += 1
+        if opens_pair:
+            pairs.add(actions[-1])
 
     def backward(phase: int, split: bool) -> None:
         mb = streams[phase][backwards[phase]]
@@ -62,14 +80,14 @@ def dual_program(n: int, h: int, stages: tuple[int, int],
         backward(1, split=True)
         weight()
         forward(1)
-    for _ in range(c - 2 * n + h + 1):
-        forward(0)
+    for i in range(c - 2 * n + h + 1):
+        forward(0, opens_pair=not (i == 0 and h == n - 1))
         backward(1, split=False)
-        forward(1)
+        forward(1, opens_pair=True)
         backward(0, split=False)
     for _ in range(n - h - 1):
         backward(1, split=False)
-        forward(1)
+        forward(1, opens_pair=True)
         backward(0, split=False)
     split = False
     steps = h + 1
@@ -87,4 +105,4 @@ def dual_program(n: int, h: int, stages: tuple[int, int],
     for _ in range(h + 1):
         weight()
     assert not weights and forwards == backwards == [c, c]
-    return actions
+    return actions, frozenset(pairs)

@@ -1,4 +1,4 @@
-"""Interleaved 1F1B (Megatron-LM's virtual pipeline), v >= 2 chunks per rank, loop placement.
+"""Interleaved 1F1B (Megatron-LM's virtual pipeline), v chunks per rank, loop placement.
 
 Follows Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC 2021) as Megatron-core implements it. Rank r holds stages r, r+p, ...; it
@@ -12,7 +12,9 @@ of m / (m // p) microbatches (one group of m when m < p), warm-up 2(p-r-1) + (v-
 group size; m that do not split into such groups are rejected (Megatron rejects every m that
 is not a multiple of p; a shorter last group, as in Megatron-core's table, can deadlock).
 Where we differ from Megatron: for m == p Megatron runs all forwards first; we keep the formula
-above, which is valid and holds less memory.
+above, which is valid and holds less memory. v = 1 is torch's Interleaved1F1B over one stage per
+rank: 1F1B with a warm-up of 2(p-r-1) forwards instead of p-r-1 (more held, no shorter bubble;
+``1f1b`` is the schedule for one stage per rank).
 """
 
 from __future__ import annotations
@@ -49,10 +51,9 @@ def _rank_order(pp: int, rank: int, chunks: int, table: list[tuple[int, int]],
     return order + bwd[len(table) - warm:]
 
 
-def interleaved_1f1b(pp: int, microbatches: int, chunks: int = 2) -> Schedule:
-    """Megatron's interleaved 1F1B with ``chunks`` stages per rank."""
-    check_common(NAME, pp, microbatches)
-    check_int("chunks", chunks, 2, NAME, "use chunks >= 2, or 1f1b for one stage per rank")
+def round_group(name: str, pp: int, microbatches: int) -> int:
+    """The microbatches per round of torch's interleaved schedules, ``m / max(1, m // p)``;
+    ConfigError naming the nearest counts that work when ``m`` does not split into such rounds."""
     rounds = max(1, microbatches // pp)
     if microbatches % rounds:
         fits = [m for m in range(max(1, microbatches - pp), microbatches + pp + 1)
@@ -60,11 +61,18 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int = 2) -> Schedule:
         below = max((m for m in fits if m < microbatches), default=None)
         above = min(m for m in fits if m > microbatches)
         raise ConfigError(
-            f"{NAME}: microbatches={microbatches} does not split into equal groups of about "
+            f"{name}: microbatches={microbatches} does not split into equal groups of about "
             f"pp={pp} ({microbatches // rounds} or {microbatches // rounds + 1}); use a multiple "
             f"of pp, or the nearest counts that work ({below}, {above}), or grouped-interleaved"
         )
-    group = microbatches // rounds
+    return microbatches // rounds
+
+
+def interleaved_1f1b(pp: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B with ``chunks`` stages per rank."""
+    check_common(NAME, pp, microbatches)
+    check_int("chunks", chunks, 1, NAME)
+    group = round_group(NAME, pp, microbatches)
     table = chunk_table(microbatches, chunks, group)
     ranks = [_rank_order(pp, r, chunks, table, 2 * (pp - r - 1) + (chunks - 1) * group)
              for r in range(pp)]
