@@ -20,9 +20,9 @@ from test_train import run_inline
 from test_train import tiny_config as tiny_batch16
 
 from pipeoffload.cli.main import main
-from pipeoffload.training import checkpoint as ckpt
-from pipeoffload.training import checkpoint_files
-from pipeoffload.training.checkpoint import CheckpointError
+from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel import checkpoint_files
+from pipeoffload.parallel.checkpoint import CheckpointError
 
 
 def tiny_config(**changes):
@@ -98,7 +98,7 @@ def test_a_dangling_checkpoint_dir_symlink_is_refused_before_training(tmp_path: 
     assert "step" not in err.out  # nothing trained
     steps = []
     with pytest.raises(CheckpointError, match="is a symlink to .* which does not exist"):
-        from pipeoffload.training.launch import Topology
+        from pipeoffload.parallel.topology import Topology
         from pipeoffload.training.train import train
 
         train(tiny_config(pp=2, steps=1, checkpoint_dir=str(link)), Topology.local(2),

@@ -67,7 +67,7 @@ def _reference() -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _tp_cases(rank: int, world: int) -> list[dict]:
-    from pipeoffload.training.launch import mesh_topology
+    from pipeoffload.parallel.topology import mesh_topology
 
     topology = mesh_topology(2, 1, 2, torch.device("cpu"), timeout_s=PATIENCE_S)
     ref_loss, ref_grads = _reference()
@@ -173,7 +173,7 @@ def test_tp_bf16_checkpoint_resumes_bitwise_and_refuses_another_tp(tmp_path) -> 
     import json
 
     from pipeoffload.cli.train import add_train_parser, config_from_args
-    from pipeoffload.training.checkpoint import CheckpointError
+    from pipeoffload.parallel.checkpoint import CheckpointError
     from pipeoffload.training.train import preflight
 
     def parse(argv: list[str]) -> argparse.Namespace:

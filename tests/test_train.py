@@ -1,7 +1,7 @@
 """`pipeoffload train`: the loop against a single-process reference, DP x PP, checkpoints that
 resume bitwise and fail loudly, and runs that end when a rank dies.
 
-Multi-process tests start the real command (launch.py -> gloo); the references run in this
+Multi-process tests start the real command (cli/launch.py -> gloo); the references run in this
 process with Pipeline's local mode (``Topology.local``), which shares no code with gloo.
 """
 
@@ -24,13 +24,14 @@ from patience import PATIENCE, PATIENCE_S
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+from pipeoffload.cli.launch import LaunchConfig, launch
 from pipeoffload.cli.train import add_train_parser, config_from_args, render_table
 from pipeoffload.core.actions import Kind
 from pipeoffload.errors import ConfigError, PipeoffloadError
-from pipeoffload.training import checkpoint as ckpt
-from pipeoffload.training.checkpoint import CheckpointError
+from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel.checkpoint import CheckpointError
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.training.data import DataConfig
-from pipeoffload.training.launch import LaunchConfig, Topology, launch
 from pipeoffload.training.model import model_preset
 from pipeoffload.training.train import TrainConfig, train
 

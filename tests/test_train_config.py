@@ -22,7 +22,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+; 3.10 reads --config wi
 
 from test_runtime_support import one_thread  # noqa: E402, F401 - autouse fixture
 
-from pipeoffload.training import checkpoint as ckpt  # noqa: E402
+from pipeoffload.parallel import checkpoint as ckpt  # noqa: E402
 from pipeoffload.training.metrics import model_flops_per_step  # noqa: E402
 from pipeoffload.training.model import model_preset  # noqa: E402
 

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel.gradients import clip_gradients, tie_copies, unique_params
+from pipeoffload.parallel.precision import sync_gradients
+from pipeoffload.parallel.topology import Topology, connect
 from pipeoffload.runtime.tied import TiedSpec
-from pipeoffload.training import checkpoint as ckpt
-from pipeoffload.training.gradients import clip_gradients, tie_copies, unique_params
-from pipeoffload.training.launch import Topology, connect
-from pipeoffload.training.precision import sync_gradients
 
 __all__ = ["Topology", "average_gradients", "clip_grad_norm_", "clip_gradients",
            "init_distributed", "load_checkpoint", "save_checkpoint", "tie_copies"]

@@ -9,7 +9,7 @@ from typing import Any
 
 def startup_line(config: Any, report: Any, processes: int, schedule: str) -> str:
     """What is about to run and where its outputs go (said before the first slow step)."""
-    from pipeoffload.training.checkpoint import complete_checkpoints, describe_resume
+    from pipeoffload.parallel.checkpoint import complete_checkpoints, describe_resume
 
     if config.hf_model is None:
         model = f"model {config.model.n_layers} layers x dim {config.model.dim}"
@@ -54,7 +54,7 @@ def interrupt_note(args: argparse.Namespace) -> str:
     """What a Ctrl-C leaves: the newest complete checkpoint, if any."""
     if getattr(args, "checkpoint_dir", None) is None:
         return "no checkpoint was saved (no --checkpoint-dir)"
-    from pipeoffload.training.checkpoint import complete_checkpoints
+    from pipeoffload.parallel.checkpoint import complete_checkpoints
 
     found = complete_checkpoints(args.checkpoint_dir)
     if not found:
@@ -68,7 +68,7 @@ def nothing_to_resume(config: Any) -> str | None:
     job that had finished), else None."""
     if config.resume != "auto":
         return None
-    from pipeoffload.training.checkpoint import complete_checkpoints, read_manifest
+    from pipeoffload.parallel.checkpoint import complete_checkpoints, read_manifest
 
     found = complete_checkpoints(config.checkpoint_dir)
     if not found:

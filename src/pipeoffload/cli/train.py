@@ -2,9 +2,9 @@
 
 - Under torchrun (env:// variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT present) this
   process is one rank of the job (NCCL on GPUs, gloo on CPU).
-- Otherwise, with pp * dp * tp > 1 and no ``--inline``, it starts pp * dp * tp local processes with
-  launch.py (each re-enters here with ``--worker-config``); with pp * dp * tp == 1 or ``--inline``
-  it runs every pipeline rank in this process (Pipeline's local mode).
+- Otherwise, with pp * dp * tp > 1 and no ``--inline``, it starts pp * dp * tp local processes
+  with cli/launch.py (each re-enters here with ``--worker-config``); with pp * dp * tp == 1 or
+  ``--inline`` it runs every pipeline rank in this process (Pipeline's local mode).
 The reporting process (the last stage's rank of replica 0, which has the loss) prints a
 progress line per ``--log-every`` steps and, at the end, the peak-activation table, or with
 ``--json`` one JSON line on stdout (progress then goes to stderr).
@@ -293,7 +293,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     torchrun = all(k in os.environ for k in _TORCHRUN_ENV)
     if torchrun:
-        from pipeoffload.training.job import read_job_env
+        from pipeoffload.parallel.job import read_job_env
 
         read_job_env(os.environ)  # a bad torchrun environment is an input error, named first
         config, report = _first_rank_reports(lambda: config_from_args(args))
@@ -362,7 +362,8 @@ def _first_rank_reports(check: Callable[[], Any]) -> Any:
 
 
 def _self_launch(config: Any, report: ReportOptions, plan: Any, settings: str) -> int:
-    from pipeoffload.training.launch import LaunchConfig, Topology, launch
+    from pipeoffload.cli.launch import LaunchConfig, launch
+    from pipeoffload.parallel.topology import Topology
 
     processes = config.pp * config.dp * config.tp
     last = plan.schedule.rank_of(plan.schedule.num_stages - 1)
@@ -388,7 +389,7 @@ def run_worker(config: Any, report: ReportOptions, *, distributed: bool,
     import torch
 
     from pipeoffload.cli.progress import Reporter, say, stop_message
-    from pipeoffload.training.launch import Topology, connect, disconnect, resolve_device
+    from pipeoffload.parallel.topology import Topology, connect, disconnect, resolve_device
     from pipeoffload.training.train import train
 
     topology = None

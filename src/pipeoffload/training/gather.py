@@ -11,10 +11,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from pipeoffload.parallel.checkpoint_files import CheckpointError
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.runtime.groups import collective_device
 from pipeoffload.runtime.meter import ActivationMeter
-from pipeoffload.training.checkpoint_files import CheckpointError
-from pipeoffload.training.launch import Topology
 
 
 def gather_floats(topology: Topology, values: list[float]) -> list[list[float]]:

@@ -1,7 +1,7 @@
 """The training loop of `pipeoffload train`: the reference transformer, cut into the stages of a
 (planned) schedule, trained with AdamW on byte-level text, PP x DP x TP over torch.distributed
 (tensor parallelism inside each stage with torch DTensor, training/tensor_parallel.py), in fp32,
-fp64 or bf16 with float32 master weights (training/precision.py Note: [mixed precision]), with
+fp64 or bf16 with float32 master weights (parallel/precision.py Note: [mixed precision]), with
 recompute none, lgd or full inside each layer (training/model.py, training/layer_recompute.py).
 
 Processes and groups: see launch.py's Note: [rank layout].
@@ -32,22 +32,23 @@ from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadErr
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
 from pipeoffload.offload.recompute import add_recompute
 from pipeoffload.offload.targets import TargetKind, parse_target
+from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel.checkpoint_files import check_root, resolve_resume
+from pipeoffload.parallel.export import check_export_folder, export_dtype
+from pipeoffload.parallel.gradients import clip_gradients, uncounted_masters
+from pipeoffload.parallel.precision import MasterWeights, sync_gradients, torch_dtype
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, simulate
-from pipeoffload.training import checkpoint as ckpt
-from pipeoffload.training.checkpoint_files import check_root, resolve_resume
 from pipeoffload.training.data import DataConfig, TextDataset
-from pipeoffload.training.export import check_export_folder, export_dtype
 from pipeoffload.training.gather import agree_on_start, gather_step, stage_sizes
-from pipeoffload.training.gradients import clip_gradients, uncounted_masters
 from pipeoffload.training.hf_model import resolve_model
 from pipeoffload.training.hf_run import build_hf, check_model, export_run
 from pipeoffload.training.host_reserve import reserve_host_memory
-from pipeoffload.training.launch import Topology
 from pipeoffload.training.measure import measure_without_offload
 from pipeoffload.training.model import (
     RECOMPUTE_MODES,
@@ -55,7 +56,6 @@ from pipeoffload.training.model import (
     model_preset,
     set_layer_recompute,
 )
-from pipeoffload.training.precision import MasterWeights, sync_gradients, torch_dtype
 from pipeoffload.training.signals import StopRequest, signal_name
 from pipeoffload.training.split import build_stage_modules, lm_loss
 from pipeoffload.training.tensor_parallel import apply_tensor_parallel, check_tensor_parallel

@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.runtime.groups import collective_device
-from pipeoffload.training.checkpoint_files import (
+from pipeoffload.parallel.checkpoint_files import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     CheckpointError,
@@ -46,8 +45,8 @@ from pipeoffload.training.checkpoint_files import (
     step_of,
     tidy,
 )
-from pipeoffload.training.data import TextDataset
-from pipeoffload.training.sharded_state import load_tensors, local_state, shard_optimizer_state
+from pipeoffload.parallel.sharded_state import load_tensors, local_state, shard_optimizer_state
+from pipeoffload.runtime.groups import collective_device
 
 FORMAT_VERSION = 2  # 2: stage and rank files record the run id and step
 
@@ -77,7 +76,7 @@ def step_folder(root: str | Path, step: int) -> Path:
 
 def stage_file(stage: int, tp_index: int | None = None) -> str:
     """Stage ``stage``'s file; with tensor parallelism one per tensor-parallel rank (its
-    shards, training/sharded_state.py Note: [sharded checkpoint])."""
+    shards, parallel/sharded_state.py Note: [sharded checkpoint])."""
     return f"stage_{stage:03d}.pt" if tp_index is None else f"stage_{stage:03d}_tp{tp_index}.pt"
 
 
@@ -277,7 +276,7 @@ def check_resume_step(step: int, where: object, steps: int) -> None:
 
 
 class Placement(Protocol):
-    """Where a process sits (train.Topology satisfies it)."""
+    """Where a process sits (parallel/topology.py Topology satisfies it)."""
 
     rank: int
     distributed: bool
@@ -287,6 +286,15 @@ class Placement(Protocol):
     def dp_index(self) -> int: ...
 
 
+class DataPosition(Protocol):
+    """Where the data stands (training/data.py TextDataset satisfies it): its state is a JSON
+    object whose ``step`` is the optimizer steps done, kept in the manifest."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 @dataclass(frozen=True)
 class TrainingState:
     """What a checkpoint holds for one process: its stage modules and their AdamW states, the
@@ -294,7 +302,7 @@ class TrainingState:
 
     stages: Mapping[int, nn.Module]
     optimizers: Mapping[int, torch.optim.Optimizer]
-    dataset: TextDataset
+    dataset: DataPosition
     masters: Mapping[int, list[torch.Tensor]] | None = None  # what the optimizers update
 
 

@@ -57,7 +57,8 @@ def clip_gradients(params: Iterable[torch.Tensor], max_norm: float | None, topol
     """Scale the gradients of ``params`` (this process's, each once) in place so that the
     global norm over the pipeline and tensor-parallel ranks is at most ``max_norm`` (None: only
     measure); returns that norm. Parameters whose id is in ``uncounted`` (tie copies) are
-    scaled but left out of the norm. ``topology`` is a launch.Topology (None: one process).
+    scaled but left out of the norm. ``topology`` is a parallel/topology.py Topology (None: one
+    process).
     Squares are summed in float64: sharded DTensor gradients over the tensor-parallel group,
     then everything over the pipeline group; replicated ones count once. Data-parallel
     replicas must already hold the same (averaged) gradients."""

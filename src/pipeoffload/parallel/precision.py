@@ -89,8 +89,8 @@ def accumulate_in_float32(params: list[torch.Tensor]) -> None:
 def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: object) -> None:
     """Average gradients over data-parallel replicas (one all-reduce per stage).
 
-    ``topology`` is a launch.Topology. Gradients of DTensor parameters are this rank's shards:
-    the all-reduce moves shards. Clipping is gradients.clip_gradients, after this.
+    ``topology`` is a parallel/topology.py Topology. Gradients of DTensor parameters are this
+    rank's shards: the all-reduce moves shards. Clipping is gradients.clip_gradients, after this.
     """
     grads = {s: [p.grad for p in ps if p.grad is not None] for s, ps in params.items()}
     distributed = getattr(topology, "distributed", False)
