@@ -44,7 +44,8 @@ from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import simulate
 from pipeoffload.training.host_reserve import measure_stage_bytes
-from pipeoffload.training.model import lm_loss, model_preset
+from pipeoffload.training.model import lm_loss
+from pipeoffload.training.model_config import model_preset
 from pipeoffload.training.split import build_stage_modules
 
 SEQ = 16

@@ -29,7 +29,7 @@ from pipeoffload.parallel.topology import Topology
 from pipeoffload.training.data import DataConfig, TextDataset
 from pipeoffload.training.hf_run import export_checkpoint
 from pipeoffload.training.model import lm_loss
-from pipeoffload.training.train import train
+from pipeoffload.training.trainer import train
 
 SEQ, BATCH = 32, 8
 LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

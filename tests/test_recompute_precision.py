@@ -15,8 +15,9 @@ from test_runtime_support import one_thread  # noqa: E402, F401 - autouse fixtur
 from pipeoffload.core.actions import Kind  # noqa: E402
 from pipeoffload.parallel.topology import Topology  # noqa: E402
 from pipeoffload.training.data import DataConfig  # noqa: E402
-from pipeoffload.training.model import model_preset  # noqa: E402
-from pipeoffload.training.train import TrainConfig, train  # noqa: E402
+from pipeoffload.training.model_config import model_preset  # noqa: E402
+from pipeoffload.training.train import TrainConfig  # noqa: E402
+from pipeoffload.training.trainer import train  # noqa: E402
 
 TINY = model_preset("tiny")
 

@@ -177,8 +177,9 @@ def test_train_reserves_the_host_pool_before_the_first_step(monkeypatch) -> None
     from pipeoffload.parallel.topology import Topology
     from pipeoffload.runtime import pool as pool_module
     from pipeoffload.training.data import DataConfig
-    from pipeoffload.training.model import model_preset
-    from pipeoffload.training.train import TrainConfig, train
+    from pipeoffload.training.model_config import model_preset
+    from pipeoffload.training.train import TrainConfig
+    from pipeoffload.training.trainer import train
 
     inside, allocations = [False], []
     real_step, real_allocate = Pipeline.step, pool_module.HostMemory.allocate

@@ -20,7 +20,8 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.parallel.checkpoint import CheckpointError
 from pipeoffload.runtime.blocks import balanced_ranges
 from pipeoffload.runtime.meter import ActivationMeter
-from pipeoffload.training.model import lm_loss, model_preset
+from pipeoffload.training.model import lm_loss
+from pipeoffload.training.model_config import model_preset
 from pipeoffload.training.split import build_stage_modules
 
 SCHEDULES = (("1f1b", {}), ("zbv", {}), ("interleaved-1f1b", {}), ("po-f", {}),

@@ -35,7 +35,7 @@ from pipeoffload.training.signals import (
     stop_on_signals,
     stop_status,
 )
-from pipeoffload.training.train import train
+from pipeoffload.training.trainer import train
 
 linux = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 

@@ -45,7 +45,8 @@ from pipeoffload.parallel.checkpoint_files import (
     step_of,
     tidy,
 )
-from pipeoffload.parallel.sharded_state import load_tensors, local_state, shard_optimizer_state
+from pipeoffload.parallel.optimizer import CheckpointedOptimizer
+from pipeoffload.parallel.sharded_state import load_tensors, local_state
 from pipeoffload.runtime.groups import collective_device
 
 FORMAT_VERSION = 2  # 2: stage and rank files record the run id and step
@@ -297,13 +298,12 @@ class DataPosition(Protocol):
 
 @dataclass(frozen=True)
 class TrainingState:
-    """What a checkpoint holds for one process: its stage modules and their AdamW states, the
-    data position (the step) and, per process, the RNG states."""
+    """What a checkpoint holds for one process: its stage modules and their optimizer's state,
+    the data position (the step) and, per process, the RNG states."""
 
     stages: Mapping[int, nn.Module]
-    optimizers: Mapping[int, torch.optim.Optimizer]
+    optimizer: CheckpointedOptimizer
     dataset: DataPosition
-    masters: Mapping[int, list[torch.Tensor]] | None = None  # what the optimizers update
 
 
 def _world(where: Placement) -> int:
@@ -349,10 +349,11 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
         tp_index = _tp_index(where)
         for s, module in sorted(state.stages.items()):
             name = stage_file(s, tp_index)
-            payload = {"model": module.state_dict(), "optimizer": state.optimizers[s].state_dict(),
+            optimizer = state.optimizer.stage_state(s)
+            payload = {"model": module.state_dict(), "optimizer": optimizer.optimizer,
                        "identity": FileIdentity(run, step, name).as_dict()}
-            if state.masters is not None:
-                payload["masters"] = list(state.masters[s])
+            if optimizer.masters is not None:
+                payload["masters"] = optimizer.masters
             records.append(save_object(folder, name, local_state(payload)))
     name = rank_file(where.rank)
     records.append(save_object(folder, name, {**rng_state(where.device),
@@ -413,12 +414,7 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
         saved = load_identified(manifest, name, where.device)
         try:
             load_tensors(module.state_dict(), saved["model"])
-            optimizer = state.optimizers[s]
-            optimizer.load_state_dict(saved["optimizer"])
-            shard_optimizer_state(optimizer)
-            if state.masters is not None:
-                load_tensors(dict(enumerate(state.masters[s])),
-                              dict(enumerate(saved["masters"])))
+            state.optimizer.load_stage_state(s, saved)
         except (KeyError, RuntimeError, ValueError) as error:
             raise CheckpointError(f"{manifest.folder / name} does not fit stage {s} "
                                   f"({error}); resume with the model it was saved with") from None

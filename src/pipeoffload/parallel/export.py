@@ -25,11 +25,11 @@ from torch import nn
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel.dtype_names import EXPORT_DTYPE_NAMES
 from pipeoffload.parallel.gradients import tie_copy_names
 from pipeoffload.parallel.precision import DTYPES
 from pipeoffload.runtime.shards import is_dtensor
 
-EXPORT_DTYPES = ("fp32", "bf16")  # the command's; export_pretrained takes any dtype
 INDEX = "model.safetensors.index.json"
 
 
@@ -42,8 +42,8 @@ def check_export_folder(folder: str | Path, flag: str = "--export-hf") -> None:
 
 
 def export_dtype(name: str) -> torch.dtype:
-    if name not in EXPORT_DTYPES:
-        raise ConfigError(f"export dtype {name!r}: choose one of {', '.join(EXPORT_DTYPES)}")
+    if name not in EXPORT_DTYPE_NAMES:
+        raise ConfigError(f"export dtype {name!r}: choose one of {', '.join(EXPORT_DTYPE_NAMES)}")
     return DTYPES[name]
 
 

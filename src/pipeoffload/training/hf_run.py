@@ -4,8 +4,8 @@ process's stages, the export at the end (training/hf_model.py, parallel/export.p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,7 +14,7 @@ from pipeoffload.integrations.hf import causal_lm_stages
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.export import export_dtype, export_pretrained, write_export
 from pipeoffload.parallel.gradients import tie_copy_names
-from pipeoffload.parallel.precision import MasterWeights, torch_dtype
+from pipeoffload.parallel.precision import torch_dtype
 from pipeoffload.parallel.topology import Topology
 from pipeoffload.training.data import vocab_needed
 from pipeoffload.training.documents import tokenizer_file
@@ -28,9 +28,7 @@ from pipeoffload.training.hf_model import (
 from pipeoffload.training.hf_model import check_model as check_hf_model
 from pipeoffload.training.hf_tensor_parallel import shard_dim
 from pipeoffload.training.split import stage_layer_ranges
-
-if TYPE_CHECKING:
-    from pipeoffload.training.train import TrainConfig
+from pipeoffload.training.train import TrainConfig
 
 
 def check_model(config: TrainConfig, num_stages: int) -> None:
@@ -50,22 +48,25 @@ def check_model(config: TrainConfig, num_stages: int) -> None:
 def build_hf(config: TrainConfig, num_stages: int, mine: list[int],
              topology: Topology) -> HFStages:
     """This process's stages of the Hugging Face model (Note: [HF stages])."""
+    assert config.hf_model is not None
     return build_hf_stages(resolve_model(config.hf_model), num_stages, mine, seed=config.seed,
                            dtype=torch_dtype(config.dtype), device=topology.device,
                            tp_mesh=topology.tp_mesh if topology.tp > 1 else None,
                            recompute=config.recompute)
 
 
-def export_run(config: TrainConfig, hf: HFStages, masters: MasterWeights,
-               topology: Topology) -> Any:
+def export_run(config: TrainConfig, hf: HFStages, masters: Mapping[int, list[torch.Tensor]],
+               topology: Topology) -> Path:
     """``--export-hf``: the trained model as a Hugging Face folder (parallel/export.py); a
-    bf16 run exported in fp32 writes its float32 master weights."""
+    bf16 run exported in fp32 writes its float32 master weights (``masters``: per stage, what
+    the optimizer updates, one per trainable parameter)."""
+    assert config.export_hf is not None
     name = config.export_dtype or ("bf16" if config.dtype == "bf16" else "fp32")
     values = None
-    if masters.mixed and name == "fp32":
+    if config.dtype == "bf16" and name == "fp32":
         values = {id(p): master for s, module in hf.stages.items()
                   for p, master in zip([p for p in module.parameters() if p.requires_grad],
-                                       masters.params[s])}
+                                       masters[s])}
     tokenizer = None if config.data.tokenizer is None else tokenizer_file(config.data.tokenizer)
     return export_pretrained(config.export_hf, hf.model, hf.stages, topology,
                              dtype=export_dtype(name), values=values, tokenizer=tokenizer)
