@@ -75,7 +75,8 @@ def write_png(result: TrainResult, path: str | None) -> str | None:
 def render_table(result: TrainResult) -> str:
     """Peak activation per pipeline rank: measured and predicted, with and without offload."""
     schedule = result.plan.schedule
-    rows = [("rank", "stages", "measured", "predicted", "no offload: measured", "predicted")]
+    rows: list[tuple[str, ...]] = [
+        ("rank", "stages", "measured", "predicted", "no offload: measured", "predicted")]
     for r in range(schedule.num_ranks):
         rows.append((str(r), ",".join(map(str, schedule.stages_on_rank(r))),
                      *(format_bytes(None if values is None else values[r])

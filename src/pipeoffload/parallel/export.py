@@ -65,7 +65,7 @@ def stage_tensors(model: nn.Module, stages: Mapping[int, nn.Module], dtype: torc
                 continue
             value = param if values is None else values.get(id(param), param)
             if is_dtensor(value):
-                value = value.full_tensor()
+                value = value.full_tensor()  # type: ignore[attr-defined]  # a DTensor
             tensors[full] = value.detach().to(device="cpu", dtype=dtype).contiguous()
     return tensors
 

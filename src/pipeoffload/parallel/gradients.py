@@ -23,7 +23,7 @@ def tie_copy_names(stages: Mapping[int, nn.Module],
     as Pipeline reads them."""
     specs = [tied or {}, *(getattr(m, "tied_parameters", {}) for m in stages.values())]
     named = [s for spec in specs for where in spec.values() for s in where]
-    copies = set()
+    copies: set[tuple[int, str]] = set()
     for where in merge_ties(specs, max([*stages, *named], default=0) + 1).values():
         owner = min(where)
         copies.update((s, name) for s, name in where.items() if s != owner and s in stages)
@@ -34,7 +34,8 @@ def tie_copies(stages: Mapping[int, nn.Module], tied: TiedSpec | None = None) ->
     """ids of the parameters tie_copy_names names (a Parameter this process shares with the
     tie's lowest stage belongs to that stage and is not among them)."""
     names = tie_copy_names(stages, tied)
-    copies, owned = set(), set()
+    copies: set[int] = set()
+    owned: set[int] = set()
     for s, module in stages.items():
         for name, p in module.named_parameters(remove_duplicate=False):
             (copies if (s, name) in names else owned).add(id(p))
@@ -44,7 +45,7 @@ def tie_copies(stages: Mapping[int, nn.Module], tied: TiedSpec | None = None) ->
 def unique_params(stages: Mapping[int, nn.Module]) -> list[torch.Tensor]:
     """The stages' parameters in stage order, each once."""
     seen: set[int] = set()
-    params = []
+    params: list[torch.Tensor] = []
     for s in sorted(stages):
         for p in stages[s].parameters():
             if id(p) not in seen:
@@ -83,10 +84,11 @@ def clip_gradients(params: Iterable[torch.Tensor], max_norm: float | None,
     Squares are summed in float64: sharded DTensor gradients over the tensor-parallel group,
     then everything over the pipeline group; replicated ones count once. Data-parallel
     replicas must already hold the same (averaged) gradients."""
-    held = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in held]
-    counted = [p.grad for p in held if id(p) not in uncounted]
-    sharded = [g for g in counted if is_dtensor(g) and any(p.is_shard() for p in g.placements)]
+    held = [(p, p.grad) for p in params if p.grad is not None]
+    grads = [g for _, g in held]
+    counted = [g for p, g in held if id(p) not in uncounted]
+    sharded = [g for g in counted if is_dtensor(g) and any(
+        p.is_shard() for p in g.placements)]  # type: ignore[attr-defined]  # a DTensor
     whole = [g for g in counted if not any(g is h for h in sharded)]
 
     # On the training device: NCCL takes device tensors only, a rank without gradients too.

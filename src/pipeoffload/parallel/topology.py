@@ -121,7 +121,7 @@ def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
     if where.type == "cuda":
         torch.cuda.set_device(where)
     timeout = datetime.timedelta(seconds=timeout_s)
-    bound = {"device_id": where} if where.type == "cuda" else {}
+    bound: dict[str, Any] = {"device_id": where} if where.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=job.rank, world_size=world,
                             timeout=timeout, **bound)
     return mesh_topology(pp, dp, tp, where, timeout_s)
@@ -158,7 +158,7 @@ def _options(backend: str, timeout: datetime.timedelta) -> Any:
     import torch.distributed as dist
 
     options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
-               else dist.ProcessGroupGloo._Options())
+               else dist.ProcessGroupGloo._Options())  # type: ignore[attr-defined]  # not in stubs
     options._timeout = timeout
     return options
 

@@ -50,7 +50,8 @@ def build_hf(config: TrainConfig, num_stages: int, mine: list[int],
     """This process's stages of the Hugging Face model (Note: [HF stages])."""
     assert config.hf_model is not None
     return build_hf_stages(resolve_model(config.hf_model), num_stages, mine, seed=config.seed,
-                           dtype=torch_dtype(config.dtype), device=topology.device,
+                           dtype=torch_dtype(config.dtype),
+                           device=topology.device or torch.device("cpu"),
                            tp_mesh=topology.tp_mesh if topology.tp > 1 else None,
                            recompute=config.recompute)
 

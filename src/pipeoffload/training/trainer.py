@@ -20,18 +20,17 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.core.schedule import Schedule
-from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
+from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPlan
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.checkpoint_files import check_root, resolve_resume
@@ -45,7 +44,13 @@ from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, simulate
 from pipeoffload.training.data import TextDataset
-from pipeoffload.training.gather import StepGather, agree_on_start, gather_step, stage_sizes
+from pipeoffload.training.gather import (
+    StepGather,
+    agree_on_start,
+    gather_step,
+    peer_failures,
+    stage_sizes,
+)
 from pipeoffload.training.hf_model import HFStages, resolve_model
 from pipeoffload.training.hf_run import build_hf, export_run
 from pipeoffload.training.host_reserve import reserve_host_memory
@@ -354,34 +359,6 @@ def train(config: TrainConfig, topology: Topology,
     return Trainer.build(config, topology, hooks).run()
 
 
-@contextmanager
-def peer_failures(topology: Topology, what: str) -> Iterator[None]:
-    """Turn a failed collective (a peer died) into a PipelineRuntimeError naming this rank."""
-    try:
-        yield
-    except RuntimeError as error:
-        if isinstance(error, PipeoffloadError) or not topology.distributed:
-            raise
-        tensor_rank = f", tensor-parallel rank {topology.tp_index}" if topology.tp > 1 else ""
-        where = (f"rank {topology.rank} (pipeline rank {topology.pp_rank}, replica "
-                 f"{topology.dp_index}{tensor_rank}), {what}")
-        if not _from_communication(error):  # this rank's own failure: no peer to blame
-            raise PipelineRuntimeError(f"{where}: failed on this rank ({error})") from error
-        raise PipelineRuntimeError(
-            f"{where}: a collective failed ({error}); a peer died or failed, look at its "
-            "error") from error
-
-
-def _from_communication(error: RuntimeError) -> bool:
-    """Whether a failed collective was the transport's (a peer gone, a timeout) rather than
-    something local such as a missing package."""
-    if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    text = str(error).lower()
-    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout",
-                                         "peer", "socket", "broken pipe"))
-
-
 def make_optimizer(config: TrainConfig, stages: Mapping[int, nn.Module]) -> PipelineOptimizer:
     """The run's optimizer: AdamW per stage over master weights (float32 ones for bf16)."""
     return StageAdamW(stages, mixed=config.dtype == "bf16", lr=config.lr, betas=config.betas,
@@ -393,7 +370,8 @@ def _reserve_host_memory(config: TrainConfig, topology: Topology, pipe: Pipeline
     """Allocate the offload's pinned memory now, not inside a step (training/host_reserve.py)."""
     microbatch = config.data.batch_size // config.dp // config.num_microbatches
     seq = config.data.seq_len
-    hidden = ((microbatch, seq, hf.model.config.hidden_size) if hf is not None  # whole on TP
+    hf_config: Any = None if hf is None else hf.model.config
+    hidden = ((microbatch, seq, hf_config.hidden_size) if hf_config is not None  # whole on TP
               else (microbatch, seq // config.tp, config.model.dim))  # sequence shards
     reserve_host_memory(pipe, stages, microbatch, seq, hidden, torch_dtype(config.dtype),
                         topology.device or torch.device("cpu"))
