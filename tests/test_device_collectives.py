@@ -17,8 +17,7 @@ from torch.utils._pytree import tree_map
 
 from pipeoffload.api import build_schedule
 from pipeoffload.parallel import topology as topology_module
-from pipeoffload.parallel.gradients import clip_gradients
-from pipeoffload.parallel.precision import sync_gradients
+from pipeoffload.parallel.gradients import clip_gradients, sync_gradients
 from pipeoffload.runtime.tied import TiedGradients
 
 CUDA = torch.device("cuda", 0)
