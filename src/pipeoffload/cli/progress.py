@@ -6,7 +6,7 @@ where a stopped run's checkpoint is."""
 from __future__ import annotations
 
 import sys
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from pipeoffload.cli import preflight
 from pipeoffload.cli.train_report import ReportOptions, format_bytes
@@ -20,9 +20,11 @@ from pipeoffload.training.metrics import (
     step_record,
     tensorboard_writer,
 )
-from pipeoffload.training.results import StepLog, TrainResult
 from pipeoffload.training.signals import signal_name, stop_status
-from pipeoffload.training.train import TrainConfig
+
+if TYPE_CHECKING:
+    from pipeoffload.training.results import StepLog, TrainResult
+    from pipeoffload.training.train import TrainConfig
 
 TENSORBOARD_MISSING = ("the tensorboard extra is not installed, so no TensorBoard events are "
                        "written to {what}; pip install 'pipeoffload[tensorboard]' to get them")

@@ -24,7 +24,6 @@ from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from pipeoffload.cli import preflight
 from pipeoffload.cli.notes import data_line, interrupt_note, nothing_to_resume, startup_line
-from pipeoffload.cli.progress import Reporter, say, stop_message
 from pipeoffload.cli.train_options import add_train_options, config_error, field_flags, run_settings
 from pipeoffload.cli.train_report import ReportOptions, print_result, summary
 from pipeoffload.errors import ConfigError, FieldError, PipelineRuntimeError, PipeoffloadError
@@ -37,11 +36,11 @@ from pipeoffload.training.signals import (
     stop_status,
     watch_worker_parent,
 )
-from pipeoffload.training.train import TrainConfig
 
 if TYPE_CHECKING:
     from pipeoffload.offload.plan import OffloadPlan
     from pipeoffload.training.results import TrainResult
+    from pipeoffload.training.train import TrainConfig
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SHAPES = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_hidden")
@@ -66,6 +65,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ReportOptions]:
     """The TrainConfig and ReportOptions the command line asks for (a wrong value is named by
     its option)."""
+    from pipeoffload.training.train import TrainConfig  # the planner: not for other commands
+
     model, hf_model, seq_len = _model_from_args(args)
     data = DataConfig(source=args.data, seq_len=seq_len, batch_size=args.batch_size,
                       seed=args.seed, max_bytes=args.max_bytes, tokenizer=args.tokenizer,
@@ -147,6 +148,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _run_launched(worker_config: str) -> int:
     """A process cli/launch.py started: the launcher's checked settings, run as one rank."""
+    from pipeoffload.training.train import TrainConfig
+
     with stop_on_signals() as stop:  # first: a stop may come while torch imports
         payload = json.loads(worker_config)
         return run_worker(TrainConfig.from_dict(payload["config"]),
@@ -303,6 +306,7 @@ def _join(config: TrainConfig, distributed: bool) -> Topology:
 def _train_and_report(config: TrainConfig, report: ReportOptions, topology: Topology,
                       stop: StopRequest | None, settings: str | None) -> TrainResult:
     """Train, with progress lines as it goes; the reporting process then says how it went."""
+    from pipeoffload.cli.progress import Reporter, say, stop_message
     from pipeoffload.training.trainer import train
 
     out = sys.stderr if report.json else sys.stdout
@@ -325,6 +329,8 @@ def _train_and_report(config: TrainConfig, report: ReportOptions, topology: Topo
 def _fail_rank(error: BaseException, topology: Topology | None) -> NoReturn:
     """A rank of a job failed: say so and leave at once (a failed rank must not hang in
     teardown waiting for its peers), with the status that says what kind of failure."""
+    from pipeoffload.cli.progress import say
+
     where = f"rank {topology.rank if topology else os.environ.get('RANK', '?')}"
     if isinstance(error, KeyboardInterrupt):  # the launcher (or torchrun) says the rest
         os._exit(preflight.INTERRUPTED)

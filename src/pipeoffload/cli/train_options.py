@@ -21,7 +21,6 @@ from pipeoffload.cli.preflight import (
     resume_path,
 )
 from pipeoffload.errors import ConfigError, FieldError
-from pipeoffload.training.train import TrainConfig
 
 _SHAPE_FLAGS = {"n_layers": "--layers", "dim": "--dim", "n_heads": "--heads",
                 "n_kv_heads": "--kv-heads", "ffn_hidden": "--ffn-hidden"}
@@ -204,6 +203,8 @@ def run_settings(args: argparse.Namespace) -> tuple[str, str]:
 def field_flags() -> dict[str, str]:
     """The option that sets each TrainConfig field (``data.*`` and ``model.*`` ones by their
     dotted path), as a FieldError names it; a field no option sets is absent."""
+    from pipeoffload.training.train import TrainConfig  # the planner: not for other commands
+
     options = {action.dest: action.option_strings[0] for action in train_parser()._actions
                if action.option_strings and action.help != argparse.SUPPRESS}
     fields = [f.name for f in dataclasses.fields(TrainConfig)]

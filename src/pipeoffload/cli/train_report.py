@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from pipeoffload.cli import preflight
 from pipeoffload.core.actions import Kind
-from pipeoffload.training.results import TrainResult
 from pipeoffload.training.signals import signal_name
-from pipeoffload.training.train import TrainConfig
+
+if TYPE_CHECKING:
+    from pipeoffload.training.results import TrainResult
+    from pipeoffload.training.train import TrainConfig
 
 
 @dataclass(frozen=True)
