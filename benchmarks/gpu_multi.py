@@ -4,7 +4,7 @@ torchrun): what only real NCCL communicators can show.
 Run: bash benchmarks/gpu_multi.sh [--nproc 2]          (>= 2 GPUs; skips cleanly with fewer)
      bash benchmarks/gpu_multi.sh --device cpu         (the same on gloo, what CI runs)
 
-Every process joins with pipeoffload.training.launch.connect (NCCL bound to its GPU, one
+Every process joins with pipeoffload.init_distributed (NCCL bound to its GPU, one
 communicator per message channel), then:
 1. zbv, interleaved-1f1b and dualpipe at p = world: step 1 (connection warm-up, shape
    metadata) and two more, each with an SGD update; per model part the gradients (DualPipe's
@@ -36,6 +36,7 @@ from _memory_checks import CUDA_FIXED_ALLOWANCE, MIB, Check, peak_check
 
 from pipeoffload.api import build_schedule
 from pipeoffload.core.schedule import Schedule
+from pipeoffload.parallel.topology import Topology, connect, disconnect
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.groups import collective_device
 from pipeoffload.runtime.meter import ActivationMeter
@@ -43,8 +44,8 @@ from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import simulate
 from pipeoffload.training.host_reserve import measure_stage_bytes
-from pipeoffload.training.launch import Topology, connect, disconnect
-from pipeoffload.training.model import lm_loss, model_preset
+from pipeoffload.training.model import lm_loss
+from pipeoffload.training.model_config import model_preset
 from pipeoffload.training.split import build_stage_modules
 
 SEQ = 16

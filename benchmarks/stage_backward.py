@@ -28,7 +28,8 @@ from torch.distributed.pipelining._backward import (
 )
 
 from pipeoffload.runtime.stage import StageRunner
-from pipeoffload.training.model import MODEL_PRESETS, lm_loss, model_preset
+from pipeoffload.training.model import lm_loss
+from pipeoffload.training.model_config import MODEL_PRESETS, model_preset
 from pipeoffload.training.split import build_stage_modules
 
 STAGES = 4

@@ -58,7 +58,8 @@ from pipeoffload.runtime.groups import new_channel_groups
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.sim.costs import CostModel
-from pipeoffload.training.model import MODEL_PRESETS, ModelConfig, lm_loss, model_preset
+from pipeoffload.training.model import lm_loss
+from pipeoffload.training.model_config import MODEL_PRESETS, ModelConfig, model_preset
 from pipeoffload.training.split import build_stage_modules
 
 # schedule name -> (our build_schedule options, torch class name, torch placement style)

@@ -220,10 +220,10 @@ def test_probe_refuses(argv, names, tmp, capsys) -> None:
 
 def api_cases() -> list[tuple[str, object]]:
     from pipeoffload import CostModel, HostLink, OffloadPolicy, build_schedule, plan_schedule
+    from pipeoffload.cli.launch import LaunchConfig
     from pipeoffload.offload.targets import parse_target
     from pipeoffload.planner.costing import MemoryConfig
     from pipeoffload.planner.search import SearchConfig, SearchSpace
-    from pipeoffload.training.launch import LaunchConfig
 
     nan, inf = math.nan, math.inf
     return [
@@ -439,7 +439,7 @@ def test_every_flag_of_every_subcommand_has_help_text() -> None:
 def test_workers_do_not_recheck_the_default_picture_path(monkeypatch, capsys) -> None:
     # A user's --no-png must hold in the workers too (a read-only working folder is fine).
     pytest.importorskip("torch")
-    from pipeoffload.training import launch as launch_module
+    from pipeoffload.cli import launch as launch_module
 
     seen: list[list[str]] = []
     monkeypatch.setattr(launch_module, "launch", lambda argv, config: seen.append(argv) or 0)

@@ -1,4 +1,4 @@
-"""bf16 training accumulates gradients over microbatches in float32 (training/precision.py Note:
+"""bf16 training accumulates gradients over microbatches in float32 (parallel/precision.py Note:
 [mixed precision]): against the exact (float64) sum of the same bfloat16 microbatch gradients,
 the error at 64 microbatches stays below 0.1 %, where accumulating in bfloat16 misses by more."""
 
@@ -14,8 +14,8 @@ from test_runtime_support import (
 )
 
 from pipeoffload.api import build_schedule
+from pipeoffload.parallel.precision import MasterWeights
 from pipeoffload.runtime.pipeline import Pipeline
-from pipeoffload.training.precision import MasterWeights
 
 MICROBATCHES = 64
 
@@ -55,7 +55,7 @@ def test_bf16_gradients_accumulate_in_float32_within_a_tenth_of_a_percent() -> N
 
 def test_grad_dtype_is_needed_and_its_absence_is_a_clear_error(monkeypatch) -> None:
     from pipeoffload.errors import ConfigError
-    from pipeoffload.training import precision
+    from pipeoffload.parallel import precision
 
     monkeypatch.setattr(precision, "_HAS_GRAD_DTYPE", False)
     with pytest.raises(ConfigError, match="torch >= 2.10 or --dtype fp32"):

@@ -20,9 +20,11 @@ from test_train import run_inline
 from test_train import tiny_config as tiny_batch16
 
 from pipeoffload.cli.main import main
-from pipeoffload.training import checkpoint as ckpt
-from pipeoffload.training import checkpoint_files
-from pipeoffload.training.checkpoint import CheckpointError
+from pipeoffload.cli.train_options import config_error
+from pipeoffload.errors import FieldError
+from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel import checkpoint_files
+from pipeoffload.parallel.checkpoint import CheckpointError
 
 
 def tiny_config(**changes):
@@ -98,8 +100,8 @@ def test_a_dangling_checkpoint_dir_symlink_is_refused_before_training(tmp_path: 
     assert "step" not in err.out  # nothing trained
     steps = []
     with pytest.raises(CheckpointError, match="is a symlink to .* which does not exist"):
-        from pipeoffload.training.launch import Topology
-        from pipeoffload.training.train import train
+        from pipeoffload.parallel.topology import Topology
+        from pipeoffload.training.trainer import train
 
         train(tiny_config(pp=2, steps=1, checkpoint_dir=str(link)), Topology.local(2),
               on_step=steps.append)
@@ -215,8 +217,10 @@ def test_keep_last_retires_old_checkpoints_and_never_the_newest(tmp_path: Path) 
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000005",
                                                                 "step_00000006",
                                                                 "step_00000007"]
-    with pytest.raises(Exception, match="--keep-last 0 needs --checkpoint-dir and N >= 1"):
+    with pytest.raises(FieldError) as caught:
         dataclasses.replace(base, keep_last=0)
+    assert caught.value.fields == ("keep_last", "checkpoint_dir")
+    assert str(config_error(caught.value)) == "--keep-last 0 needs --checkpoint-dir and N >= 1"
 
 
 def test_resume_auto_starts_from_scratch_then_continues(tmp_path: Path) -> None:
@@ -227,5 +231,7 @@ def test_resume_auto_starts_from_scratch_then_continues(tmp_path: Path) -> None:
     straight = run_inline(dataclasses.replace(base, steps=4, checkpoint_dir=str(tmp_path / "s")))
     assert (first.start_step, second.start_step) == (0, 2)
     assert first.losses + second.losses == straight.losses
-    with pytest.raises(Exception, match="--resume auto needs --checkpoint-dir"):
+    with pytest.raises(FieldError, match="TrainConfig.resume auto needs "
+                       "TrainConfig.checkpoint_dir") as caught:
         dataclasses.replace(base, checkpoint_dir=None)
+    assert str(config_error(caught.value)).startswith("--resume auto needs --checkpoint-dir")

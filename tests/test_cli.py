@@ -111,3 +111,25 @@ def test_probe_without_gpu_says_so_and_fails(capsys):
         pytest.skip("a GPU is present; the GPU path is exercised by benchmarks/gpu_offload.py")
     assert main(["probe"]) == 1
     assert "error: no CUDA device" in capsys.readouterr().err
+
+
+def test_every_train_config_field_has_its_option_or_is_set_by_none():
+    """A FieldError the command line prints names the option; only these fields have none."""
+    import dataclasses
+
+    from pipeoffload.cli.train_options import field_flags, train_parser
+    from pipeoffload.training.train import TrainConfig
+
+    flags = field_flags()
+    options = {o for a in train_parser()._actions for o in a.option_strings}
+    assert set(flags.values()) <= options
+    unset = {f.name for f in dataclasses.fields(TrainConfig)} - set(flags)
+    assert unset == {"model", "data", "min_lr_ratio", "betas"}
+    assert (flags["p2p_timeout_s"], flags["hf_model"], flags["data.seq_len"],
+            flags["model.n_heads"]) == ("--p2p-timeout", "--model", "--seq-len", "--heads")
+
+
+def test_a_train_config_error_names_the_option(capsys):
+    assert main(["train", "--model", "tiny", "--keep-last", "2", "--no-png"]) == 2
+    assert capsys.readouterr().err == ("pipeoffload train: error: --keep-last 2 needs "
+                                       "--checkpoint-dir and N >= 1\n")

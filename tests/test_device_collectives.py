@@ -16,10 +16,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from pipeoffload.api import build_schedule
+from pipeoffload.parallel import topology as topology_module
+from pipeoffload.parallel.gradients import clip_gradients, sync_gradients
 from pipeoffload.runtime.tied import TiedGradients
-from pipeoffload.training import launch
-from pipeoffload.training.gradients import clip_gradients
-from pipeoffload.training.precision import sync_gradients
 
 CUDA = torch.device("cuda", 0)
 
@@ -119,7 +118,7 @@ def _fake_cuda_module(module: nn.Module) -> nn.Module:
 def test_tied_gradients_post_device_tensors(monkeypatch, dtype: torch.dtype) -> None:
     """A tie between stage 0 (this rank) and stage 1 (the peer): the size agreement and the
     gradient sum are posted on cuda:0; with bf16 weights accumulating in float32 the sum is
-    float32 (training/precision.py Note: [mixed precision])."""
+    float32 (parallel/precision.py Note: [mixed precision])."""
     backend = DeviceOnlyBackend(monkeypatch)
     schedule = build_schedule("1f1b", pp=2, microbatches=2)
     with FakeCudaMode():
@@ -140,8 +139,8 @@ def test_tied_gradients_post_device_tensors(monkeypatch, dtype: torch.dtype) -> 
     assert weight.grad.data_.eq(2).all()  # the peer's copy added
 
 
-def _topology(**changes) -> launch.Topology:
-    base = launch.Topology(pp=2, dp=1, rank=0, distributed=True, device=CUDA,
+def _topology(**changes) -> topology_module.Topology:
+    base = topology_module.Topology(pp=2, dp=1, rank=0, distributed=True, device=CUDA,
                            pp_group="pp", dp_group="dp")
     return dataclasses.replace(base, **changes)
 

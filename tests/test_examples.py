@@ -1,5 +1,5 @@
 """The scripts in examples/ run as their docstrings say (torchrun's environment, here from
-launch.py: 2 gloo processes) and check what they claim."""
+cli/launch.py: 2 gloo processes) and check what they claim."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 def run(script: str, *args: str, cwd: Path) -> str:
     """``script`` on 2 local processes with torchrun's variables; its whole output."""
-    launcher = ("import sys; from pipeoffload.training.launch import LaunchConfig, launch; "
+    launcher = ("import sys; from pipeoffload.cli.launch import LaunchConfig, launch; "
                 "sys.exit(launch(sys.argv[1:], LaunchConfig(nprocs=2, reporting_rank=None)))")
     proc = subprocess.run([sys.executable, "-c", launcher, sys.executable,
                            str(EXAMPLES / script), *args], cwd=cwd, capture_output=True,

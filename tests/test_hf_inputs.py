@@ -21,7 +21,7 @@ from pipeoffload.cli.train import add_train_parser, config_from_args
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.presets import load_model
 from pipeoffload.training.data import DataConfig, TextDataset, load_corpus, vocab_needed
-from pipeoffload.training.train import preflight
+from pipeoffload.training.run_checks import check_run
 
 LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -49,7 +49,7 @@ def text(tmp_path: Path) -> Path:
 
 def checked(argv: list[str]):
     config = parse(argv)
-    return preflight(config, config.pp * config.dp * config.tp)
+    return check_run(config, config.pp * config.dp * config.tp)
 
 
 @pytest.mark.parametrize("change,argv,message", [
@@ -219,8 +219,8 @@ def test_the_planner_names_the_config_and_keeps_to_what_train_runs(tmp_path):
 def test_export_command_refuses_what_it_cannot_export(tmp_path, capsys):
     import pipeoffload as po
     from pipeoffload.cli.main import main
+    from pipeoffload.training.model_config import model_preset
     from pipeoffload.training.split import build_stage_modules
-    from pipeoffload.training.train import model_preset
 
     stages = build_stage_modules(model_preset("tiny"), 1, [0], 0)
     optimizers = {0: torch.optim.AdamW(stages[0].parameters())}

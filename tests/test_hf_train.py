@@ -2,7 +2,7 @@
 exported, loaded back with ``from_pretrained``, whose held-out loss equals the pipeline's, and
 trained again from the export starting at that loss; TP, bf16, Qwen3 and GPT-2 too.
 
-Multi-process runs start the real command (launch.py -> gloo); the rest runs in this process
+Multi-process runs start the real command (cli/launch.py -> gloo); the rest runs in this process
 (Pipeline's local mode, ``Topology.local``)."""
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ pytest.importorskip("safetensors")
 from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
 
 from pipeoffload.cli.train import add_train_parser, config_from_args
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.training.data import DataConfig, TextDataset
-from pipeoffload.training.export import export_checkpoint
-from pipeoffload.training.launch import Topology
+from pipeoffload.training.hf_run import export_checkpoint
 from pipeoffload.training.model import lm_loss
-from pipeoffload.training.train import train
+from pipeoffload.training.trainer import train
 
 SEQ, BATCH = 32, 8
 LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -251,7 +251,7 @@ def test_every_family_splits_exports_and_reloads_at_the_same_loss(tmp_path, fami
     """train's stages of each family (Mistral with a sliding window shorter than the sequence,
     Qwen2 with Q/K/V biases) give, forward only, the loss of the exported model reloaded."""
     from pipeoffload import Pipeline, build_schedule
-    from pipeoffload.training.export import export_pretrained
+    from pipeoffload.parallel.export import export_pretrained
     from pipeoffload.training.hf_model import build_hf_stages, resolve_model
 
     if family == "gpt2":

@@ -1,4 +1,4 @@
-"""Bad torchrun environments end in one line naming the problem (training/job.py): variables
+"""Bad torchrun environments end in one line naming the problem (parallel/job.py): variables
 that are not numbers or out of range, a port in use, ranks that disagree on WORLD_SIZE or on
 their options, ranks that never come. The rendezvous runs in threads of this process (the
 TCP store serves several clients in one process), so no test starts a process."""
@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from pipeoffload.cli.launch import free_port
 from pipeoffload.cli.main import main
 from pipeoffload.errors import ConfigError, PipelineRuntimeError
-from pipeoffload.training.job import JobEnv, read_job_env
-from pipeoffload.training.launch import free_port
+from pipeoffload.parallel.job import JobEnv, read_job_env
 
 GOOD = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
@@ -56,7 +56,7 @@ def test_the_command_refuses_a_bad_environment_before_starting(monkeypatch, caps
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
-from pipeoffload.training.job import join_store  # noqa: E402
+from pipeoffload.parallel.job import join_store  # noqa: E402
 
 
 def meet(jobs: list[JobEnv], timeout_s: float = 60.0, agree: list | None = None) -> list:

@@ -10,14 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pipeoffload.errors import ConfigError
-from pipeoffload.training.model import (
-    MODEL_PRESETS,
-    ModelConfig,
-    Transformer,
-    apply_rope,
-    model_preset,
-    rope_angles,
-)
+from pipeoffload.training.model import Transformer, apply_rope, rope_angles
+from pipeoffload.training.model_config import MODEL_PRESETS, ModelConfig, model_preset
 from pipeoffload.training.split import (
     build_full_model,
     build_stage_modules,

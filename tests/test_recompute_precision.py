@@ -13,10 +13,11 @@ torch = pytest.importorskip("torch")
 from test_runtime_support import one_thread  # noqa: E402, F401 - autouse fixture
 
 from pipeoffload.core.actions import Kind  # noqa: E402
+from pipeoffload.parallel.topology import Topology  # noqa: E402
 from pipeoffload.training.data import DataConfig  # noqa: E402
-from pipeoffload.training.launch import Topology  # noqa: E402
-from pipeoffload.training.model import model_preset  # noqa: E402
-from pipeoffload.training.train import TrainConfig, train  # noqa: E402
+from pipeoffload.training.model_config import model_preset  # noqa: E402
+from pipeoffload.training.train import TrainConfig  # noqa: E402
+from pipeoffload.training.trainer import train  # noqa: E402
 
 TINY = model_preset("tiny")
 
@@ -86,7 +87,7 @@ def test_bf16_trains_bf16_weights_from_float32_masters_and_learns() -> None:
 
 
 def test_bf16_keeps_float32_masters_and_optimizer_state() -> None:
-    from pipeoffload.training.precision import MasterWeights
+    from pipeoffload.parallel.precision import MasterWeights
 
     module = torch.nn.Linear(4, 4).to(torch.bfloat16)
     masters = MasterWeights({0: module}, mixed=True)

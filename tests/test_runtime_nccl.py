@@ -14,6 +14,7 @@ from test_runtime_support import token_loss, transformer_stages
 from pipeoffload.api import build_schedule
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.errors import ConfigError
+from pipeoffload.parallel import topology as topology_module
 from pipeoffload.runtime import groups
 from pipeoffload.runtime.lowering import (
     Channel,
@@ -26,7 +27,6 @@ from pipeoffload.runtime.lowering import (
 from pipeoffload.runtime.p2p import DistTransport, _encode
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.runtime.rendezvous import host_program, posts_of, warm_up_program
-from pipeoffload.training import launch
 
 
 class FakeWork:
@@ -224,7 +224,8 @@ def test_a_compound_backend_serving_cuda_gets_the_nccl_rules(monkeypatch) -> Non
 def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> None:
     calls: dict[str, dict] = {}
     made: list[list[int]] = []
-    monkeypatch.setattr(launch, "resolve_device", lambda name, local: torch.device("cuda", 1))
+    monkeypatch.setattr(topology_module, "resolve_device",
+                        lambda name, local: torch.device("cuda", 1))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, **kw: calls.setdefault("init", dict(kw, backend=backend)))
@@ -247,7 +248,7 @@ def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> N
     import torch.distributed.device_mesh as device_mesh
 
     monkeypatch.setattr(device_mesh, "init_device_mesh", init_device_mesh)
-    monkeypatch.setattr(launch, "_options", lambda backend, timeout: (backend, timeout))
+    monkeypatch.setattr(topology_module, "_options", lambda backend, timeout: (backend, timeout))
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "new_group", new_group)
@@ -259,11 +260,11 @@ def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> N
         return object()
 
     monkeypatch.setattr(dist, "split_group", split_group)
-    from pipeoffload.training import job
+    from pipeoffload.parallel import job
 
-    store = object()  # the ranks' meeting (training/job.py) is tested in test_job.py
+    store = object()  # the ranks' meeting (parallel/job.py) is tested in test_job.py
     monkeypatch.setattr(job, "join_store", lambda env, timeout_s, agree: store)
-    topology = launch.connect(pp=2, dp=2, device="cuda",
+    topology = topology_module.connect(pp=2, dp=2, device="cuda",
                               env={"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
     init = calls["init"]
@@ -296,11 +297,11 @@ def test_gloo_gets_channel_groups_too(monkeypatch, pp: int, dp: int, expected) -
     import torch.distributed.device_mesh as device_mesh
 
     monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *a, **kw: FakeMesh())
-    monkeypatch.setattr(launch, "_options", lambda backend, timeout: (backend, timeout))
+    monkeypatch.setattr(topology_module, "_options", lambda backend, timeout: (backend, timeout))
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     monkeypatch.setattr(dist, "new_group", new_group)
-    topology = launch.mesh_topology(pp, dp, 1, torch.device("cpu"))
+    topology = topology_module.mesh_topology(pp, dp, 1, torch.device("cpu"))
     assert made == expected
     if pp > 1:  # this process (rank 0) is in the first pipeline
         assert set(topology.channel_groups) == set(Channel)

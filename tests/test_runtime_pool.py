@@ -174,11 +174,12 @@ def test_stats_describe_the_last_step_and_do_not_grow() -> None:
 def test_train_reserves_the_host_pool_before_the_first_step(monkeypatch) -> None:
     """`train` sizes the pool from one microbatch per stage before step 1: no host allocation
     happens inside a step (what NCCL needs), and the steps fit what was reserved."""
+    from pipeoffload.parallel.topology import Topology
     from pipeoffload.runtime import pool as pool_module
     from pipeoffload.training.data import DataConfig
-    from pipeoffload.training.launch import Topology
-    from pipeoffload.training.model import model_preset
-    from pipeoffload.training.train import TrainConfig, train
+    from pipeoffload.training.model_config import model_preset
+    from pipeoffload.training.train import TrainConfig
+    from pipeoffload.training.trainer import train
 
     inside, allocations = [False], []
     real_step, real_allocate = Pipeline.step, pool_module.HostMemory.allocate

@@ -22,7 +22,8 @@ from pipeoffload.runtime.meter import ActivationMeter  # noqa: E402
 from pipeoffload.runtime.pipeline import Pipeline  # noqa: E402
 from pipeoffload.sim.costs import CostModel  # noqa: E402
 from pipeoffload.sim.simulator import simulate  # noqa: E402
-from pipeoffload.training.model import model_preset, set_layer_recompute  # noqa: E402
+from pipeoffload.training.model import set_layer_recompute  # noqa: E402
+from pipeoffload.training.model_config import model_preset  # noqa: E402
 from pipeoffload.training.split import build_full_model, build_stage_modules, lm_loss  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ def _reference() -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _tp_cases(rank: int, world: int) -> list[dict]:
-    from pipeoffload.training.launch import mesh_topology
+    from pipeoffload.parallel.topology import mesh_topology
 
     topology = mesh_topology(2, 1, 2, torch.device("cpu"), timeout_s=PATIENCE_S)
     ref_loss, ref_grads = _reference()
@@ -173,8 +174,8 @@ def test_tp_bf16_checkpoint_resumes_bitwise_and_refuses_another_tp(tmp_path) -> 
     import json
 
     from pipeoffload.cli.train import add_train_parser, config_from_args
-    from pipeoffload.training.checkpoint import CheckpointError
-    from pipeoffload.training.train import preflight
+    from pipeoffload.parallel.checkpoint import CheckpointError
+    from pipeoffload.training.run_checks import check_run
 
     def parse(argv: list[str]) -> argparse.Namespace:
         parser = argparse.ArgumentParser(prog="pipeoffload")
@@ -199,4 +200,4 @@ def test_tp_bf16_checkpoint_resumes_bitwise_and_refuses_another_tp(tmp_path) -> 
     config, _ = config_from_args(parse([*common, "--tp", "1", "--resume",
                                         str(tmp_path / "ck" / "step_00000002")]))
     with pytest.raises(CheckpointError, match="tp: checkpoint 2, now 1.*not resharded"):
-        preflight(config, processes=1)
+        check_run(config, processes=1)

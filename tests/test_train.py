@@ -1,7 +1,7 @@
 """`pipeoffload train`: the loop against a single-process reference, DP x PP, checkpoints that
 resume bitwise and fail loudly, and runs that end when a rank dies.
 
-Multi-process tests start the real command (launch.py -> gloo); the references run in this
+Multi-process tests start the real command (cli/launch.py -> gloo); the references run in this
 process with Pipeline's local mode (``Topology.local``), which shares no code with gloo.
 """
 
@@ -24,15 +24,19 @@ from patience import PATIENCE, PATIENCE_S
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from pipeoffload.cli.train import add_train_parser, config_from_args, render_table
+from pipeoffload.cli.launch import LaunchConfig, launch
+from pipeoffload.cli.train import add_train_parser, config_from_args
+from pipeoffload.cli.train_options import config_error
+from pipeoffload.cli.train_report import render_table
 from pipeoffload.core.actions import Kind
-from pipeoffload.errors import ConfigError, PipeoffloadError
-from pipeoffload.training import checkpoint as ckpt
-from pipeoffload.training.checkpoint import CheckpointError
+from pipeoffload.errors import ConfigError, FieldError
+from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel.checkpoint import CheckpointError
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.training.data import DataConfig
-from pipeoffload.training.launch import LaunchConfig, Topology, launch
-from pipeoffload.training.model import model_preset
-from pipeoffload.training.train import TrainConfig, train
+from pipeoffload.training.model_config import model_preset
+from pipeoffload.training.train import TrainConfig
+from pipeoffload.training.trainer import train
 
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -327,9 +331,12 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def test_config_errors_name_the_option() -> None:
-    with pytest.raises(PipeoffloadError, match="--seq-len 64 exceeds"):
+def test_config_errors_name_the_field_and_the_command_line_its_option() -> None:
+    with pytest.raises(FieldError, match="TrainConfig.data.seq_len 64 exceeds") as caught:
         TrainConfig(model=model_preset("tiny"), data=DataConfig(seq_len=64))
+    assert caught.value.fields == ("data.seq_len",)
+    assert str(config_error(caught.value)) == ("--seq-len 64 exceeds the model's max_seq_len 32; "
+                                               "lower --seq-len or raise it")
     with pytest.raises(ConfigError, match="--inline runs one pipeline replica"):
         args = parse([*TINY_ARGS, "--dp", "2", "--inline", "--microbatches", "2"])
         args.handler(args)

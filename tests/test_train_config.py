@@ -15,16 +15,17 @@ from hypothesis import strategies as st
 
 from pipeoffload.cli import config_file
 from pipeoffload.cli.main import build_parser, main
-from pipeoffload.cli.train import config_from_args, train_parser
+from pipeoffload.cli.train import config_from_args
+from pipeoffload.cli.train_options import train_parser
 
 torch = pytest.importorskip("torch")
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+; 3.10 reads --config with tomli
 
 from test_runtime_support import one_thread  # noqa: E402, F401 - autouse fixture
 
-from pipeoffload.training import checkpoint as ckpt  # noqa: E402
+from pipeoffload.parallel import checkpoint as ckpt  # noqa: E402
 from pipeoffload.training.metrics import model_flops_per_step  # noqa: E402
-from pipeoffload.training.model import model_preset  # noqa: E402
+from pipeoffload.training.model_config import model_preset  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "run.toml"
 

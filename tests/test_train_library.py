@@ -17,10 +17,11 @@ from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
 
 import pipeoffload as po
 from pipeoffload.errors import ConfigError
+from pipeoffload.parallel.checkpoint import CheckpointError
 from pipeoffload.runtime.blocks import balanced_ranges
 from pipeoffload.runtime.meter import ActivationMeter
-from pipeoffload.training.checkpoint import CheckpointError
-from pipeoffload.training.model import lm_loss, model_preset
+from pipeoffload.training.model import lm_loss
+from pipeoffload.training.model_config import model_preset
 from pipeoffload.training.split import build_stage_modules
 
 SCHEDULES = (("1f1b", {}), ("zbv", {}), ("interleaved-1f1b", {}), ("po-f", {}),
@@ -78,7 +79,7 @@ def test_clip_grad_norm_counts_a_tie_once_and_matches_torch(tied):
 def test_a_tie_held_as_two_copies_is_counted_once():
     """train's HF stages hold a tie as one copy per stage (Note: [HF stages]): the copy on the
     higher stage is scaled but not counted."""
-    from pipeoffload.training.gradients import clip_gradients, tie_copies
+    from pipeoffload.parallel.gradients import clip_gradients, tie_copies
 
     a, b = torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False)
     b.weight = torch.nn.Parameter(a.weight.detach().clone())

@@ -26,15 +26,16 @@ from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
 from test_train import _children, _is_zombie, needs_gloo, stage_tensors
 from test_train import tiny_config as tiny_batch16
 
-from pipeoffload.training import checkpoint as ckpt
-from pipeoffload.training.launch import LaunchConfig, Topology, launch
+from pipeoffload.cli.launch import LaunchConfig, launch
+from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.training.signals import (
     StopRequest,
     recording_signals,
     stop_on_signals,
     stop_status,
 )
-from pipeoffload.training.train import train
+from pipeoffload.training.trainer import train
 
 linux = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 

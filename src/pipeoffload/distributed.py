@@ -26,11 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel.gradients import (
+    clip_gradients,
+    sync_gradients,
+    tie_copies,
+    unique_params,
+)
+from pipeoffload.parallel.optimizer import StageOptimizers
+from pipeoffload.parallel.topology import Topology, connect
 from pipeoffload.runtime.tied import TiedSpec
-from pipeoffload.training import checkpoint as ckpt
-from pipeoffload.training.gradients import clip_gradients, tie_copies, unique_params
-from pipeoffload.training.launch import Topology, connect
-from pipeoffload.training.precision import sync_gradients
 
 __all__ = ["Topology", "average_gradients", "clip_grad_norm_", "clip_gradients",
            "init_distributed", "load_checkpoint", "save_checkpoint", "tie_copies"]
@@ -75,7 +80,7 @@ def average_gradients(stages: Mapping[int, nn.Module], topology: Topology | None
 
 
 class _StepPosition:
-    """The data position a checkpoint records: the step (checkpoint.TrainingState's dataset)."""
+    """The data position a checkpoint records: the step (checkpoint.DataPosition)."""
 
     def __init__(self, step: int = 0) -> None:
         self.step = step
@@ -102,7 +107,7 @@ def save_checkpoint(root: str | Path, step: int, stages: Mapping[int, nn.Module]
     # a digest of ``info``, the same on every process and every save of the run.
     identity.setdefault("run", hashlib.sha256(
         json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12])
-    state = ckpt.TrainingState(stages, optimizers, _StepPosition(step), masters)  # type: ignore[arg-type]
+    state = ckpt.TrainingState(stages, StageOptimizers(optimizers, masters), _StepPosition(step))
     return ckpt.save(state, root, step, identity, _placement(topology, stages))
 
 
@@ -115,5 +120,5 @@ def load_checkpoint(path: str | Path, stages: Mapping[int, nn.Module],
     Raises CheckpointError when it is missing, corrupt, or saved with another ``info`` or
     number of processes."""
     position = _StepPosition()
-    state = ckpt.TrainingState(stages, optimizers, position, masters)  # type: ignore[arg-type]
+    state = ckpt.TrainingState(stages, StageOptimizers(optimizers, masters), position)
     return ckpt.restore(state, path, None, dict(info or {}), _placement(topology, stages))

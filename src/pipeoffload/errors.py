@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from typing import Any
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.]*)\}")
+
 
 class PipeoffloadError(Exception):
     """Base of every error this library raises on purpose."""
@@ -9,6 +15,39 @@ class PipeoffloadError(Exception):
 
 class ConfigError(PipeoffloadError, ValueError):
     """An option or argument is invalid for what was asked (names the option and the fix)."""
+
+
+class FieldError(ConfigError):
+    """A configuration's field (or fields) holding a value that is wrong, named apart from the
+    text so that each front end calls them its own way.
+
+    ``template`` writes each field as ``{field}`` (a dotted path into a nested config:
+    ``{data.seq_len}``) and each of ``values`` as ``{name}``, filled in as given. ``str()``
+    names the fields ``Owner.field``; the command line renders them as its flags
+    (``render``). ``fields`` lists them in order of appearance.
+    """
+
+    def __init__(self, owner: str, template: str, values: Mapping[str, object] | None = None
+                 ) -> None:
+        self.owner = owner
+        self.template = template
+        self.values = {name: str(value) for name, value in (values or {}).items()}
+        self.fields = tuple(dict.fromkeys(name for name in _PLACEHOLDER.findall(template)
+                                          if name not in self.values))
+        super().__init__(self.render({}))
+
+    def render(self, names: Mapping[str, str]) -> str:
+        """The message with each field called ``names[field]`` (``Owner.field`` if absent)."""
+        def fill(match: re.Match[str]) -> str:
+            key = match.group(1)
+            if key in self.values:
+                return self.values[key]
+            return names.get(key, f"{self.owner}.{key}")
+
+        return _PLACEHOLDER.sub(fill, self.template)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.owner, self.template, self.values)
 
 
 class ParseError(PipeoffloadError, ValueError):

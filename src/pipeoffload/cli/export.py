@@ -1,5 +1,6 @@
 """`pipeoffload export`: a checkpoint of `pipeoffload train --model PATH` as a Hugging Face
-model folder (training/export.py), in one process, without the job that wrote it."""
+model folder (training/hf_run.py, parallel/export.py), in one process, without the job that
+wrote it."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def add_export_parser(subparsers: Any) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pipeoffload.training.export import check_export_folder, export_checkpoint
+    from pipeoffload.parallel.export import check_export_folder
+    from pipeoffload.training.hf_run import export_checkpoint
 
     check_export_folder(args.output, "DIR")
     folder, step = export_checkpoint(args.checkpoint, args.output, args.dtype)

@@ -4,12 +4,18 @@ outputs go, which checkpoint is resumed) and what a Ctrl-C leaves behind."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeoffload.cli.train_report import ReportOptions
+    from pipeoffload.training.data_config import DataConfig
+    from pipeoffload.training.train import TrainConfig
 
 
-def startup_line(config: Any, report: Any, processes: int, schedule: str) -> str:
+def startup_line(config: TrainConfig, report: ReportOptions, processes: int,
+                 schedule: str) -> str:
     """What is about to run and where its outputs go (said before the first slow step)."""
-    from pipeoffload.training.checkpoint import complete_checkpoints, describe_resume
+    from pipeoffload.parallel.checkpoint import complete_checkpoints, describe_resume
 
     if config.hf_model is None:
         model = f"model {config.model.n_layers} layers x dim {config.model.dim}"
@@ -25,7 +31,8 @@ def startup_line(config: Any, report: Any, processes: int, schedule: str) -> str
     parts = [f"pipeoffload train: {where}, device {config.device}; schedule {schedule}, "
              f"{config.num_microbatches} microbatches; {model}, {config.dtype}, recompute "
              f"{config.recompute}; data {data}, {tokens}; steps up to {config.steps}"]
-    if config.resume == "auto" and not complete_checkpoints(config.checkpoint_dir):
+    if (config.resume == "auto" and config.checkpoint_dir is not None  # TrainConfig: both
+            and not complete_checkpoints(config.checkpoint_dir)):
         parts.append(f"no checkpoint in {config.checkpoint_dir} yet: starting from scratch "
                      "(--resume auto)")
     elif config.resume is not None:
@@ -40,7 +47,7 @@ def startup_line(config: Any, report: Any, processes: int, schedule: str) -> str
     return "; ".join(parts)
 
 
-def data_line(data: Any) -> str:
+def data_line(data: DataConfig) -> str:
     """Which files the run reads and how many bytes of each."""
     from pipeoffload.training.data import load_corpus
     from pipeoffload.training.documents import files_report
@@ -54,7 +61,7 @@ def interrupt_note(args: argparse.Namespace) -> str:
     """What a Ctrl-C leaves: the newest complete checkpoint, if any."""
     if getattr(args, "checkpoint_dir", None) is None:
         return "no checkpoint was saved (no --checkpoint-dir)"
-    from pipeoffload.training.checkpoint import complete_checkpoints
+    from pipeoffload.parallel.checkpoint import complete_checkpoints
 
     found = complete_checkpoints(args.checkpoint_dir)
     if not found:
@@ -63,12 +70,12 @@ def interrupt_note(args: argparse.Namespace) -> str:
             f"--checkpoint-dir {args.checkpoint_dir}")
 
 
-def nothing_to_resume(config: Any) -> str | None:
+def nothing_to_resume(config: TrainConfig) -> str | None:
     """With --resume auto: a note when the newest checkpoint is already at --steps (a requeued
     job that had finished), else None."""
-    if config.resume != "auto":
+    if config.resume != "auto" or config.checkpoint_dir is None:  # TrainConfig: both or none
         return None
-    from pipeoffload.training.checkpoint import complete_checkpoints, read_manifest
+    from pipeoffload.parallel.checkpoint import complete_checkpoints, read_manifest
 
     found = complete_checkpoints(config.checkpoint_dir)
     if not found:

@@ -6,9 +6,11 @@ where a stopped run's checkpoint is."""
 from __future__ import annotations
 
 import sys
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from pipeoffload.cli import preflight
+from pipeoffload.cli.train_report import ReportOptions, format_bytes
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.training.metrics import (
     MetricsConfig,
     MetricsWriter,
@@ -20,6 +22,10 @@ from pipeoffload.training.metrics import (
 )
 from pipeoffload.training.signals import signal_name, stop_status
 
+if TYPE_CHECKING:
+    from pipeoffload.training.results import StepLog, TrainResult
+    from pipeoffload.training.train import TrainConfig
+
 TENSORBOARD_MISSING = ("the tensorboard extra is not installed, so no TensorBoard events are "
                        "written to {what}; pip install 'pipeoffload[tensorboard]' to get them")
 
@@ -30,7 +36,8 @@ def format_duration(seconds: float) -> str:
     return f"{total // 3600}:{total // 60 % 60:02d}:{total % 60:02d}"
 
 
-def metrics_config(config: Any, report: Any, topology: Any) -> MetricsConfig:
+def metrics_config(config: TrainConfig, report: ReportOptions, topology: Topology
+                   ) -> MetricsConfig:
     """FLOPs per step, devices and the peak MFU is measured against, for this run."""
     processes = config.pp * config.dp * config.tp if topology.distributed else 1
     peak = report.peak_flops_per_s
@@ -49,7 +56,8 @@ def metrics_config(config: Any, report: Any, topology: Any) -> MetricsConfig:
 class Reporter:
     """The ``on_step`` callback of the reporting process (train calls it on no other)."""
 
-    def __init__(self, config: Any, report: Any, topology: Any, out: IO[str]) -> None:
+    def __init__(self, config: TrainConfig, report: ReportOptions, topology: Topology,
+                 out: IO[str]) -> None:
         self.report = report
         self.out = out
         self.metrics = metrics_config(config, report, topology)
@@ -70,7 +78,7 @@ class Reporter:
             self._writer = MetricsWriter(self.metrics, start_step, board)
         return self._writer
 
-    def __call__(self, log: Any) -> None:
+    def __call__(self, log: StepLog) -> None:
         writer = self._open(log.start_step)
         if writer is not None:
             writer.write(log)
@@ -93,9 +101,8 @@ class Reporter:
             self._writer.close()
 
 
-def progress_line(log: Any, metrics: MetricsConfig) -> str:
-    from pipeoffload.cli.train import format_bytes
-
+def progress_line(log: StepLog, metrics: MetricsConfig) -> str:
+    """The line a step prints (every --log-every steps, the first and the last)."""
     record = step_record(log, metrics)
     if record["mfu"] is not None:
         rate = f"MFU {100 * record['mfu']:.1f}%"
@@ -117,7 +124,7 @@ def _flops(per_s: float) -> str:
     return f"{per_s / 1e6:.3g} MFLOP/s"
 
 
-def stop_message(result: Any, config: Any) -> str:
+def stop_message(result: TrainResult, config: TrainConfig) -> str:
     """Where a stopped run is: its step, its checkpoint, how to continue; and its status."""
     name = signal_name(result.stopped_by)
     why = f" ({result.stop_reason})" if result.stop_reason else ""

@@ -73,7 +73,7 @@ def require_bound_device() -> None:
             "the group; a channel that only two ranks use then hangs. Bind the device when "
             "initialising: dist.init_process_group('nccl', device_id=torch.device('cuda', "
             "local_rank)), then make the channel groups after it "
-            "(pipeoffload.runtime.groups.channel_groups, or pipeoffload.training.launch.connect, "
+            "(pipeoffload.runtime.groups.channel_groups, or pipeoffload.init_distributed, "
             "which does both)")
 
 
@@ -135,7 +135,7 @@ def check_nccl_layout(lowered: Schedule, group: dist.ProcessGroup | None,
 
     fix = ("pass channel_groups=pipeoffload.runtime.groups.channel_groups(<every pipeline's "
            "ranks>, rank), one group per pipeoffload.runtime.lowering.Channel, made after "
-           "init_process_group(..., device_id=...) (pipeoffload.training.launch.connect does)")
+           "init_process_group(..., device_id=...) (pipeoffload.init_distributed does)")
     problems = order_conflicts(lowered, lane=lane)
     if problems:
         raise ConfigError(

@@ -158,7 +158,7 @@ class TiedGradients:
 
 def _grad_dtype(param: nn.Parameter) -> torch.dtype:
     """The dtype of ``param``'s gradient: float32 for bf16 weights whose gradients accumulate
-    in float32 (training/precision.py Note: [mixed precision])."""
+    in float32 (parallel/precision.py Note: [mixed precision])."""
     return getattr(param, "grad_dtype", None) or param.dtype
 
 

@@ -1,20 +1,24 @@
 """What the processes of a training run tell each other around its steps (small all-gathers
 of float64 values on the default group): the loss, peaks, host-pool bytes and stop requests
-after each step, the start step and run id before the first, the per-stage activation sizes.
+after each step, the start step and run id before the first, the per-stage activation sizes;
+and a failed collective turned into an error naming this rank (``peer_failures``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from pipeoffload.errors import PipelineRuntimeError, PipeoffloadError
+from pipeoffload.parallel.checkpoint_files import CheckpointError
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.runtime.groups import collective_device
 from pipeoffload.runtime.meter import ActivationMeter
-from pipeoffload.training.checkpoint_files import CheckpointError
-from pipeoffload.training.launch import Topology
 
 
 def gather_floats(topology: Topology, values: list[float]) -> list[list[float]]:
@@ -84,3 +88,31 @@ def stage_sizes(topology: Topology, meter: ActivationMeter,
         measured = {int(v) for v in values if v != -2}
         sizes.append(measured.pop() if len(measured) == 1 else -1)
     return None if min(sizes) < 0 else tuple(sizes)
+
+
+@contextmanager
+def peer_failures(topology: Topology, what: str) -> Iterator[None]:
+    """Turn a failed collective (a peer died) into a PipelineRuntimeError naming this rank."""
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, PipeoffloadError) or not topology.distributed:
+            raise
+        tensor_rank = f", tensor-parallel rank {topology.tp_index}" if topology.tp > 1 else ""
+        where = (f"rank {topology.rank} (pipeline rank {topology.pp_rank}, replica "
+                 f"{topology.dp_index}{tensor_rank}), {what}")
+        if not _from_communication(error):  # this rank's own failure: no peer to blame
+            raise PipelineRuntimeError(f"{where}: failed on this rank ({error})") from error
+        raise PipelineRuntimeError(
+            f"{where}: a collective failed ({error}); a peer died or failed, look at its "
+            "error") from error
+
+
+def _from_communication(error: RuntimeError) -> bool:
+    """Whether a failed collective was the transport's (a peer gone, a timeout) rather than
+    something local such as a missing package."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout",
+                                         "peer", "socket", "broken pipe"))

@@ -1,21 +1,34 @@
 """The Hugging Face side of a `pipeoffload train` run: checks before any process starts, this
-process's stages, and the export at the end (training/hf_model.py, training/export.py)."""
+process's stages, the export at the end (training/hf_model.py, parallel/export.py), and
+`pipeoffload export`'s export of such a run's checkpoint."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.integrations.hf import causal_lm_stages
+from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel.export import export_dtype, export_pretrained, write_export
+from pipeoffload.parallel.gradients import tie_copy_names
+from pipeoffload.parallel.precision import torch_dtype
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.training.data import vocab_needed
-from pipeoffload.training.export import export_dtype, export_pretrained
-from pipeoffload.training.hf_model import HFStages, build_hf_stages, resolve_model
+from pipeoffload.training.documents import tokenizer_file
+from pipeoffload.training.hf_model import (
+    HFStages,
+    build_hf_stages,
+    hf_config,
+    meta_model,
+    resolve_model,
+)
 from pipeoffload.training.hf_model import check_model as check_hf_model
-from pipeoffload.training.launch import Topology
-from pipeoffload.training.precision import MasterWeights, torch_dtype
+from pipeoffload.training.hf_tensor_parallel import shard_dim
 from pipeoffload.training.split import stage_layer_ranges
-
-if TYPE_CHECKING:
-    from pipeoffload.training.train import TrainConfig
+from pipeoffload.training.train import TrainConfig
 
 
 def check_model(config: TrainConfig, num_stages: int) -> None:
@@ -35,22 +48,72 @@ def check_model(config: TrainConfig, num_stages: int) -> None:
 def build_hf(config: TrainConfig, num_stages: int, mine: list[int],
              topology: Topology) -> HFStages:
     """This process's stages of the Hugging Face model (Note: [HF stages])."""
+    assert config.hf_model is not None
     return build_hf_stages(resolve_model(config.hf_model), num_stages, mine, seed=config.seed,
-                           dtype=torch_dtype(config.dtype), device=topology.device,
+                           dtype=torch_dtype(config.dtype),
+                           device=topology.device or torch.device("cpu"),
                            tp_mesh=topology.tp_mesh if topology.tp > 1 else None,
                            recompute=config.recompute)
 
 
-def export_run(config: TrainConfig, hf: HFStages, masters: MasterWeights,
-               topology: Topology) -> Any:
-    """``--export-hf``: the trained model as a Hugging Face folder (training/export.py); a
-    bf16 run exported in fp32 writes its float32 master weights."""
+def export_run(config: TrainConfig, hf: HFStages, masters: Mapping[int, list[torch.Tensor]],
+               topology: Topology) -> Path:
+    """``--export-hf``: the trained model as a Hugging Face folder (parallel/export.py); a
+    bf16 run exported in fp32 writes its float32 master weights (``masters``: per stage, what
+    the optimizer updates, one per trainable parameter)."""
+    assert config.export_hf is not None
     name = config.export_dtype or ("bf16" if config.dtype == "bf16" else "fp32")
     values = None
-    if masters.mixed and name == "fp32":
+    if config.dtype == "bf16" and name == "fp32":
         values = {id(p): master for s, module in hf.stages.items()
                   for p, master in zip([p for p in module.parameters() if p.requires_grad],
-                                       masters.params[s])}
+                                       masters[s])}
+    tokenizer = None if config.data.tokenizer is None else tokenizer_file(config.data.tokenizer)
     return export_pretrained(config.export_hf, hf.model, hf.stages, topology,
-                             dtype=export_dtype(name), values=values,
-                             tokenizer=config.data.tokenizer)
+                             dtype=export_dtype(name), values=values, tokenizer=tokenizer)
+
+
+def export_checkpoint(checkpoint: str | Path, folder: str | Path,
+                      dtype_name: str | None = None) -> tuple[Path, int]:
+    """``pipeoffload export``: the checkpoint of a Hugging Face model (a step folder, or a
+    checkpoint folder's newest) as an export, in one process; returns the folder and the step.
+    The model's config comes from the checkpoint's manifest; tensor-parallel shards are joined
+    along the dimension training/hf_tensor_parallel.py split them; a bf16 run exported in
+    fp32 writes its float32 master weights."""
+    manifest = ckpt.read_manifest(ckpt.find_checkpoint(checkpoint, None))
+    info = manifest.info
+    model_info = info.get("model")
+    config = model_info.get("hf_config") if isinstance(model_info, dict) else None
+    if not isinstance(config, dict):
+        raise ConfigError(f"checkpoint {manifest.folder} holds no Hugging Face config (the "
+                          "reference model's, or a save_checkpoint of your own); export writes "
+                          "models trained with `pipeoffload train --model PATH`")
+    run_dtype, tp = info.get("dtype", "fp32"), int(info.get("tp", 1))
+    name = dtype_name or ("bf16" if run_dtype == "bf16" else "fp32")
+    dtype = export_dtype(name)
+    model = meta_model(config)
+    num_stages = len(info["stage_to_rank"])
+    stages = causal_lm_stages(model, num_stages, range(num_stages))
+    names = {id(p): n for n, p in model.named_parameters()}
+    copies = tie_copy_names(stages)
+    tensors: dict[str, torch.Tensor] = {}
+    use_masters = run_dtype == "bf16" and name == "fp32"
+    for s, stage in sorted(stages.items()):
+        saved = [ckpt.load_object(manifest, ckpt.stage_file(s, t if tp > 1 else None))
+                 for t in range(tp)]
+        trainable = [n for n, p in stage.named_parameters() if p.requires_grad]
+        for local, param in stage.named_parameters():
+            full = names[id(param)]
+            if (s, local) in copies or full in tensors:
+                continue
+            if use_masters:
+                shards = [part["masters"][trainable.index(local)] for part in saved]
+            else:
+                shards = [part["model"][local] for part in saved]
+            dim = shard_dim(local) if tp > 1 else None
+            value = shards[0] if dim is None else torch.cat(shards, dim)
+            if tuple(value.shape) != tuple(param.shape):
+                raise ConfigError(f"{manifest.folder}: {full} has shape {list(value.shape)}, "
+                                  f"the config makes {list(param.shape)}")
+            tensors[full] = value.to(dtype).contiguous()
+    return write_export(folder, hf_config(config), [tensors], dtype), manifest.step

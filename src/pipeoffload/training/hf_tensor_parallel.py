@@ -13,7 +13,7 @@ ships as ``base_model_tp_plan`` for these families.
   them, training/tensor_parallel.py).
 
 HF_TENSOR_PARALLEL is the one table both the sharding and the consolidation of checkpoint
-shards (training/export.py) read.
+shards (parallel/export.py) read.
 """
 
 from __future__ import annotations

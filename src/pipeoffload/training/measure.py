@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from torch import nn
 
 from pipeoffload.core.actions import OFFLOAD_KINDS
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.runtime.config import RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.training.data import TextDataset
 from pipeoffload.training.gather import gather_step
-from pipeoffload.training.launch import Topology
 from pipeoffload.training.model import lm_loss
 
 

@@ -24,26 +24,8 @@ from typing import Any
 
 from torch import nn
 
-from pipeoffload.errors import ConfigError
-from pipeoffload.training.model import ModelConfig, Transformer
-
-
-def check_tensor_parallel(config: ModelConfig, tp: int, seq_len: int | None = None) -> None:
-    """Raise ConfigError unless the model's heads, widths and vocabulary (and ``seq_len``,
-    which sequence parallelism shards) split over ``tp``."""
-    if tp < 1:
-        raise ConfigError(f"--tp must be >= 1, got {tp}")
-    sizes = [("n_heads", config.n_heads, "--heads"), ("n_kv_heads", config.n_kv_heads,
-                                                       "--kv-heads"),
-             ("ffn_hidden", config.ffn_hidden, "--ffn-hidden"),
-             ("vocab_size", config.vocab_size, "the vocabulary")]
-    if seq_len is not None:
-        sizes.append(("seq_len", seq_len, "--seq-len"))
-    for name, value, flag in sizes:
-        if value % tp:
-            raise ConfigError(f"--tp {tp}: tensor parallelism must split {name}={value} (from "
-                              f"{flag}) evenly; choose a multiple of {tp} or a --tp that "
-                              "divides it")
+from pipeoffload.training.model import Transformer
+from pipeoffload.training.model_config import check_tensor_parallel
 
 
 def apply_tensor_parallel(module: Transformer, mesh: Any) -> Transformer:

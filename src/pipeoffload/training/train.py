@@ -1,64 +1,38 @@
-"""The training loop of `pipeoffload train`: the reference transformer, cut into the stages of a
-(planned) schedule, trained with AdamW on byte-level text, PP x DP x TP over torch.distributed
-(tensor parallelism inside each stage with torch DTensor, training/tensor_parallel.py), in fp32,
-fp64 or bf16 with float32 master weights (training/precision.py Note: [mixed precision]), with
-recompute none, lgd or full inside each layer (training/model.py, training/layer_recompute.py).
-
-Processes and groups: see launch.py's Note: [rank layout].
-
-Without torch.distributed (``Topology.local``) one process runs every pipeline rank
-(Pipeline's local mode); that is the single-process reference for the distributed runs.
+"""What one `pipeoffload train` run is, without torch: its configuration (``TrainConfig``,
+every value checked where it enters, errors naming the field: errors.FieldError), the
+``--offload`` forms it takes, and its schedule with offload planned in (``build_plan``). The
+command line builds it before torch is imported; training/trainer.py runs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import random
-import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
 from pipeoffload.api import plan_schedule
 from pipeoffload.checks import check_number, check_optional
-from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
-from pipeoffload.errors import ConfigError, PipelineRuntimeError, PipeoffloadError
+from pipeoffload.errors import ConfigError, FieldError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
 from pipeoffload.offload.targets import TargetKind, parse_target
+from pipeoffload.parallel.dtype_names import DTYPE_NAMES, EXPORT_DTYPE_NAMES
 from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
-from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
-from pipeoffload.runtime.meter import ActivationMeter
-from pipeoffload.runtime.pipeline import Pipeline
-from pipeoffload.sim.costs import CostModel
-from pipeoffload.sim.simulator import SimResult, simulate
-from pipeoffload.training import checkpoint as ckpt
-from pipeoffload.training.checkpoint_files import check_root, resolve_resume
-from pipeoffload.training.data import DataConfig, TextDataset
-from pipeoffload.training.export import check_export_folder, export_dtype
-from pipeoffload.training.gather import agree_on_start, gather_step, stage_sizes
-from pipeoffload.training.gradients import clip_gradients, uncounted_masters
-from pipeoffload.training.hf_model import resolve_model
-from pipeoffload.training.hf_run import build_hf, check_model, export_run
-from pipeoffload.training.host_reserve import reserve_host_memory
-from pipeoffload.training.launch import Topology
-from pipeoffload.training.measure import measure_without_offload
-from pipeoffload.training.model import (
+from pipeoffload.training.data_config import DataConfig
+from pipeoffload.training.model_config import (
     RECOMPUTE_MODES,
     ModelConfig,
+    check_tensor_parallel,
     model_preset,
-    set_layer_recompute,
 )
-from pipeoffload.training.precision import MasterWeights, sync_gradients, torch_dtype
-from pipeoffload.training.signals import StopRequest, signal_name
-from pipeoffload.training.split import build_stage_modules, lm_loss
-from pipeoffload.training.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
-from pipeoffload.training.validation import eval_steps, held_out
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _refuse(template: str, **values: object) -> FieldError:
+    """A TrainConfig error: ``{field}`` placeholders name its fields (FieldError)."""
+    return FieldError("TrainConfig", template, values)
 
 
 @dataclass(frozen=True)
@@ -83,6 +57,8 @@ class TrainConfig:
     and with ``eval_every`` also at the start and every that many steps. ``export_hf``: a
     folder to write the trained model to as a Hugging Face model, in ``export_dtype`` (None:
     bf16 for a bf16 run, else fp32).
+    A value that is wrong raises FieldError naming its field (``TrainConfig.lr``; the command
+    line names its flag instead).
     """
 
     model: ModelConfig = field(default_factory=lambda: model_preset("small"))
@@ -122,61 +98,80 @@ class TrainConfig:
     export_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        torch_dtype(self.dtype)
+        self._check_model_and_outputs()
+        self._check_optimisation()
+        self._check_checkpoints()
+        self._check_shape()
+
+    def _check_model_and_outputs(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise _refuse("{dtype} {got}: choose one of {choices}", got=repr(self.dtype),
+                          choices=", ".join(DTYPE_NAMES))
         if self.hf_model is None:
             check_tensor_parallel(self.model, self.tp, self.data.seq_len)
         train_offload(self.offload)
         if self.eval_every < 0 or self.eval_batches < 1:
-            raise ConfigError(f"--eval-every must be >= 0 and --eval-batches >= 1, got "
-                              f"{self.eval_every} and {self.eval_batches}")
+            raise _refuse("{eval_every} must be >= 0 and {eval_batches} >= 1, got {every} and "
+                          "{batches}", every=self.eval_every, batches=self.eval_batches)
         if self.export_hf is not None and self.hf_model is None:
-            raise ConfigError("--export-hf writes a Hugging Face model; train one with --model "
-                              "PATH (a config.json or a folder with one)")
-        if self.export_dtype is not None:
-            export_dtype(self.export_dtype)
+            raise _refuse("{export_hf} writes a Hugging Face model; train one with {hf_model} "
+                          "PATH (a config.json or a folder with one)")
+        if self.export_dtype is not None and self.export_dtype not in EXPORT_DTYPE_NAMES:
+            raise _refuse("{export_dtype} {got}: choose one of {choices}",
+                          got=repr(self.export_dtype), choices=", ".join(EXPORT_DTYPE_NAMES))
         if self.recompute not in RECOMPUTE_MODES:
-            raise ConfigError(f"--recompute {self.recompute!r}: choose one of "
-                              f"{', '.join(RECOMPUTE_MODES)}")
+            raise _refuse("{recompute} {got}: choose one of {choices}", got=repr(self.recompute),
+                          choices=", ".join(RECOMPUTE_MODES))
+
+    def _check_optimisation(self) -> None:
         for name in ("lr", "weight_decay", "min_lr_ratio", "p2p_timeout_s"):
             check_number(f"TrainConfig.{name}", getattr(self, name))
         check_optional("TrainConfig.grad_clip", self.grad_clip)
         if self.p2p_timeout_s <= 0:
-            raise ConfigError(f"--p2p-timeout must be > 0 seconds, got {self.p2p_timeout_s}")
+            raise _refuse("{p2p_timeout_s} must be > 0 seconds, got {got}",
+                          got=self.p2p_timeout_s)
         if self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+            raise _refuse("{weight_decay} must be >= 0, got {got}", got=self.weight_decay)
         for name in ("pp", "dp", "steps"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+                raise _refuse("{" + name + "} must be >= 1, got {got}", got=getattr(self, name))
         if self.microbatches is not None and self.microbatches < 1:
-            raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
+            raise _refuse("{microbatches} must be >= 1, got {got}", got=self.microbatches)
         if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("--lr must be > 0, --warmup-steps >= 0 and min_lr_ratio in [0, 1]")
+            raise _refuse("{lr} must be > 0, {warmup_steps} >= 0 and {min_lr_ratio} in [0, 1]")
         if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
-            raise ConfigError(f"--decay-steps {self.decay_steps} must come after the warm-up "
-                              f"(--warmup-steps {self.warmup_steps}); raise it or drop it")
+            raise _refuse("{decay_steps} {decay} must come after the warm-up ({warmup_steps} "
+                          "{warmup}); raise it or drop it", decay=self.decay_steps,
+                          warmup=self.warmup_steps)
         if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ConfigError(f"--grad-clip must be > 0 (or none), got {self.grad_clip}")
+            raise _refuse("{grad_clip} must be > 0 (or none), got {got}", got=self.grad_clip)
+
+    def _check_checkpoints(self) -> None:
         if self.checkpoint_every < 0:
-            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+            raise _refuse("{checkpoint_every} must be >= 0, got {got}", got=self.checkpoint_every)
         if self.checkpoint_every and self.checkpoint_dir is None:
-            raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to write)")
+            raise _refuse("{checkpoint_every} needs {checkpoint_dir} (where to write)")
         if self.keep_last is not None and (self.keep_last < 1 or self.checkpoint_dir is None):
-            raise ConfigError(f"--keep-last {self.keep_last} needs --checkpoint-dir and N >= 1")
+            raise _refuse("{keep_last} {n} needs {checkpoint_dir} and N >= 1", n=self.keep_last)
         if self.resume == "auto" and self.checkpoint_dir is None:
-            raise ConfigError("--resume auto needs --checkpoint-dir (where to look, and where "
-                              "to save)")
+            raise _refuse("{resume} auto needs {checkpoint_dir} (where to look, and where to "
+                          "save)")
+
+    def _check_shape(self) -> None:
         if self.hf_model is None and self.data.seq_len > self.model.max_seq_len:
-            raise ConfigError(f"--seq-len {self.data.seq_len} exceeds the model's max_seq_len "
-                              f"{self.model.max_seq_len}; lower --seq-len or raise it")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+            raise _refuse("{data.seq_len} {seq} exceeds the model's max_seq_len {most}; lower "
+                          "{data.seq_len} or raise it", seq=self.data.seq_len,
+                          most=self.model.max_seq_len)
+        if self.device not in DEVICES:
+            raise _refuse("{device} must be auto, cpu or cuda, got {got}", got=repr(self.device))
         local = self.data.batch_size // self.dp
         if self.data.batch_size % self.dp or local % self.num_microbatches:
-            raise ConfigError(
-                f"global batch {self.data.batch_size} over dp={self.dp} replicas gives "
-                f"{self.data.batch_size / self.dp:g} sequences per replica, which must be a "
-                f"whole multiple of microbatches={self.num_microbatches}; set --batch-size to "
-                f"a multiple of {self.dp * self.num_microbatches}")
+            raise _refuse(
+                "global batch {batch} over dp={dp} replicas gives {per_replica} sequences per "
+                "replica, which must be a whole multiple of microbatches={microbatches}; set "
+                "{data.batch_size} to a multiple of {multiple}", batch=self.data.batch_size,
+                dp=self.dp, per_replica=f"{self.data.batch_size / self.dp:g}",
+                microbatches=self.num_microbatches, multiple=self.dp * self.num_microbatches)
 
     @property
     def num_microbatches(self) -> int:
@@ -244,293 +239,3 @@ def build_plan(config: TrainConfig) -> OffloadPlan:
     policy = OffloadPolicy(fetch_on_use=config.fetch_on_use)
     return plan_schedule(config.schedule, config.pp, config.num_microbatches,
                          train_offload(config.offload), policy=policy, **options)
-
-
-def preflight(config: TrainConfig, processes: int) -> OffloadPlan:
-    """Check in one process what every rank would otherwise fail on in unison: the schedule,
-    the split, the data and the checkpoint to resume (``processes``: how many will run)."""
-    plan = build_plan(config)
-    if plan.schedule.routes:
-        raise ConfigError(f"--schedule {config.schedule}: its microbatches take several routes "
-                          "whose stages share weights (DualPipe's two copies), which train does "
-                          "not tie or all-reduce; use dualpipev (one copy, the same order folded "
-                          "into V placement)")
-    check_model(config, plan.schedule.num_stages)
-    TextDataset.from_config(config.data, dp_size=config.dp)
-    if config.checkpoint_dir is not None:
-        check_root(config.checkpoint_dir)
-    if config.export_hf is not None:
-        check_export_folder(config.export_hf)
-    resume = resolve_resume(config.resume, config.checkpoint_dir)
-    if resume is not None:
-        manifest = ckpt.read_manifest(ckpt.find_checkpoint(resume, config.checkpoint_dir))
-        ckpt.check_compatible(manifest, {**checkpoint_identity(config, plan.schedule),
-                                         "processes": processes})
-        ckpt.check_resume_step(manifest.step, manifest.folder, config.steps)
-    elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
-        raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
-                          "pass --resume to continue from them, or use an empty folder")
-    return plan
-
-
-@dataclass(frozen=True)
-class StepLog:
-    """What the progress line shows after one step (on the reporting process)."""
-
-    step: int
-    steps: int
-    loss: float
-    lr: float
-    tokens_per_s: float
-    peak_bytes: tuple[int, ...]
-    grad_norm: float | None = None  # before clipping, over the whole model
-    step_time_s: float = 0.0
-    host_pool_bytes: tuple[int, ...] = ()  # per pipeline rank of replica 0 (local: one)
-    start_step: int = 0  # where this run started (resumed runs: the checkpoint's step)
-    elapsed_s: float = 0.0  # since this run's first step began
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """One run's outcome, the same on every process (gathered).
-
-    Peaks are per pipeline rank of replica 0, in bytes, the maximum over the run's steps.
-    ``predicted_bytes`` is the simulator's peak for the schedule with per-stage activation
-    sizes measured on the first step; ``baseline_*`` are the same without offload (measured on
-    an extra step, and simulated), None when the schedule does not offload.
-    """
-
-    plan: OffloadPlan
-    start_step: int
-    end_step: int
-    losses: tuple[float, ...]
-    tokens_per_s: float
-    peak_bytes: tuple[int, ...]
-    stage_bytes: tuple[int, ...] | None
-    simulation: SimResult | None
-    baseline_simulation: SimResult | None
-    baseline_bytes: tuple[int, ...] | None
-    checkpoint: str | None
-    reporter: bool
-    stopped_by: int = 0  # the signal every rank agreed to stop on (0: ran to the end)
-    stop_reason: str = ""
-    eval_losses: tuple[tuple[int, float], ...] = ()  # (steps done, held-out loss)
-    export: str | None = None
-
-    @property
-    def predicted_bytes(self) -> tuple[float, ...] | None:
-        return None if self.simulation is None else self.simulation.peak_bytes
-
-    @property
-    def baseline_predicted_bytes(self) -> tuple[float, ...] | None:
-        sim = self.baseline_simulation
-        return None if sim is None else sim.peak_bytes
-
-
-def train(config: TrainConfig, topology: Topology,
-          on_step: Callable[[StepLog], None] | None = None,
-          on_eval: Callable[[int, float], None] | None = None, *,
-          stop: StopRequest | None = None,
-          checkpoint_files: Mapping[str, bytes] | None = None) -> TrainResult:
-    """Train from step 0 (or the checkpoint ``config.resume`` names) up to ``config.steps``;
-    ``on_step`` and ``on_eval`` (steps done, held-out loss) are called on the reporting
-    process.
-
-    ``stop`` (training/signals.py): checked after every step; once any rank's is set, every
-    rank finishes that step, saves a checkpoint when ``checkpoint_dir`` is set and returns
-    with ``stopped_by`` (Note: [stopping on a signal]). ``checkpoint_files``: extra files
-    saved into every checkpoint (e.g. the command line's effective settings).
-    """
-    if topology.tp != config.tp:
-        raise ConfigError(f"--tp {config.tp} runs one process per tensor-parallel rank, but this "
-                          f"topology has tp={topology.tp}; start pp*dp*tp processes (drop "
-                          "--inline)")
-    plan = build_plan(config)
-    schedule = plan.schedule
-    last_rank = schedule.rank_of(schedule.num_stages - 1)
-    reporter = not topology.distributed or topology.rank == topology.global_rank(last_rank, 0)
-    mine = topology.stages_of(schedule)
-    hf = build_hf(config, schedule.num_stages, mine, topology) if config.hf_model else None
-    stages = hf.stages if hf is not None else build_stages(config, schedule.num_stages, mine,
-                                                           topology)
-    masters = MasterWeights(stages, mixed=config.dtype == "bf16")
-    ties = uncounted_masters(stages, masters)
-    optimizers = {s: torch.optim.AdamW(masters.params[s], lr=config.lr, betas=config.betas,
-                                       weight_decay=config.weight_decay)
-                  for s in stages}
-    dataset = TextDataset.from_config(config.data, dp_rank=topology.dp_index,
-                                      dp_size=topology.dp)
-    runtime = RuntimeConfig(p2p_timeout_s=config.p2p_timeout_s,
-                            offload=OffloadConfig(min_offload_elements=config.min_offload_elements))
-    meter = ActivationMeter()
-    pipe = Pipeline(stages, schedule, lm_loss, group=topology.pp_group, config=runtime,
-                    device=topology.device, meter=meter, channel_groups=topology.channel_groups)
-    # Pinned memory is allocated now, not inside a step (training/host_reserve.py).
-    microbatch, seq = config.data.batch_size // config.dp // config.num_microbatches, \
-        config.data.seq_len
-    hidden = ((microbatch, seq, hf.model.config.hidden_size) if hf is not None  # whole on TP
-              else (microbatch, seq // config.tp, config.model.dim))  # sequence shards
-    reserve_host_memory(pipe, stages, microbatch, seq, hidden, torch_dtype(config.dtype),
-                        topology.device or torch.device("cpu"))
-    state = ckpt.TrainingState(stages, optimizers, dataset, masters.params)
-    identity = checkpoint_identity(config, schedule)
-    if config.checkpoint_dir is not None:
-        check_root(config.checkpoint_dir)
-    resume = resolve_resume(config.resume, config.checkpoint_dir)
-    run = f"{random.SystemRandom().getrandbits(48):012x}"  # a fresh start's id (not seeded)
-    if resume is not None:
-        resumed = ckpt.restore(state, resume, config.checkpoint_dir, identity, topology)
-        ckpt.check_resume_step(resumed, resume, config.steps)
-        run = ckpt.run_id(ckpt.read_manifest(ckpt.find_checkpoint(resume, config.checkpoint_dir),
-                                             verify_files=False))
-    elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
-        raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
-                          "pass --resume to continue from them (--resume auto does so when "
-                          "there are some), or use an empty folder")
-    start = dataset.step
-    with _peer_failures(topology, "agreeing on the start"):
-        identity["run"], stopped = agree_on_start(topology, start, run,
-                                                  stop.signum if stop is not None else 0)
-    tokens = config.data.batch_size * config.data.seq_len
-    losses: list[float] = []
-    peaks = [0] * config.pp
-    stage_bytes: tuple[int, ...] | None = None
-    busy_s, saved = 0.0, None
-    first_began = time.perf_counter()
-    evals = eval_steps(start, config.steps, config.eval_every, dataset.num_eval_batches > 0)
-    eval_losses: list[tuple[int, float]] = []
-
-    def validate(done: int) -> None:
-        with _peer_failures(topology, f"the held-out loss at step {done}"):
-            loss = held_out(pipe, stages, dataset, topology, config.eval_batches, last_rank)
-        eval_losses.append((done, loss))
-        if on_eval is not None and reporter:
-            on_eval(done, loss)
-
-    if start in evals and start < config.steps and not stopped:
-        validate(start)
-    for step in range(start if not stopped else config.steps, config.steps):
-        began = time.perf_counter()
-        inputs, target = next(dataset)
-        lr = config.lr_at(step)
-        meter.reset()
-        with _peer_failures(topology, f"step {step + 1}"):
-            loss = pipe.step(inputs, target=target)
-            masters.take_grads()
-            sync_gradients(masters.params, topology)
-            grad_norm = None
-            if config.grad_clip is not None:
-                grad_norm = clip_gradients(
-                    [m for s in sorted(stages) for m in masters.params[s]], config.grad_clip,
-                    topology, ties)
-            for optimizer in optimizers.values():
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            masters.write_back()
-            gathered = gather_step(topology, loss, meter, last_rank,
-                                   pool_bytes=pipe.stats().host_pool_bytes,
-                                   stop_signum=stop.signum if stop is not None else 0)
-        mean_loss, step_peaks = gathered.loss, gathered.peak_bytes
-        stopped = gathered.stop_signum
-        elapsed = time.perf_counter() - began
-        busy_s += elapsed
-        if stage_bytes is None:
-            with _peer_failures(topology, "gathering activation sizes"):
-                stage_bytes = stage_sizes(topology, meter, schedule.num_stages)
-        losses.append(mean_loss)
-        peaks = [max(a, b) for a, b in zip(peaks, step_peaks)]
-        if on_step is not None and reporter:
-            on_step(StepLog(step + 1, config.steps, mean_loss, lr, tokens / elapsed, step_peaks,
-                            grad_norm, elapsed, gathered.pool_bytes, start,
-                            time.perf_counter() - first_began))
-        done = step + 1
-        if done in evals:
-            validate(done)
-        if config.checkpoint_dir is not None and (
-                done == config.steps or stopped or (config.checkpoint_every
-                                                    and done % config.checkpoint_every == 0)):
-            with _peer_failures(topology, f"saving the checkpoint of step {done}"):
-                saved = str(ckpt.save(state, config.checkpoint_dir, done, identity, topology,
-                                      extra_files=checkpoint_files, keep_last=config.keep_last))
-        if stopped and done < config.steps:
-            break
-        stopped = 0  # a request during the last step: the run is complete anyway
-    end = start + len(losses)
-    reason = ""
-    if stopped:
-        reason = stop.reason if stop is not None and stop.signum == stopped else (
-            f"another rank received {signal_name(stopped)}")
-    simulation = baseline_sim = baseline = None
-    if stage_bytes is not None and not stopped:  # stopping: no extra work before the exit
-        costs = CostModel(stage_activation_bytes=stage_bytes)
-        simulation = simulate(schedule, costs)
-        if schedule.has_kind(Kind.OFFLOAD):
-            bare = dataclasses.replace(schedule.without(*OFFLOAD_KINDS),
-                                       name=f"{schedule.name} without offload")
-            baseline_sim = simulate(bare, costs)
-            if config.measure_baseline:
-                with _peer_failures(topology, "the step without offload"):
-                    baseline = measure_without_offload(pipe, stages, dataset, topology, runtime,
-                                                       last_rank)
-    exported = None
-    if config.export_hf is not None and hf is not None and not stopped:
-        with _peer_failures(topology, f"exporting to {config.export_hf}"):
-            exported = str(export_run(config, hf, masters, topology))
-    return TrainResult(plan, start, end, tuple(losses),
-                       tokens * len(losses) / busy_s if busy_s else 0.0, tuple(peaks),
-                       stage_bytes, simulation, baseline_sim, baseline, saved, reporter,
-                       stopped, reason, eval_losses=tuple(eval_losses), export=exported)
-
-
-@contextmanager
-def _peer_failures(topology: Topology, what: str) -> Iterator[None]:
-    """Turn a failed collective (a peer died) into a PipelineRuntimeError naming this rank."""
-    try:
-        yield
-    except RuntimeError as error:
-        if isinstance(error, PipeoffloadError) or not topology.distributed:
-            raise
-        tensor_rank = f", tensor-parallel rank {topology.tp_index}" if topology.tp > 1 else ""
-        where = (f"rank {topology.rank} (pipeline rank {topology.pp_rank}, replica "
-                 f"{topology.dp_index}{tensor_rank}), {what}")
-        if not _from_communication(error):  # this rank's own failure: no peer to blame
-            raise PipelineRuntimeError(f"{where}: failed on this rank ({error})") from error
-        raise PipelineRuntimeError(
-            f"{where}: a collective failed ({error}); a peer died or failed, look at its "
-            "error") from error
-
-
-def _from_communication(error: RuntimeError) -> bool:
-    """Whether a failed collective was the transport's (a peer gone, a timeout) rather than
-    something local such as a missing package."""
-    if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    text = str(error).lower()
-    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout",
-                                         "peer", "socket", "broken pipe"))
-
-
-def checkpoint_identity(config: TrainConfig, schedule: Any) -> dict[str, Any]:
-    """What a checkpoint is only valid with (its manifest's ``info``, compared on resume):
-    a checkpoint holds each tensor-parallel rank's shards, so another ``tp`` is refused (not
-    resharded), and another ``dtype``, whose weights and optimizer state differ, too."""
-    model = (dataclasses.asdict(config.model) if config.hf_model is None
-             else {"hf_config": resolve_model(config.hf_model).config})
-    return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "dtype": config.dtype,
-            "schedule": schedule.name, "stage_to_rank": list(schedule.stage_to_rank),
-            "model": model}
-
-
-def build_stages(config: TrainConfig, num_stages: int, mine: list[int],
-                 topology: Topology) -> dict[int, nn.Module]:
-    """This process's stage modules: initialised in full, in the run's dtype, sharded over the
-    tensor-parallel group, with the layers' recompute mode set."""
-    stages = build_stage_modules(config.model, num_stages, mine, config.seed,
-                                 dtype=torch_dtype(config.dtype), device=topology.device)
-    for module in stages.values():
-        if topology.tp > 1:
-            apply_tensor_parallel(module, topology.tp_mesh)  # type: ignore[arg-type]
-        set_layer_recompute(module, config.recompute)
-    return stages

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from pipeoffload.parallel.topology import Topology
 from pipeoffload.runtime.pipeline import Pipeline
 from pipeoffload.training.data import TextDataset
 from pipeoffload.training.gather import gather_floats
-from pipeoffload.training.launch import Topology
 
 
 def held_out_loss(pipe: Pipeline, stages: Mapping[int, nn.Module], dataset: TextDataset,

@@ -1,4 +1,4 @@
-"""Joining a job torchrun (or launch.py) started: its environment checked, and a rendezvous
+"""Joining a job torchrun (or cli/launch.py) started: its environment checked, and a rendezvous
 that names what is wrong instead of a raw traceback or a timeout that says nothing.
 
 - ``read_job_env``: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK must be whole

@@ -6,7 +6,7 @@ by their full-model names: ``model.safetensors`` when one process writes them al
 pipeline rank, or ``pipeoffload export``), else one ``model-<r>-of-<pp>.safetensors`` per
 pipeline rank (its stages, written by its tensor-parallel rank 0 of replica 0 after the
 shards are gathered) and ``model.safetensors.index.json``. A tie is written once, from its
-lowest stage (training/gradients.py tie_copy_names), and the config's
+lowest stage (parallel/gradients.py tie_copy_names), and the config's
 ``tie_word_embeddings`` ties it again on loading. Every file is written atomically (Note:
 [atomic checkpoint]); config.json and the index come last, after every rank's weights.
 """
@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel.dtype_names import EXPORT_DTYPE_NAMES
+from pipeoffload.parallel.gradients import tie_copy_names
+from pipeoffload.parallel.precision import DTYPES
 from pipeoffload.runtime.shards import is_dtensor
-from pipeoffload.training import checkpoint as ckpt
-from pipeoffload.training.gradients import tie_copy_names
-from pipeoffload.training.precision import DTYPES
 
-EXPORT_DTYPES = ("fp32", "bf16")  # the command's; export_pretrained takes any dtype
 INDEX = "model.safetensors.index.json"
 
 
@@ -42,8 +42,8 @@ def check_export_folder(folder: str | Path, flag: str = "--export-hf") -> None:
 
 
 def export_dtype(name: str) -> torch.dtype:
-    if name not in EXPORT_DTYPES:
-        raise ConfigError(f"export dtype {name!r}: choose one of {', '.join(EXPORT_DTYPES)}")
+    if name not in EXPORT_DTYPE_NAMES:
+        raise ConfigError(f"export dtype {name!r}: choose one of {', '.join(EXPORT_DTYPE_NAMES)}")
     return DTYPES[name]
 
 
@@ -65,7 +65,7 @@ def stage_tensors(model: nn.Module, stages: Mapping[int, nn.Module], dtype: torc
                 continue
             value = param if values is None else values.get(id(param), param)
             if is_dtensor(value):
-                value = value.full_tensor()
+                value = value.full_tensor()  # type: ignore[attr-defined]  # a DTensor
             tensors[full] = value.detach().to(device="cpu", dtype=dtype).contiguous()
     return tensors
 
@@ -85,7 +85,7 @@ def _write_config(folder: Path, config: Any, dtype: torch.dtype) -> None:
 
 
 def write_export(folder: str | Path, config: Any, parts: list[dict[str, torch.Tensor]],
-                 dtype: torch.dtype, tokenizer: str | None = None) -> Path:
+                 dtype: torch.dtype, tokenizer: str | Path | None = None) -> Path:
     """Write an export from one process: ``parts`` are the weight files' contents."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -109,25 +109,24 @@ def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 def _finish(folder: Path, config: Any, dtype: torch.dtype, weight_map: dict[str, str],
-            total_bytes: int, tokenizer: str | None) -> None:
+            total_bytes: int, tokenizer: str | Path | None) -> None:
     if len(set(weight_map.values())) > 1:
         index = {"metadata": {"total_size": total_bytes},
                  "weight_map": dict(sorted(weight_map.items()))}
         ckpt.write_atomic(folder / INDEX, (json.dumps(index, indent=2) + "\n").encode())
     if tokenizer is not None:
-        from pipeoffload.training.documents import tokenizer_file
-
-        shutil.copyfile(tokenizer_file(tokenizer), folder / "tokenizer.json")
+        shutil.copyfile(tokenizer, folder / "tokenizer.json")
     _write_config(folder, config, dtype)
 
 
 def export_pretrained(folder: str | Path, model: nn.Module, stages: Mapping[int, nn.Module],
                       topology: Any = None, *, dtype: torch.dtype = torch.float32,
                       values: Mapping[int, torch.Tensor] | None = None,
-                      tokenizer: str | None = None) -> Path:
+                      tokenizer: str | Path | None = None) -> Path:
     """Export the model ``stages`` were cut from (``model``: the ``*ForCausalLM`` whose
-    ``named_parameters`` name them; split_causal_lm's or train's). Under torch.distributed
-    (``topology``, a launch.Topology) every process calls it: tensor-parallel shards are
+    ``named_parameters`` name them; split_causal_lm's or train's), with a copy of the
+    ``tokenizer`` file (a tokenizer.json) if given. Under torch.distributed (``topology``, a
+    parallel/topology.py Topology) every process calls it: tensor-parallel shards are
     gathered, each pipeline rank writes its stages, global rank 0 the index and config last."""
     folder = Path(folder)
     tensors = stage_tensors(model, stages, dtype, values)
@@ -149,53 +148,3 @@ def export_pretrained(folder: str | Path, model: nn.Module, stages: Mapping[int,
         _finish(folder, model.config, dtype, weight_map, total, tokenizer)
     dist.barrier()
     return folder
-
-
-def export_checkpoint(checkpoint: str | Path, folder: str | Path,
-                      dtype_name: str | None = None) -> tuple[Path, int]:
-    """``pipeoffload export``: the checkpoint of a Hugging Face model (a step folder, or a
-    checkpoint folder's newest) as an export, in one process; returns the folder and the step.
-    The model's config comes from the checkpoint's manifest; tensor-parallel shards are joined
-    along the dimension training/hf_tensor_parallel.py split them; a bf16 run exported in
-    fp32 writes its float32 master weights."""
-    from pipeoffload.integrations.hf import causal_lm_stages
-    from pipeoffload.training.hf_model import hf_config, meta_model
-    from pipeoffload.training.hf_tensor_parallel import shard_dim
-
-    manifest = ckpt.read_manifest(ckpt.find_checkpoint(checkpoint, None))
-    info = manifest.info
-    model_info = info.get("model")
-    config = model_info.get("hf_config") if isinstance(model_info, dict) else None
-    if not isinstance(config, dict):
-        raise ConfigError(f"checkpoint {manifest.folder} holds no Hugging Face config (the "
-                          "reference model's, or a save_checkpoint of your own); export writes "
-                          "models trained with `pipeoffload train --model PATH`")
-    run_dtype, tp = info.get("dtype", "fp32"), int(info.get("tp", 1))
-    name = dtype_name or ("bf16" if run_dtype == "bf16" else "fp32")
-    dtype = export_dtype(name)
-    model = meta_model(config)
-    num_stages = len(info["stage_to_rank"])
-    stages = causal_lm_stages(model, num_stages, range(num_stages))
-    names = {id(p): n for n, p in model.named_parameters()}
-    copies = tie_copy_names(stages)
-    tensors: dict[str, torch.Tensor] = {}
-    use_masters = run_dtype == "bf16" and name == "fp32"
-    for s, stage in sorted(stages.items()):
-        saved = [ckpt.load_object(manifest, ckpt.stage_file(s, t if tp > 1 else None))
-                 for t in range(tp)]
-        trainable = [n for n, p in stage.named_parameters() if p.requires_grad]
-        for local, param in stage.named_parameters():
-            full = names[id(param)]
-            if (s, local) in copies or full in tensors:
-                continue
-            if use_masters:
-                shards = [part["masters"][trainable.index(local)] for part in saved]
-            else:
-                shards = [part["model"][local] for part in saved]
-            dim = shard_dim(local) if tp > 1 else None
-            value = shards[0] if dim is None else torch.cat(shards, dim)
-            if tuple(value.shape) != tuple(param.shape):
-                raise ConfigError(f"{manifest.folder}: {full} has shape {list(value.shape)}, "
-                                  f"the config makes {list(param.shape)}")
-            tensors[full] = value.to(dtype).contiguous()
-    return write_export(folder, hf_config(config), [tensors], dtype), manifest.step

@@ -13,23 +13,12 @@ launcher waits up to ``stop_timeout_s`` for them, kills what is left, and return
 status. Children get the launcher's pid (``PIPEOFFLOAD_LAUNCHER_PID``) so that they stop by
 themselves if it dies without a word (SIGKILL).
 
-Each process then joins the job with ``connect`` (torchrun's processes too).
-
-Note: [rank layout] The processes form a device mesh of shape (pp, dp, tp), dims named
-"pp", "dp", "tp" (``init_device_mesh``): global rank g is tensor-parallel rank ``g % tp`` of
-data-parallel replica ``(g // tp) % dp`` of pipeline rank ``g // (dp * tp)``. Tensor-parallel
-peers (the heaviest traffic, collectives in every layer) are neighbours, then the replicas of
-one pipeline rank (the gradient all-reduce), so with torchrun's node-major numbering both stay
-inside a node where they can and the pipeline's point-to-point hops (light) cross nodes. Each
-(replica, tensor-parallel rank) has its own pipeline group, each (pipeline rank,
-tensor-parallel rank) its own data-parallel group; with tp = 1 this is the layout of earlier
-versions (g = pp_rank * dp + replica).
+Each process then joins the job with parallel/topology.py ``connect`` (torchrun's processes
+too).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import os
 import signal
 import socket
@@ -37,9 +26,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.training.signals import (
@@ -50,9 +39,6 @@ from pipeoffload.training.signals import (
     stop_outcome,
     stop_status,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -245,146 +231,3 @@ def _terminate(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where this process sits; see Note: [rank layout]. ``local()``: one process, all ranks."""
-
-    pp: int
-    dp: int
-    rank: int = 0
-    distributed: bool = False
-    device: torch.device | None = None
-    pp_group: Any = None
-    dp_group: Any = None
-    channel_groups: Any = None  # {lowering.Channel: group}, see Pipeline(channel_groups=)
-    tp: int = 1
-    tp_mesh: Any = None  # the 1-D DeviceMesh of this process's tensor-parallel group (tp > 1)
-
-    @classmethod
-    def local(cls, pp: int, device: torch.device | str = "cpu") -> Topology:
-        import torch
-
-        return cls(pp=pp, dp=1, device=torch.device(device))
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // (self.dp * self.tp)
-
-    @property
-    def dp_index(self) -> int:
-        return (self.rank // self.tp) % self.dp
-
-    @property
-    def tp_index(self) -> int:
-        return self.rank % self.tp
-
-    @property
-    def pipeline_ranks(self) -> tuple[int, ...]:
-        """The pipeline ranks this process runs."""
-        return (self.pp_rank,) if self.distributed else tuple(range(self.pp))
-
-    def global_rank(self, pp_rank: int, dp_index: int, tp_index: int = 0) -> int:
-        return (pp_rank * self.dp + dp_index) * self.tp + tp_index
-
-    def stages_of(self, schedule: Any) -> list[int]:
-        """The stages of ``schedule`` this process holds (every stage in local mode)."""
-        return sorted(s for r in self.pipeline_ranks for s in schedule.stages_on_rank(r))
-
-    def pipeline_options(self) -> dict[str, Any]:
-        """What ``Pipeline`` takes from the job: ``Pipeline(stages, schedule, loss_fn,
-        **topology.pipeline_options())`` (the pipeline group, its P2P channel groups, the
-        device)."""
-        if not self.distributed:
-            return {"device": self.device}
-        return {"group": self.pp_group, "channel_groups": self.channel_groups,
-                "device": self.device}
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """"cpu", "cuda" or "auto" (CUDA when available) as this process's device."""
-    import torch
-
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked for but CUDA is not available")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
-            env: Mapping[str, str] = os.environ, tp: int = 1,
-            agree: Mapping[str, Any] | None = None) -> Topology:
-    """Join the job torchrun (or ``launch``) started: init the default group from env://
-    (NCCL on GPUs, gloo on CPU; ``timeout_s`` for every collective, and on NCCL the bound for a
-    hung receive: runtime/p2p.py Note: [NCCL posting]), build the (pp, dp, tp) device mesh and
-    take the pipeline, data-parallel and tensor-parallel groups from it (see Note: [rank
-    layout]). On CUDA the group is bound to this process's device (``device_id``: eager NCCL
-    init, new groups split from it), and each pipeline gets one communicator per
-    lowering.Channel (Note: [NCCL channels]). The environment is checked and the ranks meet
-    through training/job.py first, so a bad variable, a port in use or ranks that disagree on
-    WORLD_SIZE or on ``agree`` (e.g. the training options) are named, not a timeout."""
-    import torch
-    import torch.distributed as dist
-
-    from pipeoffload.training.job import join_store, read_job_env
-
-    job = read_job_env(env)
-    store = join_store(job, timeout_s, {"pp": pp, "dp": dp, "tp": tp, **(agree or {})})
-    world = job.world_size
-    if world != pp * dp * tp:
-        raise ConfigError(f"the job has WORLD_SIZE={world} processes but --pp {pp} x --dp {dp} "
-                          f"x --tp {tp} = {pp * dp * tp}; start pp*dp*tp processes")
-    where = resolve_device(device, job.local_rank)
-    backend = "nccl" if where.type == "cuda" else "gloo"
-    if where.type == "cuda":
-        torch.cuda.set_device(where)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    bound = {"device_id": where} if where.type == "cuda" else {}
-    dist.init_process_group(backend, store=store, rank=job.rank, world_size=world,
-                            timeout=timeout, **bound)
-    return mesh_topology(pp, dp, tp, where, timeout_s)
-
-
-def mesh_topology(pp: int, dp: int, tp: int, where: torch.device,
-                  timeout_s: float = 300.0) -> Topology:
-    """In a process whose default group (of pp * dp * tp ranks) is initialised: build the
-    (pp, dp, tp) device mesh and this process's Topology (Note: [rank layout])."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from pipeoffload.runtime.groups import backend_for, channel_groups
-
-    rank, backend = dist.get_rank(), backend_for(None, where.type) or dist.get_backend()
-    timeout = datetime.timedelta(seconds=timeout_s)
-    names = ("pp", "dp", "tp")
-    mesh = init_device_mesh(where.type, (pp, dp, tp), mesh_dim_names=names,
-                            backend_override={n: (backend, _options(backend, timeout))
-                                              for n in names})
-    topo = Topology(pp=pp, dp=dp, tp=tp, rank=rank, distributed=True, device=where,
-                    pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
-                    tp_mesh=mesh["tp"] if tp > 1 else None)
-    # One communicator per channel and pipeline: NCCL runs each one's P2P in posting order, and
-    # on gloo separate sockets per direction make sends faster (groups.channel_groups).
-    pipelines = [[topo.global_rank(p, d, t) for p in range(pp)]
-                 for d in range(dp) for t in range(tp)] if pp > 1 else []  # one stage: no P2P
-    channels = channel_groups(pipelines, rank, timeout) if pipelines else None
-    return dataclasses.replace(topo, channel_groups=channels)
-
-
-def _options(backend: str, timeout: datetime.timedelta) -> Any:
-    """Backend options carrying ``timeout``, so the mesh's groups fail as the default one."""
-    import torch.distributed as dist
-
-    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
-               else dist.ProcessGroupGloo._Options())
-    options._timeout = timeout
-    return options
-
-
-def disconnect(topology: Topology) -> None:
-    import torch.distributed as dist
-
-    if topology.distributed and dist.is_initialized():
-        dist.destroy_process_group()

@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.runtime.groups import collective_device
-from pipeoffload.training.checkpoint_files import (
+from pipeoffload.parallel.checkpoint_files import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     CheckpointError,
@@ -46,8 +45,10 @@ from pipeoffload.training.checkpoint_files import (
     step_of,
     tidy,
 )
-from pipeoffload.training.data import TextDataset
-from pipeoffload.training.sharded_state import load_tensors, local_state, shard_optimizer_state
+from pipeoffload.parallel.optimizer import CheckpointedOptimizer
+from pipeoffload.parallel.sharded_state import load_tensors, local_state
+from pipeoffload.parallel.topology import Topology
+from pipeoffload.runtime.groups import collective_device
 
 FORMAT_VERSION = 2  # 2: stage and rank files record the run id and step
 
@@ -77,7 +78,7 @@ def step_folder(root: str | Path, step: int) -> Path:
 
 def stage_file(stage: int, tp_index: int | None = None) -> str:
     """Stage ``stage``'s file; with tensor parallelism one per tensor-parallel rank (its
-    shards, training/sharded_state.py Note: [sharded checkpoint])."""
+    shards, parallel/sharded_state.py Note: [sharded checkpoint])."""
     return f"stage_{stage:03d}.pt" if tp_index is None else f"stage_{stage:03d}_tp{tp_index}.pt"
 
 
@@ -276,33 +277,30 @@ def check_resume_step(step: int, where: object, steps: int) -> None:
                           f"{step} (it counts from the start of training)")
 
 
-class Placement(Protocol):
-    """Where a process sits (train.Topology satisfies it)."""
+class DataPosition(Protocol):
+    """Where the data stands (training/data.py TextDataset satisfies it): its state is a JSON
+    object whose ``step`` is the optimizer steps done, kept in the manifest."""
 
-    rank: int
-    distributed: bool
-    device: torch.device
+    def state_dict(self) -> dict[str, Any]: ...
 
-    @property
-    def dp_index(self) -> int: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
 class TrainingState:
-    """What a checkpoint holds for one process: its stage modules and their AdamW states, the
-    data position (the step) and, per process, the RNG states."""
+    """What a checkpoint holds for one process: its stage modules and their optimizer's state,
+    the data position (the step) and, per process, the RNG states."""
 
     stages: Mapping[int, nn.Module]
-    optimizers: Mapping[int, torch.optim.Optimizer]
-    dataset: TextDataset
-    masters: Mapping[int, list[torch.Tensor]] | None = None  # what the optimizers update
+    optimizer: CheckpointedOptimizer
+    dataset: DataPosition
 
 
-def _world(where: Placement) -> int:
+def _world(where: Topology) -> int:
     return dist.get_world_size() if where.distributed else 1
 
 
-def _barrier(where: Placement) -> None:
+def _barrier(where: Topology) -> None:
     if where.distributed:
         dist.barrier()
 
@@ -324,7 +322,7 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, Any],
-         where: Placement, *, extra_files: Mapping[str, bytes] | None = None,
+         where: Topology, *, extra_files: Mapping[str, bytes] | None = None,
          keep_last: int | None = None) -> Path:
     """Write the checkpoint of ``step`` from every process (a collective under
     torch.distributed); data-parallel replica 0 writes the stages, global rank 0
@@ -341,13 +339,15 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
         tp_index = _tp_index(where)
         for s, module in sorted(state.stages.items()):
             name = stage_file(s, tp_index)
-            payload = {"model": module.state_dict(), "optimizer": state.optimizers[s].state_dict(),
-                       "identity": FileIdentity(run, step, name).as_dict()}
-            if state.masters is not None:
-                payload["masters"] = list(state.masters[s])
+            optimizer = state.optimizer.stage_state(s)
+            payload: dict[str, Any] = {
+                "model": module.state_dict(), "optimizer": optimizer.optimizer,
+                "identity": FileIdentity(run, step, name).as_dict()}
+            if optimizer.masters is not None:
+                payload["masters"] = optimizer.masters
             records.append(save_object(folder, name, local_state(payload)))
     name = rank_file(where.rank)
-    records.append(save_object(folder, name, {**rng_state(where.device),
+    records.append(save_object(folder, name, {**rng_state(_device(where)),
                                               "identity": FileIdentity(run, step, name).as_dict()}))
     if where.rank == 0:
         for extra, data in sorted((extra_files or {}).items()):
@@ -394,7 +394,7 @@ def describe_resume(resume: str | Path, root: str | Path | None) -> str:
 
 
 def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
-            identity: dict[str, Any], where: Placement) -> int:
+            identity: dict[str, Any], where: Topology) -> int:
     """Load this process's part of the checkpoint ``resume`` names into ``state``; returns the
     step it continues from. Raises CheckpointError if it is missing, corrupt or foreign."""
     manifest = read_manifest(find_checkpoint(resume, root), verify_files=False)
@@ -402,19 +402,14 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
     tp_index = _tp_index(where)
     for s, module in sorted(state.stages.items()):
         name = stage_file(s, tp_index)
-        saved = load_identified(manifest, name, where.device)
+        saved = load_identified(manifest, name, _device(where))
         try:
             load_tensors(module.state_dict(), saved["model"])
-            optimizer = state.optimizers[s]
-            optimizer.load_state_dict(saved["optimizer"])
-            shard_optimizer_state(optimizer)
-            if state.masters is not None:
-                load_tensors(dict(enumerate(state.masters[s])),
-                              dict(enumerate(saved["masters"])))
+            state.optimizer.load_stage_state(s, saved)
         except (KeyError, RuntimeError, ValueError) as error:
             raise CheckpointError(f"{manifest.folder / name} does not fit stage {s} "
                                   f"({error}); resume with the model it was saved with") from None
-    set_rng_state(load_identified(manifest, rank_file(where.rank)), where.device)
+    set_rng_state(load_identified(manifest, rank_file(where.rank)), _device(where))
     data = manifest.info.get("data")
     if not isinstance(data, dict) or data.get("step") != manifest.step:
         raise CheckpointError(f"{manifest.folder / MANIFEST} is corrupt: its data position "
@@ -423,6 +418,9 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
     return manifest.step
 
 
-def _tp_index(where: Placement) -> int | None:
-    tp = getattr(where, "tp", 1)
-    return getattr(where, "tp_index", 0) if tp > 1 else None
+def _tp_index(where: Topology) -> int | None:
+    return where.tp_index if where.tp > 1 else None
+
+
+def _device(where: Topology) -> torch.device:
+    return where.device or torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Numeric precision of training and the gradient path from backward to optimizer.
+"""Numeric precision of training: the dtypes, and float32 master weights for bf16 stages.
 
 Note: [mixed precision] ``--dtype bf16`` is Megatron's scheme, the one the planner's memory
 model assumes (planner/ratio.py OptimizerSpec: 2-byte weights, 4-byte gradients and master
@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.parallel.dtype_names import DTYPE_NAMES
 from pipeoffload.runtime.shards import local_shard
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float64), strict=True))
 _HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
 
 
@@ -84,25 +84,3 @@ def accumulate_in_float32(params: list[torch.Tensor]) -> None:
         if p.grad is not None and p.grad.dtype != torch.float32:
             p.grad = p.grad.float()  # grad_dtype cannot be set over a gradient of another dtype
         p.grad_dtype = torch.float32
-
-
-def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: object) -> None:
-    """Average gradients over data-parallel replicas (one all-reduce per stage).
-
-    ``topology`` is a launch.Topology. Gradients of DTensor parameters are this rank's shards:
-    the all-reduce moves shards. Clipping is gradients.clip_gradients, after this.
-    """
-    grads = {s: [p.grad for p in ps if p.grad is not None] for s, ps in params.items()}
-    distributed = getattr(topology, "distributed", False)
-    if distributed and topology.dp > 1:  # type: ignore[attr-defined]
-        for group in grads.values():
-            if not group:  # the same on every replica of this pipeline rank
-                continue
-            locals_ = [local_shard(g) for g in group]
-            flat = torch.cat([g.reshape(-1) for g in locals_])
-            dist.all_reduce(flat, group=topology.dp_group)  # type: ignore[attr-defined]
-            flat /= topology.dp  # type: ignore[attr-defined]
-            offset = 0
-            for g in locals_:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()

@@ -1,0 +1,58 @@
+"""Where a run's text comes from and how it is cut into batches (``DataConfig``), without
+torch (training/data.py reads and batches it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeoffload.errors import ConfigError
+
+DEFAULT_STDLIB_PACKAGES = (
+    "asyncio", "collections", "concurrent", "email", "http", "importlib", "json", "logging",
+    "urllib", "xml",
+)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from and how it is cut into batches.
+
+    ``source``: a text file or a folder (all non-hidden files below it, sorted by path); None
+    reads the ``stdlib_packages`` of this Python's standard library (``*.py`` files, sorted).
+    ``max_bytes`` caps what is read (in that order; None reads everything) so loading is
+    fast. ``batch_size`` is the global batch in sequences per step, summed over data-parallel
+    replicas. ``eval_fraction`` of the tokens, taken from the end, is held out (0 disables it).
+    ``tokenizer``: a local tokenizer.json (or its folder) whose ids are the tokens; None: bytes.
+    """
+
+    source: str | Path | None = None
+    seq_len: int = 128
+    batch_size: int = 16
+    seed: int = 0
+    eval_fraction: float = 0.05
+    max_bytes: int | None = 1 << 20
+    stdlib_packages: tuple[str, ...] = DEFAULT_STDLIB_PACKAGES
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.batch_size < 1:
+            raise ConfigError(
+                f"DataConfig.seq_len and batch_size must be >= 1, got {self.seq_len} and "
+                f"{self.batch_size}"
+            )
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(
+                f"DataConfig.eval_fraction must be in [0, 1), got {self.eval_fraction}"
+            )
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise ConfigError(f"DataConfig.max_bytes must be >= 1 or None, got {self.max_bytes}")
+        if isinstance(self.stdlib_packages, str):
+            raise ConfigError("DataConfig.stdlib_packages must be a tuple of names, not a str")
+        object.__setattr__(self, "stdlib_packages", tuple(self.stdlib_packages))
+        bad = [p for p in self.stdlib_packages if not p.isidentifier()]
+        if bad or not self.stdlib_packages:
+            raise ConfigError(
+                f"DataConfig.stdlib_packages must name standard-library packages, got "
+                f"{list(self.stdlib_packages)}"
+            )
