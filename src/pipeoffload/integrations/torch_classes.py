@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 import torch
 
 from pipeoffload.api import build_schedule
+from pipeoffload.core import registry
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.core.families.dualpipev import dualpipev_overlapped
-from pipeoffload.core import registry
 from pipeoffload.core.registry import canonical_name, normalise
 from pipeoffload.errors import ConfigError
 from pipeoffload.integrations.torch_schedule import PipeOffloadSchedule, refuse_compiled
