@@ -27,7 +27,7 @@ from pipeoffload.checks import check_number
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.comm_bytes import ring_collective_bytes
 from pipeoffload.planner.hardware import Hardware
-from pipeoffload.planner.layer_time import collective_s
+from pipeoffload.planner.layer_time import CAUSAL_FRACTION, collective_s
 from pipeoffload.planner.layer_work import NormKernel
 from pipeoffload.planner.optimizer import (
     OptimizerSpec,
@@ -50,6 +50,7 @@ from pipeoffload.planner.transformer import (
     ParamCount,
     Recompute,
     TransformerSpec,
+    attention_core_flops,
     head_flops,
     layer_flops,
 )
@@ -304,12 +305,15 @@ def optimizer_seconds(hw: Hardware, pieces: tuple[PieceCost, ...],
                for params in rank_params(pieces, stage_to_rank))
 
 
-def step_model_flops(spec: TransformerSpec, sequences: int) -> float:
+def step_model_flops(spec: TransformerSpec, sequences: int, *, causal: bool = False) -> float:
     """Model FLOPs of one training step over ``sequences`` sequences (FlopCount.MODEL: the
-    math counted once, no recompute; the MFU convention)."""
-    per_sequence = spec.num_layers * layer_flops(spec, 1, tp=1, count=FlopCount.MODEL).total \
-        + head_flops(spec, 1, tp=1).total
-    return per_sequence * sequences
+    math counted once, no recompute). ``causal``: the attention core's share counted as a
+    causal kernel runs it, half the s x s square (``CAUSAL_FRACTION``); else the whole square,
+    Megatron's convention (docs/planner-model.md, "MFU conventions")."""
+    layer = layer_flops(spec, 1, tp=1, count=FlopCount.MODEL).total
+    if causal:  # F's core once, I's twice (layer_flops): three cores, of which half is skipped
+        layer -= 3 * (1 - CAUSAL_FRACTION) * attention_core_flops(spec, 1)
+    return (spec.num_layers * layer + head_flops(spec, 1, tp=1).total) * sequences
 
 
 def peak_flops(hw: Hardware) -> tuple[float, bool]:

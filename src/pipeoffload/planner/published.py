@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from pipeoffload.planner.costing import Framework, MemoryConfig
 from pipeoffload.planner.evaluate import Candidate, Evaluator, Plan
+from pipeoffload.planner.frameworks import framework_preset
 from pipeoffload.planner.hardware import A100_HBM_BYTES_PER_S, Hardware, hardware_preset
 from pipeoffload.planner.layer_time import RunConfig, layer_seconds
-from pipeoffload.planner.layer_work import NormKernel
-from pipeoffload.planner.optimizer import DP_COPY_BYTES, OptimizerSpec
+from pipeoffload.planner.optimizer import OptimizerSpec
 from pipeoffload.planner.transformer import MlpKind, Recompute, TransformerSpec
 
 #: Megatron's GPT runs use GPT-2's BPE padded to 51200 at TP8 (Megatron-LM's README of these
@@ -56,9 +56,19 @@ def narayanan_mfu(tflops_per_gpu: float, spec: TransformerSpec, peak: float = 31
     return tflops_per_gpu * 1e12 * model / reported / peak
 
 
+def priced_as(name: str, *, sharded: bool = False) -> dict[str, object]:
+    """A run's framework fields from the named preset (planner/frameworks.py), so that
+    ``pipeoffload plan --framework NAME`` prices it the same way."""
+    preset = framework_preset(name)
+    return {"framework_name": preset.name, "framework": preset.framework,
+            "optimizer": preset.with_sharding(sharded)}
+
+
 @dataclass(frozen=True)
 class PublishedRun:
-    """One measured run: the model, the layout, the framework's behaviour and the MFU."""
+    """One measured run: the model, the layout, the framework's behaviour and the MFU.
+    ``framework_name``: the preset of planner/frameworks.py its ``framework`` and
+    ``optimizer`` come from (the ablations of benchmarks/planner_published.py change them)."""
 
     source: str
     row: str
@@ -76,6 +86,7 @@ class PublishedRun:
     measured_mfu: float
     framework: Framework = Framework()
     optimizer: OptimizerSpec = OptimizerSpec()
+    framework_name: str = "current"
     held_out: bool = False
     notes: tuple[str, ...] = field(default=())
 
@@ -115,11 +126,6 @@ def predict(run: PublishedRun, hw: Hardware | None = None,
 # (--checkpoint-activations), no sequence parallelism (2022), blocking TP all-reduces in the
 # backward and blocking pipeline transfers, Megatron's copy of apex's FusedLayerNorm (the
 # persistent kernel came in October 2021; layer_work.py, Note [norm kernels]).
-_NARAYANAN_FRAMEWORK = Framework(sequence_parallel=False, tp_overlap=False, p2p_blocking=True,
-                                 norm_kernel=NormKernel.APEX)
-_TORCH_DDP = OptimizerSpec(grad_bytes=2, overlap_grad_reduce=True,
-                           dp_copy_bytes=DP_COPY_BYTES["torch-ddp-fp16"])
-_LOCAL_DDP = OptimizerSpec(grad_bytes=2, dp_copy_bytes=DP_COPY_BYTES["megatron-local-2021"])
 
 
 def _narayanan(row: str, layers: int, hidden: int, heads: int, tp: int, pp: int, dp: int,
@@ -134,8 +140,8 @@ def _narayanan(row: str, layers: int, hidden: int, heads: int, tp: int, pp: int,
         spec=spec, hardware="a100-80gb", tp=tp, pp=pp, dp=dp, schedule=schedule,
         chunks=chunks, micro_batch=micro_batch, global_batch=global_batch,
         recompute=Recompute.FULL, measured_mfu=narayanan_mfu(tflops, spec),
-        framework=_NARAYANAN_FRAMEWORK, optimizer=_TORCH_DDP if pp == 1 else _LOCAL_DDP,
-        held_out=held_out)
+        held_out=held_out,
+        **priced_as("megatron-2021-torch-ddp" if pp == 1 else "megatron-2021"))
 
 
 NARAYANAN_2021: tuple[PublishedRun, ...] = (
@@ -157,8 +163,6 @@ NARAYANAN_2021: tuple[PublishedRun, ...] = (
 # sequence parallelism; the baseline = full recompute without it. Megatron-LM 2022: --fp16,
 # asynchronous TP communication, blocking pipeline transfers, gradient-accumulation fusion
 # into fp32 main grads, the gradient all-reduce after the pipeline.
-_KORTHIKANTI_OPTIMIZER = OptimizerSpec(grad_bytes=4,
-                                       dp_copy_bytes=DP_COPY_BYTES["megatron-local-2022"])
 
 
 def _korthikanti(row: str, layers: int, hidden: int, heads: int, pp: int, dp: int,
@@ -167,14 +171,13 @@ def _korthikanti(row: str, layers: int, hidden: int, heads: int, pp: int, dp: in
     spec = megatron_gpt(f"gpt-{row}", layers, hidden, heads)
     schedule = "1f1b" if chunks == 1 else "interleaved-1f1b"
     runs = []
-    for recompute, measured, sp in ((Recompute.SELECTIVE, mfu[0], True),
-                                    (Recompute.FULL, mfu[1], False)):
+    for recompute, measured, framework in ((Recompute.SELECTIVE, mfu[0], "megatron-2022"),
+                                           (Recompute.FULL, mfu[1], "megatron-2022-no-sp")):
         runs.append(PublishedRun(
             source="Korthikanti 2022", row=row, citation=citation, spec=spec,
             hardware="a100-80gb", tp=8, pp=pp, dp=dp, schedule=schedule, chunks=chunks,
             micro_batch=micro_batch, global_batch=global_batch, recompute=recompute,
-            measured_mfu=measured, framework=Framework(sequence_parallel=sp, p2p_blocking=True),
-            optimizer=_KORTHIKANTI_OPTIMIZER))
+            measured_mfu=measured, **priced_as(framework)))
     return tuple(runs)
 
 
@@ -201,7 +204,6 @@ KORTHIKANTI_2022: tuple[PublishedRun, ...] = (
 _LLAMA3_405B = TransformerSpec(num_layers=126, hidden=16384, heads=128, kv_heads=8,
                                ffn_hidden=53248, vocab=128256, seq_len=8192, mlp=MlpKind.SWIGLU,
                                name="llama3-405b")
-_FSDP = OptimizerSpec(grad_bytes=4, sharded=True, overlap_grad_reduce=True)
 LLAMA3_2024: tuple[PublishedRun, ...] = tuple(
     PublishedRun(
         source="Llama 3 2024", row=f"405B on {gpus} H100", spec=_LLAMA3_405B,
@@ -209,8 +211,7 @@ LLAMA3_2024: tuple[PublishedRun, ...] = tuple(
                  f"{tflops} TFLOP/s, BF16 MFU {mfu:.0%}",
         hardware="h100-80gb", tp=8, pp=16, dp=gpus // 128, schedule="interleaved-1f1b",
         chunks=4, micro_batch=1, global_batch=2048, recompute=Recompute.NONE,
-        measured_mfu=mfu, framework=Framework(), optimizer=_FSDP,
-        held_out=True,
+        measured_mfu=mfu, held_out=True, **priced_as("llama3-2024", sharded=True),
         notes=("microbatch size, interleaving and attention kernel assumed (not published)",
                "Meta's MFU counts its own FLOPs; ours counts the full s x s attention square"))
     for gpus, tflops, mfu in ((8192, 430, 0.43), (16384, 400, 0.41)))
@@ -228,7 +229,6 @@ LLAMA3_2024: tuple[PublishedRun, ...] = tuple(
 # raise the prediction), no recompute, flash attention, Megatron's defaults for what the
 # README does not set (GeLU with f = 4h, learned positions, biases, dropout 0.1); the output
 # layer is untied (the 1.7B name counts it: 1.48B with it tied).
-_MEGATRON_CORE_DP = OptimizerSpec(grad_bytes=4, sharded=True, overlap_grad_reduce=True)
 
 
 def _megatron_core(row: str, layers: int, hidden: int, heads: int, tp: int, dp: int,
@@ -242,7 +242,7 @@ def _megatron_core(row: str, layers: int, hidden: int, heads: int, tp: int, dp: 
                  f"PP1 DP{dp}, batch {global_batch}, {tflops} TFLOP/s per GPU",
         hardware="h100-80gb", tp=tp, pp=1, dp=dp, schedule="1f1b", chunks=1, micro_batch=1,
         global_batch=global_batch, recompute=Recompute.NONE, measured_mfu=tflops * 1e12 / 989e12,
-        framework=Framework(), optimizer=_MEGATRON_CORE_DP, held_out=True,
+        held_out=True, **priced_as("llama3-2024", sharded=True),
         notes=("microbatch size, recompute, dropout and attention kernel assumed (not "
                "published)",))
 
