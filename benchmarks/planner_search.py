@@ -135,10 +135,10 @@ def reduced_error(name: str) -> None:
     """Every candidate of search ``name``: reduced against full (see the module docstring)."""
     from pipeoffload.cli.main import build_parser
     from pipeoffload.cli.plan import _space, _spec
-    from pipeoffload.planner.frameworks import framework_preset
     from pipeoffload.errors import ConfigError
     from pipeoffload.planner.costing import MemoryConfig
     from pipeoffload.planner.evaluate import Evaluator
+    from pipeoffload.planner.frameworks import framework_preset
     from pipeoffload.planner.hardware import load_hardware
     from pipeoffload.planner.search import SearchConfig, configurations
 

@@ -17,7 +17,7 @@ from pipeoffload.planner.presets import model_preset
 from pipeoffload.planner.reduced import Extrapolation
 from pipeoffload.planner.search import SearchConfig, SearchSpace, search
 from pipeoffload.planner.transformer import MlpKind, TransformerSpec
-from pipeoffload.planner.verdict import offloads, offload_verdict, settled
+from pipeoffload.planner.verdict import offload_verdict, offloads, settled
 
 A100 = hardware_preset("a100-80gb")
 SMALL = TransformerSpec(num_layers=16, hidden=2048, heads=16, kv_heads=16, ffn_hidden=8192,

@@ -87,13 +87,16 @@ class Framework:
     asynchronous communication, 2022 on). ``grad_accumulation_bytes``: bytes per parameter per
     microbatch of accumulating weight gradients beyond the GEMM's output (layer_time.py).
     ``p2p_blocking``: stages wait for their pipeline transfers (Note [blocking P2P]).
-    ``norm_kernel``: the LayerNorm kernels (layer_work.py, Note [norm kernels])."""
+    ``norm_kernel``: the LayerNorm kernels (layer_work.py, Note [norm kernels]).
+    ``userbuffers``: Transformer Engine overlaps every TP collective with a matmul
+    (layer_time.py, Note [userbuffer overlap])."""
 
     sequence_parallel: bool = True
     tp_overlap: bool = True
     grad_accumulation_bytes: float = 6.0
     p2p_blocking: bool = False
     norm_kernel: NormKernel = NormKernel.PERSISTENT
+    userbuffers: bool = False
 
     def run(self, micro_batch: int, tp: int, recompute: Recompute, *,
             w_deferred: bool = False) -> RunConfig:
@@ -102,7 +105,7 @@ class Framework:
                          sequence_parallel=self.sequence_parallel, tp_overlap=self.tp_overlap,
                          w_deferred=w_deferred, p2p_blocking=self.p2p_blocking,
                          grad_accumulation_bytes=self.grad_accumulation_bytes,
-                         norm_kernel=self.norm_kernel)
+                         norm_kernel=self.norm_kernel, userbuffers=self.userbuffers)
 
 
 #: What ``pipeoffload train`` and current Megatron do (Framework's defaults).

@@ -94,6 +94,11 @@ FRAMEWORKS: dict[str, FrameworkPreset] = {preset.name: preset for preset in (
         "al.'s baseline)", dataclasses.replace(_MEGATRON_2022, sequence_parallel=False),
         _MEGATRON_2022_OPTIMIZER, flash_attention=False),
     FrameworkPreset(
+        "megatron-core", "Megatron-Core r0.8 / NeMo 24.11 with Transformer Engine: sequence "
+        "parallelism, every TP collective overlapped with a matmul (--tp-comm-overlap), "
+        "transfers posted ahead, fp32 gradients reduced during the last backward",
+        Framework(userbuffers=True), OptimizerSpec(grad_bytes=4, overlap_grad_reduce=True)),
+    FrameworkPreset(
         "llama3-2024", "Meta's Llama 3 framework as assumed: the planner's defaults with fp32 "
         "gradients reduced during the last backward", Framework(),
         OptimizerSpec(grad_bytes=4, overlap_grad_reduce=True)),
