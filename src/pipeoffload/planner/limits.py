@@ -44,7 +44,7 @@ def train_limits(spec: TransformerSpec, given: set[str]) -> tuple[TrainLimit, ..
         if spec.dropout:
             limits.append(TrainLimit("recompute", (Recompute.NONE,), (
                 f"the config sets dropout, and train recomputes a {spec.model_type} model's "
-                "layers only without it (a recomputed layer would draw other masks)")))
+                "layers only without it: a recomputed layer would draw other masks")))
         else:
             limits.append(TrainLimit(
                 "recompute", tuple(Recompute(m) for m in hf_families.RECOMPUTE_MODES),

@@ -27,6 +27,7 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.runtime.shards import is_dtensor
 from pipeoffload.training import checkpoint as ckpt
 from pipeoffload.training.gradients import tie_copy_names
+from pipeoffload.training.hf_tensor_parallel import hf_order
 from pipeoffload.training.precision import DTYPES
 
 EXPORT_DTYPES = ("fp32", "bf16")  # the command's; export_pretrained takes any dtype
@@ -52,7 +53,7 @@ def stage_tensors(model: nn.Module, stages: Mapping[int, nn.Module], dtype: torc
     """{full-model name: tensor on the CPU in ``dtype``} of the stages' parameters, each tie
     once; ``values`` replaces parameters by id (float32 master weights). DTensors are
     gathered whole (a collective over their tensor-parallel group, in the same order on every
-    rank of it)."""
+    rank of it) and put back in Hugging Face's layout (hf_tensor_parallel.hf_order)."""
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
@@ -65,7 +66,7 @@ def stage_tensors(model: nn.Module, stages: Mapping[int, nn.Module], dtype: torc
                 continue
             value = param if values is None else values.get(id(param), param)
             if is_dtensor(value):
-                value = value.full_tensor()
+                value = hf_order(local, value.full_tensor(), value.device_mesh.size())
             tensors[full] = value.detach().to(device="cpu", dtype=dtype).contiguous()
     return tensors
 
@@ -156,11 +157,11 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
     """``pipeoffload export``: the checkpoint of a Hugging Face model (a step folder, or a
     checkpoint folder's newest) as an export, in one process; returns the folder and the step.
     The model's config comes from the checkpoint's manifest; tensor-parallel shards are joined
-    along the dimension training/hf_tensor_parallel.py split them; a bf16 run exported in
+    as training/hf_tensor_parallel.py split them (``join_shards``); a bf16 run exported in
     fp32 writes its float32 master weights."""
     from pipeoffload.integrations.hf import causal_lm_stages
     from pipeoffload.training.hf_model import hf_config, meta_model
-    from pipeoffload.training.hf_tensor_parallel import shard_dim
+    from pipeoffload.training.hf_tensor_parallel import join_shards
 
     manifest = ckpt.read_manifest(ckpt.find_checkpoint(checkpoint, None))
     info = manifest.info
@@ -192,8 +193,7 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
                 shards = [part["masters"][trainable.index(local)] for part in saved]
             else:
                 shards = [part["model"][local] for part in saved]
-            dim = shard_dim(local) if tp > 1 else None
-            value = shards[0] if dim is None else torch.cat(shards, dim)
+            value = join_shards(local, shards)
             if tuple(value.shape) != tuple(param.shape):
                 raise ConfigError(f"{manifest.folder}: {full} has shape {list(value.shape)}, "
                                   f"the config makes {list(param.shape)}")
