@@ -12,6 +12,7 @@ spec) has no such limits.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from pipeoffload import hf_families
 from pipeoffload.planner.evaluate import Plan
@@ -57,7 +58,8 @@ def train_limits(spec: TransformerSpec, given: set[str]) -> tuple[TrainLimit, ..
 
 def limited(space: SearchSpace, limits: tuple[TrainLimit, ...]) -> SearchSpace:
     """``space`` kept to ``limits``."""
-    return replace(space, **{limit.field: limit.values for limit in limits}) if limits else space
+    changes: dict[str, Any] = {limit.field: limit.values for limit in limits}
+    return replace(space, **changes) if changes else space
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from pipeoffload.planner.costing import Framework, MemoryConfig
 from pipeoffload.planner.evaluate import Candidate, Evaluator, Plan
@@ -50,7 +51,15 @@ def narayanan_mfu(tflops_per_gpu: float, spec: TransformerSpec, peak: float = 31
     return tflops_per_gpu * 1e12 * model / reported / peak
 
 
-def priced_as(name: str, *, sharded: bool = False) -> dict[str, object]:
+class PricedAs(TypedDict):
+    """A run's framework fields, from one preset of planner/frameworks.py."""
+
+    framework_name: str
+    framework: Framework
+    optimizer: OptimizerSpec
+
+
+def priced_as(name: str, *, sharded: bool = False) -> PricedAs:
     """A run's framework fields from the named preset (planner/frameworks.py), so that
     ``pipeoffload plan --framework NAME`` prices it the same way."""
     preset = framework_preset(name)

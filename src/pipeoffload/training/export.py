@@ -66,7 +66,8 @@ def stage_tensors(model: nn.Module, stages: Mapping[int, nn.Module], dtype: torc
                 continue
             value = param if values is None else values.get(id(param), param)
             if is_dtensor(value):
-                value = hf_order(local, value.full_tensor(), value.device_mesh.size())
+                sharded: Any = value
+                value = hf_order(local, sharded.full_tensor(), sharded.device_mesh.size())
             tensors[full] = value.detach().to(device="cpu", dtype=dtype).contiguous()
     return tensors
 

@@ -30,7 +30,7 @@ shards (training/export.py) read.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -121,7 +121,8 @@ def apply_hf_tensor_parallel(stage: nn.Module, mesh: Any) -> nn.Module:
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {}
-    for i, layer in enumerate(stage.layers):
+    layers = cast(nn.ModuleList, stage.layers)
+    for i, layer in enumerate(layers):
         for name, module in layer.named_modules():
             found = _entry(name)
             if found is None:
@@ -149,20 +150,21 @@ def _shard_conv1d(layer: nn.Module, name: str, module: nn.Module, style: str,
 
     tp = mesh.size()
     if name == FUSED_QKV or name.endswith("." + FUSED_QKV):
+        weight, bias = cast(torch.Tensor, module.weight), cast(torch.Tensor, module.bias)
         with torch.no_grad():
-            module.weight.copy_(group_fused_qkv(module.weight, tp, 1).clone())
-            module.bias.copy_(group_fused_qkv(module.bias, tp, 0).clone())
-        attention = layer.get_submodule(name.rpartition(".")[0])
+            weight.copy_(group_fused_qkv(weight, tp, 1).clone())
+            bias.copy_(group_fused_qkv(bias, tp, 0).clone())
+        attention: Any = layer.get_submodule(name.rpartition(".")[0])
         attention.split_size = attention.split_size // tp  # q, k, v of this rank's heads
     colwise = style == "colwise"
 
     def partition(_: str, mod: nn.Module, device_mesh: Any) -> None:
-        weight = [Shard(1)] if colwise else [Shard(0)]
-        bias = [Shard(0)] if colwise else [Replicate()]
-        mod.register_parameter("weight", nn.Parameter(
-            distribute_tensor(mod.weight, device_mesh, weight)))
-        mod.register_parameter("bias", nn.Parameter(
-            distribute_tensor(mod.bias, device_mesh, bias)))
+        placements = {"weight": [Shard(1)] if colwise else [Shard(0)],
+                      "bias": [Shard(0)] if colwise else [Replicate()]}
+        for key, placement in placements.items():
+            tensor = cast(torch.Tensor, getattr(mod, key))
+            mod.register_parameter(key, nn.Parameter(
+                distribute_tensor(tensor, device_mesh, placement)))
 
     def inputs(_: nn.Module, args: tuple[Any, ...], device_mesh: Any) -> tuple[Any, ...]:
         x = args[0]
@@ -176,4 +178,4 @@ def _shard_conv1d(layer: nn.Module, name: str, module: nn.Module, style: str,
             out = out.redistribute(device_mesh, [Replicate()])
         return out.to_local()
 
-    distribute_module(module, mesh, partition, inputs, outputs)
+    distribute_module(module, mesh, partition, cast(Any, inputs), cast(Any, outputs))
