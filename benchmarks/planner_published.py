@@ -1,17 +1,20 @@
-"""The planner's step-time model against published training runs (issue 21).
+"""The planner's step-time model against published training runs (issues 21 and 37).
 
 Prints, with their sources: (1) Korthikanti et al. 2022's Table 4 per-layer times against the
-planner's, and the fit of the one constant calibrated on its unchecked rows; (2) every published
-run of planner/published.py, measured MFU against the planner's prediction, the issue's rows
-first (the 3-point bar) and the held-out ones after (not used to choose anything); (3) with
-``--terms``, where the predicted step time of each run goes; (4) with ``--ablation``, every
-run's error with each term of rounds 2 and 3 taken out (the one fitted constant refitted
-without it, as calibrate_hbm_efficiency fits it; docs/planner-model.md gives each round's own
-numbers).
+planner's, and the fit of the A100 constant calibrated on its unchecked rows; (2) every published
+run of planner/published.py and published_hopper.py, measured MFU against the planner's
+prediction, the rows that fitted a constant or carry issue 21's bar first and the held-out ones
+after (not used to choose anything); (3) with ``--terms``, where the predicted step time of each
+run goes; (4) with ``--ablation``, every run's error with each term of rounds 2 and 3 taken out
+(the A100 constant refitted without it, as calibrate_hbm_efficiency fits it; docs/planner-model.md
+gives each round's own numbers); (5) with ``--hopper``, the fit of the two Hopper efficiencies
+from (1, 1) and how far the Megatron-LM README rows move with the microbatch size and
+interleaving their source does not publish.
 
     python benchmarks/planner_published.py              # (1) and (2), about 8 s of CPU
     python benchmarks/planner_published.py --terms      # and (3)
     python benchmarks/planner_published.py --ablation   # and (4), about 45 s more
+    python benchmarks/planner_published.py --hopper     # and (5), about 30 s more
 """
 
 from __future__ import annotations
@@ -20,9 +23,16 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
-from pipeoffload.planner.hardware import HBM_EFFICIENCY, Hardware, hardware_preset
+from pipeoffload.planner.hardware import (
+    HBM_EFFICIENCY,
+    HOPPER_ATTENTION_EFFICIENCY,
+    HOPPER_GEMM_EFFICIENCY,
+    Hardware,
+    hardware_preset,
+)
 from pipeoffload.planner.layer_work import NormKernel
 from pipeoffload.planner.published import (
+    MEGATRON_CORE_2024,
     PUBLISHED,
     TABLE4,
     PublishedRun,
@@ -30,6 +40,7 @@ from pipeoffload.planner.published import (
     layer_prediction,
     predict,
 )
+from pipeoffload.planner.published_hopper import HOPPER_FIT_ROWS, calibrate_hopper
 
 #: Issue 21's bar for the runs it lists, in MFU points.
 BAR_POINTS = 3.0
@@ -64,7 +75,8 @@ def _row(run: PublishedRun) -> tuple[str, float]:
 def runs() -> str:
     header = ["| source | run | layout | recompute | measured MFU | planner MFU | error (points) "
               "| step s | bubble | citation |", "|---|---|---|---|---|---|---|---|---|---|"]
-    lines = ["(2) Published runs: the issue's rows (the 3-point bar)", "", *header]
+    lines = ["(2) Published runs: the rows that fitted a constant or carry issue 21's bar "
+             "(3 points)", "", *header]
     shown = [run for run in PUBLISHED if not run.held_out]
     errors = []
     for run in shown:
@@ -176,11 +188,42 @@ def ablation() -> str:
     return "\n".join(lines)
 
 
+def hopper() -> str:
+    """The Hopper fit from (1, 1), and each README row's error under every microbatch size and
+    interleaving the planner can build (the published row's assumption marked)."""
+    fitted = calibrate_hopper()
+    lines = [f"(5) Hopper efficiencies fitted from (1, 1) on "
+             f"{', '.join(run.label for run in HOPPER_FIT_ROWS)}: GEMM {fitted[0]:.2f}, "
+             f"attention {fitted[1]:.2f} (the presets use {HOPPER_GEMM_EFFICIENCY:.2f}, "
+             f"{HOPPER_ATTENTION_EFFICIENCY:.2f})", "",
+             "Megatron-LM README rows: error (MFU points) by microbatch size b and chunks v "
+             "(* the row's assumption)", "", "| run | errors |", "|---|---|"]
+    for run in MEGATRON_CORE_2024:
+        cells = []
+        per_replica = run.global_batch // run.dp
+        for b in (1, 2, 4):
+            for v in sorted({1, 2, run.chunks} if run.pp > 1 else {1}):
+                m = per_replica // b
+                if per_replica % b or (v > 1 and m % run.pp):
+                    continue
+                variant = dataclasses.replace(
+                    run, micro_batch=b, chunks=v,
+                    schedule="interleaved-1f1b" if v > 1 else "1f1b")
+                error = 100 * (predict(variant).mfu - run.measured_mfu)
+                mark = "*" if (b, v) == (run.micro_batch, run.chunks) else ""
+                cells.append(f"b{b} v{v}: {error:+.1f}{mark}")
+        lines.append(f"| {run.label} | {', '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--terms", action="store_true", help="also print each step's parts")
     parser.add_argument("--ablation", action="store_true",
                         help="also print each run's error with each round-2 and round-3 term out")
+    parser.add_argument("--hopper", action="store_true",
+                        help="also fit the Hopper efficiencies and vary the README rows' "
+                             "unpublished settings")
     args = parser.parse_args()
     print(table4(), end="\n\n")
     print(runs())
@@ -190,6 +233,9 @@ def main() -> None:
     if args.ablation:
         print()
         print(ablation())
+    if args.hopper:
+        print()
+        print(hopper())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Whole `pipeoffload plan` searches at scale, timed, against the exhaustive search's answer.
 
-    python benchmarks/planner_search.py                  # the five searches (about a minute)
+    python benchmarks/planner_search.py                  # the seven searches (about a minute)
     python benchmarks/planner_search.py --only 42.9b     # one of them
     python benchmarks/planner_search.py --reference      # re-record the exhaustive answers (hours)
     python benchmarks/planner_search.py --reduced-error 42.9b   # every candidate reduced vs full
@@ -46,17 +46,27 @@ from pipeoffload.cli.main import main as cli_main
 
 REFERENCE = Path(__file__).resolve().with_name("planner_search_reference.json")
 
-# The searches of issue 22. gpt3-175b's shape (GeLU, MHA, vocab 50257, seq 2048) with the
-# layers and hidden size of Narayanan et al. 2021's 1T, 310B and 530B rows (--hidden keeps a
-# head width of 128); Llama 3 405B as published; the paper's 42.9B at seq 16384.
+# The searches of issue 37, each at the scale and global batch a published run used.
+# gpt3-175b's shape (GeLU, MHA, vocab 50257, seq 2048) with the layers and hidden size of
+# Narayanan et al. 2021's Table 1 rows (1008B on 3072 GPUs, batch 3072; 529.6B on 2520, batch
+# 2520; 310.1B on 1920, batch 2160; --hidden keeps a head width of 128); GPT-3 175B on 12288
+# GPUs at batch 6144; Llama 3 405B as Dubey et al. 2024 (Table 4) ran it, 16384 H100s and 16M
+# tokens (2048 sequences of 8192); Llama 3 70B on 2048 H100s at 4096 x 8192; the paper's 42.9B
+# at seq 16384 on 32 A100s, batch 256 (docs/planner.md, (b)).
 CASES: dict[str, list[str]] = {
     "1t": ["--model", "gpt3-175b", "--layers", "128", "--hidden", "25600", "--gpus", "3072",
            "--global-batch", "3072"],
-    "310b": ["--model", "gpt3-175b", "--hidden", "16384", "--gpus", "1920"],
-    "530b": ["--model", "gpt3-175b", "--layers", "105", "--hidden", "20480", "--gpus", "2520"],
+    "530b": ["--model", "gpt3-175b", "--layers", "105", "--hidden", "20480", "--gpus", "2520",
+             "--global-batch", "2520"],
+    "310b": ["--model", "gpt3-175b", "--hidden", "16384", "--gpus", "1920",
+             "--global-batch", "2160"],
+    "175b": ["--model", "gpt3-175b", "--gpus", "12288", "--global-batch", "6144"],
     "405b": ["--model", "llama3-405b", "--hardware", "h100-80gb", "--gpus", "16384",
-             "--seq", "8192"],
-    "42.9b": ["--model", "pipeoffload-42.9b", "--seq", "16384", "--gpus", "32"],
+             "--seq", "8192", "--global-batch", "2048"],
+    "70b": ["--model", "llama3-70b", "--hardware", "h100-80gb", "--gpus", "2048",
+            "--seq", "8192", "--global-batch", "4096"],
+    "42.9b": ["--model", "pipeoffload-42.9b", "--seq", "16384", "--gpus", "32",
+              "--global-batch", "256"],
 }
 
 
@@ -128,12 +138,13 @@ def reduced_error(name: str) -> None:
     from pipeoffload.errors import ConfigError
     from pipeoffload.planner.costing import MemoryConfig
     from pipeoffload.planner.evaluate import Evaluator
+    from pipeoffload.planner.frameworks import framework_preset
     from pipeoffload.planner.hardware import load_hardware
     from pipeoffload.planner.search import SearchConfig, configurations
 
     args = build_parser().parse_args(["plan", *CASES[name]])
-    spec, hw = _spec(args), load_hardware(args.hardware)
-    space = _space(args, spec)
+    spec, hw = _spec(args, framework_preset(args.framework)), load_hardware(args.hardware)
+    space = _space(args)
     global_batch = args.global_batch if args.global_batch is not None else 4 * args.gpus
     config = SearchConfig(gpus=args.gpus, global_batch=global_batch)
     evaluator = Evaluator(spec, hw, MemoryConfig(), hw.hbm_bytes,
@@ -169,7 +180,7 @@ def reduced_error(name: str) -> None:
     print(f"every candidate simulated in full: best {best and describe_plan(best)} "
           f"{best and best.step_time}", flush=True)
     summary = {
-        "search": name, "candidates": len(rows), "reduced": len(kept),
+        "search": name, "argv": CASES[name], "candidates": len(rows), "reduced": len(kept),
         "worst_step_time_error": worst_time and worst_time[1],
         "worst_step_time_candidate": worst_time and repr(worst_time[4]),
         "worst_memory_error": worst_memory and worst_memory[2],
@@ -218,7 +229,8 @@ def compare(names: list[str]) -> None:
               f"{fixed_step} | {vs_fixed} |", flush=True)
     summary = load_reference().get("reduced_error")
     if summary:
-        print(f"\nreduced simulation over the whole {summary['search']} search: "
+        print(f"\nreduced simulation over the whole {summary['search']} search "
+              f"({' '.join(summary.get('argv', ['(flags not recorded)']))}): "
               f"{summary['reduced']} of {summary['candidates']} candidates reduced, worst "
               f"step-time error {summary['worst_step_time_error']:+.2e}, worst memory error "
               f"{summary['worst_memory_error']:+.2e}, {summary['feasibility_flips']} "

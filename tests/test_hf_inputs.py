@@ -68,13 +68,14 @@ def test_bad_models_are_refused_up_front(tmp_path, text, change, argv, message):
         checked(["--model", cfg, "--pp", "2", "--data", str(text), "--seq-len", "16", *argv])
 
 
-def test_gpt2_is_not_sharded_and_its_positions_bound_the_sequence(tmp_path, text):
+def test_gpt2_shards_by_head_and_its_positions_bound_the_sequence(tmp_path, text):
     cfg = write(tmp_path / "g" / "config.json",
                 {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 4,
                  "n_head": 4, "n_positions": 16, "activation_function": "gelu_new"})
     base = ["--model", cfg, "--pp", "2", "--data", str(text)]
-    with pytest.raises(ConfigError, match="does not shard gpt2 models"):
-        checked([*base, "--tp", "2", "--seq-len", "16"])
+    assert checked([*base, "--tp", "2", "--seq-len", "16"]) is not None  # q, k, v by head
+    with pytest.raises(ConfigError, match="must split heads=4 of .* evenly"):
+        checked([*base, "--tp", "3", "--seq-len", "16"])
     with pytest.raises(ConfigError, match="--seq-len 32 exceeds .* n_positions 16"):
         checked([*base, "--seq-len", "32"])
     assert parse(base).data.seq_len == 16  # the default fits the model
@@ -212,7 +213,7 @@ def test_the_planner_names_the_config_and_keeps_to_what_train_runs(tmp_path):
     lgd = train_command(dataclasses.replace(plan, recompute=Recompute.LGD), spec)
     assert lgd.argv is None and "full) or nothing" in lgd.refused
     gpt2 = dataclasses.replace(spec, model_type="gpt2")
-    assert "does not shard gpt2" in train_command(plan, gpt2).refused
+    assert "--tp 2" in train_command(plan, gpt2).argv  # train shards GPT-2's fused QKV
     assert hf_families.sizes({"n_embd": 8, "n_head": 2})["ffn_hidden"] == 32
 
 

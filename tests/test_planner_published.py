@@ -8,8 +8,13 @@ import functools
 
 import pytest
 
-from pipeoffload.planner.hardware import HBM_EFFICIENCY
+from pipeoffload.planner.hardware import (
+    HBM_EFFICIENCY,
+    HOPPER_ATTENTION_EFFICIENCY,
+    HOPPER_GEMM_EFFICIENCY,
+)
 from pipeoffload.planner.published import (
+    DGXC_2024,
     KORTHIKANTI_2022,
     LLAMA3_2024,
     MEGATRON_CORE_2024,
@@ -22,6 +27,7 @@ from pipeoffload.planner.published import (
     narayanan_mfu,
     predict,
 )
+from pipeoffload.planner.published_hopper import HOPPER_FIT_ROWS, calibrate_hopper
 from pipeoffload.planner.transformer import Recompute
 
 #: Issue 21's bar, in MFU points.
@@ -32,6 +38,15 @@ BAR = 3.0
 #: past this fails; every other issue row must stay within the bar.
 KNOWN_OVER = {
     "Narayanan 2021 529.6B (full)": 3.3,
+    # Megatron-LM README rows held out from the Hopper fit, whose microbatch size and
+    # interleaving are not published (docs/planner-model.md, "Hopper"): the assumption of
+    # published_hopper.py prices them this far off; other choices move them by up to 10 points.
+    "Megatron-Core 2024 7.1B on H100 (none)": 3.8,
+    "Megatron-Core 2024 16B on H100 (none)": 4.8,
+    "Megatron-Core 2024 70B on H100 (none)": 3.6,
+    "Megatron-Core 2024 177B on H100 (none)": 3.7,
+    "Megatron-Core 2024 462B on H100 (none)": 5.0,
+    "Llama 3 2024 405B on 8192 H100 (none)": 3.9,
 }
 
 
@@ -86,24 +101,46 @@ def test_korthikanti_2022_table4_layer_times_within_ten_percent() -> None:
 
 
 def test_held_out_runs_are_predicted_and_reported() -> None:
-    """Held-out runs (not used to choose anything) are predicted without error; their misses
-    are reported by the benchmark, not bounded here, except that the model must not fall
-    behind a measurement by more than the bar (it is optimistic, never pessimistic, today)."""
-    held = tuple(run for run in NARAYANAN_2021 + LLAMA3_2024 + MEGATRON_CORE_2024
+    """Held-out runs (not used to choose anything) are predicted without error and none falls
+    behind its measurement by more than the bar (or its known miss)."""
+    held = tuple(run for run in NARAYANAN_2021 + DGXC_2024 + MEGATRON_CORE_2024 + LLAMA3_2024
                  if run.held_out)
-    assert len(held) == 7
+    assert len(held) == 3 + 4 + 8 + 2
     for label, error in _errors(held).items():
-        assert error > -BAR, f"{label}: {error:+.1f}"
+        assert error > -KNOWN_OVER.get(label, BAR), f"{label}: {error:+.1f}"
 
 
-def test_megatron_core_2024_h100_rows_show_the_hopper_presets_optimistic() -> None:
-    """Megatron-LM's README weak-scaling rows without pipelining and with at most TP2
-    (Megatron-Core r0.8.0 on H100, BF16): the MFU convention is ours (408.8 TFLOP/s per GPU is
-    the table's 41% of 989), and the H100 preset predicts them 5-10 points high even with the
-    least optimistic microbatch size (docs/planner-model.md, "What the model still misses").
-    If a later change brings them within the bar, move them out of this test's range."""
+def test_dgxc_2024_gpt3_175b_on_128_to_2048_h100s_within_the_bar() -> None:
+    """NVIDIA's dgxc-benchmarking v24.11.1, GPT-3 175B in BF16 (TP4 PP8 VP12, micro batch 1,
+    no recompute, distributed optimizer): the 128-GPU row fits the Hopper efficiencies, the four
+    larger ones are held out; every row within the bar."""
+    assert [run.held_out for run in DGXC_2024] == [False, True, True, True, True]
+    # its README's 49.93% (their FLOPs rounded to 2.20e15 per sequence; unrounded 50.03%)
+    assert DGXC_2024[0].measured_mfu == pytest.approx(0.4993, abs=1.5e-3)
+    errors = _errors(DGXC_2024)
+    assert len(errors) == 5 and all(abs(error) <= BAR for error in errors.values()), errors
+
+
+def test_megatron_core_2024_readme_rows() -> None:
+    """Megatron-LM's README weak-scaling rows (Megatron-Core r0.8.0 on H100, BF16; MFU in our
+    convention: 408.8 TFLOP/s per GPU is its 41% of 989): the 1.7B row fits the Hopper
+    efficiencies; the eight others are held out, within the bar or their known miss."""
     assert MEGATRON_CORE_2024[0].measured_mfu == pytest.approx(0.413, abs=5e-4)
-    assert all(run.micro_batch == 1 and run.pp == 1 and run.tp <= 2 and run.held_out
-               for run in MEGATRON_CORE_2024)
-    for label, error in _errors(MEGATRON_CORE_2024).items():
-        assert 5.0 < error < 10.0, f"{label}: {error:+.1f}"
+    assert [run.held_out for run in MEGATRON_CORE_2024] == [False] + [True] * 8
+    errors = _errors(MEGATRON_CORE_2024)
+    _check_bar(errors)
+    assert sum(abs(error) <= BAR for error in errors.values()) >= 4
+
+
+def test_llama3_2024_405b_rows() -> None:
+    """Dubey et al. 2024's two rows without context parallelism, held out."""
+    _check_bar(_errors(LLAMA3_2024))
+
+
+def test_hopper_efficiencies_are_the_fit_of_their_rows() -> None:
+    """HOPPER_GEMM_EFFICIENCY and HOPPER_ATTENTION_EFFICIENCY minimise the fit rows' error on
+    the 0.01 grid (no neighbour is better), and the descent reaches them from elsewhere."""
+    constants = (HOPPER_GEMM_EFFICIENCY, HOPPER_ATTENTION_EFFICIENCY)
+    assert calibrate_hopper(start=constants) == constants
+    assert calibrate_hopper(start=(0.96, 0.52)) == constants
+    assert {run.row for run in HOPPER_FIT_ROWS} == {"GPT-3 175B on 128 H100", "1.7B on H100"}

@@ -3,9 +3,9 @@
 checks `pipeoffload train` runs before starting any process, and the integration agree.
 
 - SUPPORTED_MODEL_TYPES: ``model_type`` values ``pipeoffload.hf.split_causal_lm`` splits.
-- TENSOR_PARALLEL_MODEL_TYPES: families whose decoder layers `train --tp` shards (separate
-  Q / K / V / gate / up / down linear layers); GPT-2 fuses Q, K and V into one ``Conv1D``
-  whose column order (all Q, then K, then V) a column split would cut across, so it is refused.
+- TENSOR_PARALLEL_MODEL_TYPES: families whose decoder layers `train --tp` shards: every one
+  of SUPPORTED_MODEL_TYPES (GPT-2's fused Q / K / V ``Conv1D`` is regrouped by rank before it is
+  split, training/hf_tensor_parallel.py, Note [GPT-2 fused QKV]).
 - RECOMPUTE_MODES: what `train --recompute` does for these models: ``full`` re-runs each
   decoder layer in the backward; ``lgd`` (norm and activation-function outputs only) needs the
   reference model's layer structure and is refused.
@@ -19,7 +19,7 @@ from typing import Any
 from pipeoffload.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 RECOMPUTE_MODES = ("none", "full")
 #: config.json keys of dropout probabilities (Llama family, GPT-2).
 DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
@@ -83,8 +83,8 @@ def check_parallel(config: Mapping[str, Any], where: str, *, tp: int, recompute:
         return
     if model_type not in TENSOR_PARALLEL_MODEL_TYPES:
         raise ConfigError(
-            f"--tp {tp}: train does not shard {model_type} models (GPT-2 fuses Q, K and V into "
-            f"one Conv1D); use --tp 1, or a family of {', '.join(TENSOR_PARALLEL_MODEL_TYPES)}")
+            f"--tp {tp}: train does not shard {model_type} models over tensor-parallel ranks; "
+            f"use --tp 1, or a family of {', '.join(TENSOR_PARALLEL_MODEL_TYPES)}")
     found = sizes(config)
     for name in ("heads", "kv_heads", "ffn_hidden"):
         if found[name] % tp:

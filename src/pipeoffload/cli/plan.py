@@ -13,8 +13,12 @@ from pipeoffload.cli.preflight import MAX_RANKS, count, counts, number
 from pipeoffload.core.collector import cyclic_gc_paused
 
 if TYPE_CHECKING:
-    from pipeoffload.planner.search import SearchSpace
+    from pipeoffload.planner.frameworks import FrameworkPreset
+    from pipeoffload.planner.hardware import Hardware
+    from pipeoffload.planner.limits import LimitCost
+    from pipeoffload.planner.search import SearchConfig, SearchResult, SearchSpace
     from pipeoffload.planner.transformer import TransformerSpec
+    from pipeoffload.planner.verdict import Verdict
 
 NOTHING_FITS = 3  # the search ran and no configuration fits (the output says what came close)
 
@@ -55,8 +59,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--memory", type=number(above=0, maximum=1 << 30), default=None,
                    metavar="GiB",
                    help="memory budget per GPU in GiB (default: the GPU's memory)")
-    p.add_argument("--recompute", choices=("none", "lgd", "full"), default=None,
-                   help="fix the recompute option (default: search all three)")
+    p.add_argument("--recompute", choices=("none", "lgd", "full", "selective"), default=None,
+                   help="fix the recompute option (default: search none, lgd and full; "
+                        "selective is Megatron's, for frameworks without flash attention)")
     p.add_argument("--global-batch", type=count(1, 1 << 24), default=None, metavar="B",
                    help="sequences per step (default 4 x GPUs)")
     p.add_argument("--top", type=count(1, 1 << 20), default=10, metavar="K",
@@ -78,6 +83,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                    help="only these offload targets among none, chunks:1, all")
     p.add_argument("--micro-batch-sizes", type=counts(1, 1 << 20), default=None, metavar="B[,B]",
                    help="microbatch sizes to try (default 1,2,4)")
+    p.add_argument("--framework", default="current", metavar="NAME",
+                   help="whose behaviour prices each plan (planner/frameworks.py): current "
+                        "(pipeoffload train, the default), megatron-2021, "
+                        "megatron-2021-torch-ddp, megatron-2022, megatron-2022-no-sp, "
+                        "megatron-core, llama3-2024 (the published runs' frameworks, "
+                        "docs/planner-model.md)")
     p.add_argument("--sharded-optimizer", action="store_true",
                    help="ZeRO-1: shard fp32 master weights and Adam moments over DP")
     p.add_argument("--reserve", type=number(minimum=0, maximum=1 << 30), default=None,
@@ -99,7 +110,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.set_defaults(handler=cmd_plan)
 
 
-def _spec(args: argparse.Namespace) -> TransformerSpec:
+def _spec(args: argparse.Namespace, preset: FrameworkPreset) -> TransformerSpec:
     from pipeoffload.planner.presets import load_model
 
     spec = load_model(args.model)
@@ -116,11 +127,12 @@ def _spec(args: argparse.Namespace) -> TransformerSpec:
     if spec.train_model is not None and ("num_layers" in overrides or "hidden" in overrides):
         # another shape than the file's: train can run it only as the reference model
         overrides["train_model"] = None
-    return dataclasses.replace(spec, **overrides) if overrides else spec
+    spec = dataclasses.replace(spec, **overrides) if overrides else spec
+    return preset.model(spec)
 
 
-def _space(args: argparse.Namespace, spec: TransformerSpec) -> SearchSpace:
-    from pipeoffload import hf_families
+def _space(args: argparse.Namespace) -> SearchSpace:
+    """The search space the flags give (before train's limits, planner/limits.py)."""
     from pipeoffload.planner.search import SearchSpace
 
     options: dict[str, Any] = {}  # SearchSpace fields
@@ -128,26 +140,9 @@ def _space(args: argparse.Namespace, spec: TransformerSpec) -> SearchSpace:
         options.update(_schedule_options(args.schedules, args.offload))
     if args.recompute:
         options["recompute"] = (args.recompute,)
-    for field in ("tp", "pp", "offload"):
+    for field in ("tp", "pp", "offload", "group_sizes", "micro_batch_sizes", "chunks"):
         if getattr(args, field):
             options[field] = getattr(args, field)
-    if spec.train_model is not None:  # only what `train --model PATH` runs (hf_families)
-        limits = []
-        if not args.recompute:
-            options["recompute"] = hf_families.RECOMPUTE_MODES
-            limits.append("--recompute none or full")
-        if not args.tp and spec.model_type not in hf_families.TENSOR_PARALLEL_MODEL_TYPES:
-            options["tp"] = (1,)
-            limits.append("--tp 1")
-        if limits and not args.quiet:
-            print(f"pipeoffload plan: note: {spec.model_type} models train with "
-                  f"{' and '.join(limits)}, so the search keeps to that", file=sys.stderr)
-    if args.group_sizes:
-        options["group_sizes"] = args.group_sizes
-    if args.micro_batch_sizes:
-        options["micro_batch_sizes"] = args.micro_batch_sizes
-    if args.chunks:
-        options["chunks"] = args.chunks
     return SearchSpace(**options)
 
 
@@ -197,18 +192,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan(args)
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _config(args: argparse.Namespace, preset: FrameworkPreset) -> SearchConfig:
     from pipeoffload.planner.costing import GIB, MemoryConfig
     from pipeoffload.planner.evaluate import Extrapolation
-    from pipeoffload.planner.hardware import load_hardware
-    from pipeoffload.planner.optimizer import OptimizerSpec
-    from pipeoffload.planner.report import render_result, result_json
-    from pipeoffload.planner.search import SearchConfig, search
-    from pipeoffload.planner.verdict import offload_verdict
+    from pipeoffload.planner.search import SearchConfig
 
-    spec = _spec(args)
-    hw = load_hardware(args.hardware)
-    memory = MemoryConfig(optimizer=OptimizerSpec(sharded=args.sharded_optimizer))
+    memory = MemoryConfig(optimizer=preset.with_sharding(args.sharded_optimizer))
     if args.reserve is not None:
         memory = dataclasses.replace(memory, reserve_bytes=args.reserve * GIB)
     config = SearchConfig(
@@ -219,28 +208,63 @@ def _plan(args: argparse.Namespace) -> int:
         memory=memory,
         extrapolation=Extrapolation(enabled=not args.no_extrapolate),
         host_budget_bytes=args.host_memory * GIB if args.host_memory is not None else None,
+        framework=preset.framework,
     )
     if args.tolerance is not None:
         config = dataclasses.replace(config, tolerance=args.tolerance)
+    return config
 
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
 
-    space = _space(args, spec)
-    fixed = _every_dimension_fixed(args, space)
+def _plan(args: argparse.Namespace) -> int:
+    from pipeoffload.planner.frameworks import framework_preset
+    from pipeoffload.planner.hardware import load_hardware
+    from pipeoffload.planner.limits import limit_cost, limited, train_limits
+    from pipeoffload.planner.search import search
+    from pipeoffload.planner.verdict import offload_verdict, settled
+
+    preset = framework_preset(args.framework)
+    spec, hw = _spec(args, preset), load_hardware(args.hardware)
+    config, space = _config(args, preset), _space(args)
+    limits = train_limits(spec, {f for f in ("recompute", "tp") if getattr(args, f)})
+    searched = limited(space, limits)
+    fixed = _every_dimension_fixed(args, searched)
     if fixed:
         config = dataclasses.replace(config, nearest_tries=max(config.nearest_tries, 8))
-    result = search(spec, hw, config, space, None if args.quiet else progress)
-    verdict = None if fixed or args.no_verdict else offload_verdict(spec, hw, config, space,
+    result = search(spec, hw, config, searched, None if args.quiet else _progress)
+    verdict = None if fixed or args.no_verdict else offload_verdict(spec, hw, config, searched,
                                                                    result)
+    if verdict is not None:
+        result = settled(result, verdict)
+    cost = limit_cost(spec, hw, config, space, limits, result) if limits else None
+    notes = [*result.notes, *([cost.note(spec.model_type)] if cost else []),
+             *_framework_notes(preset)]
+    result = dataclasses.replace(result, notes=tuple(notes))
+    return _report(args, result, fixed, verdict, cost, hw, config, preset)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _framework_notes(preset: FrameworkPreset) -> list[str]:
+    if preset.name == "current":
+        return []
+    return [f"note: priced as {preset.name} runs it ({preset.summary}); pipeoffload train "
+            "runs --framework current, so its step times differ from these"]
+
+
+def _report(args: argparse.Namespace, result: SearchResult, fixed: bool,
+            verdict: Verdict | None, cost: LimitCost | None, hw: Hardware,
+            config: SearchConfig, preset: FrameworkPreset) -> int:
+    """Print the table or the JSON object; the exit status."""
+    from pipeoffload.planner.costing import GIB
+    from pipeoffload.planner.report import render_result, result_json
+
+    spec = result.spec
+    assert spec is not None
+    memory = config.memory
     host_budget = (config.host_budget_bytes if config.host_budget_bytes is not None
                    else hw.host_bytes_per_node)
-    inputs = {"model": spec.name, "layers": spec.num_layers, "hidden": spec.hidden,
-              "seq": spec.seq_len, "gpus": config.gpus, "hardware": hw.name,
-              "global_batch": config.global_batch, "memory_gib": result.budget_bytes / GIB,
-              "host_memory_gib_per_node": host_budget / GIB,
-              "sharded_optimizer": args.sharded_optimizer,
-              "reserve_gib": memory.reserve_bytes / GIB}
     fits = result.best is not None and result.best.feasible
     if fixed and result.best is None:
         reasons = " ".join(result.notes) or (
@@ -254,14 +278,23 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"pipeoffload plan: error: {what} (exit status {NOTHING_FITS}); the report says "
               f"{'what it needs' if fixed else 'what came nearest'}", file=sys.stderr)
     if args.json:
-        print(json.dumps(result_json(result, inputs, fixed=fixed, verdict=verdict),
-                         sort_keys=True))
+        inputs = {"model": spec.name, "layers": spec.num_layers, "hidden": spec.hidden,
+                  "seq": spec.seq_len, "gpus": config.gpus, "hardware": hw.name,
+                  "global_batch": config.global_batch, "memory_gib": result.budget_bytes / GIB,
+                  "host_memory_gib_per_node": host_budget / GIB,
+                  "sharded_optimizer": args.sharded_optimizer,
+                  "reserve_gib": memory.reserve_bytes / GIB, "framework": preset.name,
+                  "flash_attention": spec.flash_attention}
+        data = result_json(result, inputs, fixed=fixed, verdict=verdict)
+        data["restrictions"] = cost.as_json() if cost is not None else None
+        print(json.dumps(data, sort_keys=True))
         return 0 if fits else NOTHING_FITS
     host = (f", {host_budget / GIB:.0f} GiB pinned host memory per node" if host_budget
             else ", host memory not checked")
+    framework = f"; framework {preset.name}" if preset.name != "current" else ""
     line = (f"{spec.name}: {spec.num_layers} layers, hidden {spec.hidden}, seq {spec.seq_len}; "
             f"{config.gpus} x {hw.name}, global batch {config.global_batch} sequences, budget "
             f"{result.budget_bytes / GIB:.1f} GiB per GPU (reserve {memory.reserve_bytes / GIB:g})"
-            f"{host}")
+            f"{host}{framework}")
     print(render_result(result, line, fixed=fixed, verdict=verdict))
     return 0 if fits else NOTHING_FITS

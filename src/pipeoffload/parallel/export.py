@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.integrations.hf_tp_layout import hf_order
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.dtype_names import EXPORT_DTYPE_NAMES
 from pipeoffload.parallel.gradients import tie_copy_names
@@ -52,7 +53,7 @@ def stage_tensors(model: nn.Module, stages: Mapping[int, nn.Module], dtype: torc
     """{full-model name: tensor on the CPU in ``dtype``} of the stages' parameters, each tie
     once; ``values`` replaces parameters by id (float32 master weights). DTensors are
     gathered whole (a collective over their tensor-parallel group, in the same order on every
-    rank of it)."""
+    rank of it) and put back in Hugging Face's layout (integrations/hf_tp_layout.py hf_order)."""
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
@@ -65,7 +66,8 @@ def stage_tensors(model: nn.Module, stages: Mapping[int, nn.Module], dtype: torc
                 continue
             value = param if values is None else values.get(id(param), param)
             if is_dtensor(value):
-                value = value.full_tensor()  # type: ignore[attr-defined]  # a DTensor
+                sharded: Any = value
+                value = hf_order(local, sharded.full_tensor(), sharded.device_mesh.size())
             tensors[full] = value.detach().to(device="cpu", dtype=dtype).contiguous()
     return tensors
 

@@ -27,7 +27,7 @@ from pipeoffload.checks import check_number
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.comm_bytes import ring_collective_bytes
 from pipeoffload.planner.hardware import Hardware
-from pipeoffload.planner.layer_time import collective_s
+from pipeoffload.planner.layer_time import CAUSAL_FRACTION, collective_s
 from pipeoffload.planner.layer_work import NormKernel
 from pipeoffload.planner.optimizer import (
     OptimizerSpec,
@@ -50,6 +50,7 @@ from pipeoffload.planner.transformer import (
     ParamCount,
     Recompute,
     TransformerSpec,
+    attention_core_flops,
     head_flops,
     layer_flops,
 )
@@ -86,13 +87,16 @@ class Framework:
     asynchronous communication, 2022 on). ``grad_accumulation_bytes``: bytes per parameter per
     microbatch of accumulating weight gradients beyond the GEMM's output (layer_time.py).
     ``p2p_blocking``: stages wait for their pipeline transfers (Note [blocking P2P]).
-    ``norm_kernel``: the LayerNorm kernels (layer_work.py, Note [norm kernels])."""
+    ``norm_kernel``: the LayerNorm kernels (layer_work.py, Note [norm kernels]).
+    ``userbuffers``: Transformer Engine overlaps every TP collective with a matmul
+    (layer_time.py, Note [userbuffer overlap])."""
 
     sequence_parallel: bool = True
     tp_overlap: bool = True
     grad_accumulation_bytes: float = 6.0
     p2p_blocking: bool = False
     norm_kernel: NormKernel = NormKernel.PERSISTENT
+    userbuffers: bool = False
 
     def run(self, micro_batch: int, tp: int, recompute: Recompute, *,
             w_deferred: bool = False) -> RunConfig:
@@ -101,7 +105,7 @@ class Framework:
                          sequence_parallel=self.sequence_parallel, tp_overlap=self.tp_overlap,
                          w_deferred=w_deferred, p2p_blocking=self.p2p_blocking,
                          grad_accumulation_bytes=self.grad_accumulation_bytes,
-                         norm_kernel=self.norm_kernel)
+                         norm_kernel=self.norm_kernel, userbuffers=self.userbuffers)
 
 
 #: What ``pipeoffload train`` and current Megatron do (Framework's defaults).
@@ -304,12 +308,15 @@ def optimizer_seconds(hw: Hardware, pieces: tuple[PieceCost, ...],
                for params in rank_params(pieces, stage_to_rank))
 
 
-def step_model_flops(spec: TransformerSpec, sequences: int) -> float:
+def step_model_flops(spec: TransformerSpec, sequences: int, *, causal: bool = False) -> float:
     """Model FLOPs of one training step over ``sequences`` sequences (FlopCount.MODEL: the
-    math counted once, no recompute; the MFU convention)."""
-    per_sequence = spec.num_layers * layer_flops(spec, 1, tp=1, count=FlopCount.MODEL).total \
-        + head_flops(spec, 1, tp=1).total
-    return per_sequence * sequences
+    math counted once, no recompute). ``causal``: the attention core's share counted as a
+    causal kernel runs it, half the s x s square (``CAUSAL_FRACTION``); else the whole square,
+    Megatron's convention (docs/planner-model.md, "MFU conventions")."""
+    layer = layer_flops(spec, 1, tp=1, count=FlopCount.MODEL).total
+    if causal:  # F's core once, I's twice (layer_flops): three cores, of which half is skipped
+        layer -= 3 * (1 - CAUSAL_FRACTION) * attention_core_flops(spec, 1)
+    return (spec.num_layers * layer + head_flops(spec, 1, tp=1).total) * sequences
 
 
 def peak_flops(hw: Hardware) -> tuple[float, bool]:

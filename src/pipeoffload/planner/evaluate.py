@@ -74,6 +74,8 @@ class MemorySplit:
 @dataclass(frozen=True)
 class Plan:
     """A simulated candidate. Times in seconds; ``pipeline_time`` is the simulated makespan,
+    ``mfu`` model FLOPs utilization counting the full s x s attention square (Megatron's
+    convention), ``mfu_causal`` counting the half of it a causal kernel runs;
     ``dp_time`` the exposed data-parallel exchange and ``optimizer_time`` the optimizer step,
     both after it (optimizer.py, Note [step outside the pipeline]). ``host_bytes`` is the pinned
     host memory offload needs on the fullest GPU and ``host_node_bytes`` on the fullest node
@@ -91,6 +93,7 @@ class Plan:
     simulated_microbatches: tuple[int, ...]
     notes: tuple[str, ...] = field(default=())
     optimizer_time: float = 0.0
+    mfu_causal: float = 0.0
     host_bytes: float = 0.0
     host_node_bytes: float = 0.0
     host_budget_bytes: float = 0.0
@@ -330,7 +333,8 @@ class Evaluator:
         sequences = candidate.dp * candidate.micro_batch * candidate.microbatches
         peak, _ = peak_flops(self.hw)
         step = makespan + dp_time + optimizer_time
-        mfu = step_model_flops(self.spec, sequences) / (step * layout.gpus * peak)
+        mfu, mfu_causal = (step_model_flops(self.spec, sequences, causal=causal)
+                           / (step * layout.gpus * peak) for causal in (False, True))
         return Plan(
             candidate=candidate,
             pipeline_time=makespan,
@@ -344,6 +348,7 @@ class Evaluator:
             simulated_microbatches=run.counts,
             notes=run.notes,
             optimizer_time=optimizer_time,
+            mfu_causal=mfu_causal,
             host_bytes=max(run.host_bytes),
             host_node_bytes=node_host_bytes(run.host_bytes, candidate.tp, candidate.pp,
                                             self.hw.gpus_per_node),

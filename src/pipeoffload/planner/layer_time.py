@@ -39,6 +39,17 @@ while it has S - k SMs (a matmul's rate taken as proportional to its SMs; a larg
 register-file-fills its SMs, so it cannot share one with a collective's block). A blocking
 collective takes nothing from a matmul: nothing runs beside it.
 
+Note [userbuffer overlap]: Transformer Engine's comm-GEMM overlap (Megatron-Core's
+``--tp-comm-overlap``, NeMo's ``ub_tp_comm_overlap``; ``RunConfig.userbuffers``) splits each
+sequence-parallel collective into chunks pipelined with the matmul it feeds or follows: the
+forward's all-gather before QKV and MLP-in runs beside those matmuls (ring exchange), its
+reduce-scatter after the output projection and MLP-out beside them, and in the backward the
+all-gather of the row-parallel linears' output gradient beside their input-gradient matmuls.
+Each is priced as an overlapped collective (Note [collectives share the SMs]: the part longer
+than its matmul, or the SMs it holds), with NCCL's channel count for the SMs [assumption: TE
+sets its own SM counts per GEMM, which are not modelled]. Without sequence parallelism it
+changes nothing here.
+
 Note [attention core]: without flash attention Q K^T and P V are batched GEMMs over the b a / t
 (sequence, head) pairs with k = d (Q K^T) or k = s (P V), two in F and four in I, priced by
 shape like every GEMM; their s x s softmax and dropout are memory-bound work. Flash attention
@@ -97,6 +108,7 @@ class RunConfig:
     main_grad.add_, PyTorch's .grad accumulation) and for Megatron's gradient-accumulation
     fusion (the GEMM reads and writes an fp32 sum instead of writing 16 bits: 4 + 4 - 2).
     ``norm_kernel``: which LayerNorm kernels run (layer_work.py, Note [norm kernels]).
+    ``userbuffers``: Transformer Engine's userbuffer overlap (Note [userbuffer overlap]).
     """
 
     micro_batch: int = 1
@@ -109,6 +121,7 @@ class RunConfig:
     p2p_blocking: bool = False
     grad_accumulation_bytes: float = 6.0
     norm_kernel: NormKernel = NormKernel.PERSISTENT
+    userbuffers: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", as_recompute(self.recompute))
@@ -118,7 +131,8 @@ class RunConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"RunConfig.{field} must be a positive integer, got {value!r}")
-        for field in ("sequence_parallel", "tp_overlap", "w_deferred", "p2p_blocking"):
+        for field in ("sequence_parallel", "tp_overlap", "w_deferred", "p2p_blocking",
+                      "userbuffers"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"RunConfig.{field} must be true or false, "
                                   f"got {getattr(self, field)!r}")
@@ -209,9 +223,14 @@ def _tp_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSeco
         gathers = sum(_exposed(hw, one, matmul) for matmul in dgrad) if run.tp_overlap \
             else 2 * one
         scatter = sum(_exposed(hw, one, matmul) for matmul in wgrad)
+        forward, output_gathers = 4 * one, 2 * one
+        if run.userbuffers:  # Note [userbuffer overlap]
+            forward = sum(_exposed(hw, one, hw.gemm_s(g)) for g in gemms.all())
+            output_gathers = sum(_exposed(hw, one, hw.gemm_s(g.input_gradient()))
+                                 for g in (gemms.proj, gemms.mlp_out))
         if run.w_deferred or not run.tp_overlap:
-            return PassSeconds(4 * one, 2 * one + gathers + 2 * one, 0.0)
-        return PassSeconds(4 * one, 2 * one + gathers, scatter)
+            return PassSeconds(forward, output_gathers + gathers + 2 * one, 0.0)
+        return PassSeconds(forward, output_gathers + gathers, scatter)
     reduces = sum(_exposed(hw, 2 * one, matmul) for matmul in wgrad)
     if not run.tp_overlap:
         return PassSeconds(4 * one, 4 * one, 0.0)

@@ -152,7 +152,8 @@ def model_from_config(
         value = _lookup(data, field, source)
         if value is not None:
             values[field] = value
-    for field in ("flash_attention", "activation_bytes", "param_bytes", "dropout", "bias"):
+    for field in ("flash_attention", "activation_bytes", "param_bytes", "dropout", "bias",
+                  "tied_embeddings"):
         if data.get(field) is not None:
             values[field] = data[field]
     if "bias" not in values:

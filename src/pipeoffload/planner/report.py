@@ -1,7 +1,8 @@
 """What ``pipeoffload plan`` prints: the k line, a ranked table, the winner's command, the
 verdict on offload, and the same as one JSON object (the contract: k, best and candidates, each
 plan with pp, tp, dp, schedule, chunks, group_size, offload, recompute, microbatch_size,
-microbatches, step_time, mfu, memory_gib, host_gib, host_node_gib, feasible and command: the
+microbatches, step_time, mfu (= mfu_megatron, the full attention square) and mfu_causal,
+memory_gib, host_gib, host_node_gib, feasible and command: the
 `pipeoffload train` command, or null with ``command_refused`` saying why train cannot run the
 plan)."""
 
@@ -17,10 +18,13 @@ from pipeoffload.planner.transformer import TransformerSpec
 from pipeoffload.planner.verdict import Verdict
 
 
-def plan_json(plan: Plan, spec: TransformerSpec | None = None) -> dict[str, Any]:
-    """One plan as a JSON-ready dictionary (times in seconds, memory in GiB)."""
+def plan_json(plan: Plan, spec: TransformerSpec | None = None, *,
+              sharded_optimizer: bool = False) -> dict[str, Any]:
+    """One plan as a JSON-ready dictionary (times in seconds, memory in GiB);
+    ``sharded_optimizer``: its memory counts ZeRO-1 (train_command)."""
     c = plan.candidate
     memory = plan.memory
+    command = train_command(c, spec, sharded_optimizer=sharded_optimizer)
     return {
         "pp": c.pp,
         "tp": c.tp,
@@ -37,6 +41,8 @@ def plan_json(plan: Plan, spec: TransformerSpec | None = None) -> dict[str, Any]
         "dp_time": plan.dp_time,
         "optimizer_time": plan.optimizer_time,
         "mfu": plan.mfu,
+        "mfu_megatron": plan.mfu,
+        "mfu_causal": plan.mfu_causal,
         "bubble_rate": plan.bubble_rate,
         "stall_time": plan.stall_time,
         "offloaded_fraction": plan.offloaded_fraction,
@@ -54,8 +60,8 @@ def plan_json(plan: Plan, spec: TransformerSpec | None = None) -> dict[str, Any]
         "fits_host": plan.fits_host,
         "feasible": plan.feasible,
         "simulated_microbatches": list(plan.simulated_microbatches),
-        "command": train_command(c, spec).argv,
-        "command_refused": train_command(c, spec).refused,
+        "command": command.argv,
+        "command_refused": command.refused,
     }
 
 
@@ -73,10 +79,12 @@ def result_json(result: SearchResult, inputs: dict[str, Any], *, fixed: bool = F
         "k_detail": str(result.k),
         "budget_gib": result.budget_bytes / GIB,
         "host_budget_gib": (best.host_budget_bytes / GIB if best is not None else None),
-        "best": plan_json(best, result.spec) if best is not None else None,
+        "best": plan_json(best, result.spec, sharded_optimizer=result.sharded_optimizer)
+        if best is not None else None,
         "feasible": bool(best is not None and best.feasible),
         "shortfall": result.shortfall("this configuration" if fixed else "the nearest plan"),
-        "candidates": [plan_json(plan, result.spec) for plan in result.candidates],
+        "candidates": [plan_json(plan, result.spec, sharded_optimizer=result.sharded_optimizer)
+                       for plan in result.candidates],
         "search": {
             "configurations": stats.configurations,
             "simulated": stats.simulated,
@@ -93,8 +101,8 @@ def result_json(result: SearchResult, inputs: dict[str, Any], *, fixed: bool = F
 
 
 _HEADER = ("#", "schedule", "pp", "tp", "dp", "v", "g", "b", "m", "recompute", "offload",
-           "step s", "MFU", "params+grads", "optimizer", "activations", "total GiB",
-           "host GiB/GPU", "fits")
+           "step s", "MFU Megatron", "MFU causal", "params+grads", "optimizer", "activations",
+           "total GiB", "host GiB/GPU", "fits")
 
 
 def _row(rank: int, plan: Plan) -> tuple[str, ...]:
@@ -104,7 +112,7 @@ def _row(rank: int, plan: Plan) -> tuple[str, ...]:
         str(c.group_size) if c.group_size is not None else "-", str(c.micro_batch),
         str(c.microbatches), c.recompute.value, c.offload,
         f"{'~' if plan.extrapolated else ''}{plan.step_time:.3f}",
-        f"{plan.mfu:.1%}", f"{(memory.params + memory.grads) / GIB:.1f}",
+        f"{plan.mfu:.1%}", f"{plan.mfu_causal:.1%}", f"{(memory.params + memory.grads) / GIB:.1f}",
         f"{memory.optimizer / GIB:.1f}", f"{memory.activations / GIB:.1f}",
         f"{plan.memory_gib:.1f}", f"{plan.host_bytes / GIB:.1f}",
         "yes" if plan.feasible else ("no (host)" if plan.fits_device else "no"),
@@ -146,13 +154,15 @@ def render_result(result: SearchResult, inputs_line: str, *, fixed: bool = False
         return "\n".join(lines)
     host = (f", {best.host_node_bytes / GIB:.1f} GiB pinned host memory per node"
             if best.host_node_bytes else "")
-    summary = (f"{best.step_time:.3f} s per step, MFU {best.mfu:.1%}, "
+    summary = (f"{best.step_time:.3f} s per step, MFU {best.mfu:.1%} (Megatron's count; "
+               f"{best.mfu_causal:.1%} counting the causal half of attention), "
                f"{best.memory_gib:.1f} GiB per device{host}")
     if fixed:
         lines.append("every dimension was fixed (tp, pp, chunks, microbatch size, schedule, "
                      "recompute, offload): this is that configuration's prediction, "
                      + ("and it fits" if best.feasible else "and it does NOT fit"))
-    command = str(train_command(best.candidate, result.spec))
+    command = str(train_command(best.candidate, result.spec,
+                                sharded_optimizer=result.sharded_optimizer))
     if best.feasible:
         lines.append(f"{'yours' if fixed else 'best'}: {summary}")
         lines.append(command)

@@ -42,6 +42,7 @@ class SearchResult:
     stats: SearchStats
     notes: tuple[str, ...] = field(default=())
     spec: TransformerSpec | None = None  # the model searched for (its shape goes in commands)
+    sharded_optimizer: bool = False  # memory counts ZeRO-1 (train_command refuses dp > 1)
     evaluator: Evaluator | None = field(default=None, compare=False, repr=False)
     """What priced the plans, with its built schedules and plans: a further search of the
     same model, hardware and config passes it on (``search(..., evaluator=)``)."""
@@ -65,8 +66,10 @@ class SearchResult:
         part, size = best.memory.largest_part()
         fixes = {"activations": "offload more, recompute (--recompute full) or shorten the "
                                 "sequence",
-                 "optimizer state": "shard the optimizer (--sharded-optimizer) over more DP "
-                                    "ranks or add GPUs",
+                 "optimizer state": ("add GPUs (more DP ranks to shard it over)"
+                                     if self.sharded_optimizer else
+                                     "shard the optimizer (--sharded-optimizer) over more DP "
+                                     "ranks or add GPUs"),
                  "gradients": "add GPUs (more PP / TP)",
                  "parameters": "add GPUs (more PP / TP)"}
         return (f"nothing fits in {self.budget_bytes / GIB:.1f} GiB; {subject} needs "

@@ -135,6 +135,9 @@ class SearchState:
         self.queue = _Queue()
         self.too_big: list[tuple[float, Candidate]] = []  # pruned by memory: nearest plans
         self.free_of = _siblings(groups)
+        # Offload-free siblings this search does not itself try (a space without "none"):
+        # priced on demand for their time, which bounds their variants (rule 1).
+        self.outside = {free for free in self.free_of.values()} - set(self.free_of)
         # Plans without offload whose time bounds an offloaded sibling's (rule 1 of the Note).
         self.floors_siblings = {self.free_of[c] for c in self.free_of if c.offload != "none"}
         self.feasible: dict[Candidate, Plan] = {}  # full or reduced, the latest of each
@@ -202,6 +205,8 @@ class SearchState:
         """A candidate not simulated yet: its plan, or None when it is pruned, cannot be built,
         or went back into the queue under a larger key."""
         free = self.free_of[candidate]
+        if free in self.outside and free not in self.sibling_floor:
+            self._price_outside(free)
         if self.sibling_floor.get(free, 0.0) > key:
             self.queue.push(self.sibling_floor[free], Why.SIBLING, candidate)
             return None
@@ -217,6 +222,15 @@ class SearchState:
         if plan is not None and candidate.offload == "none":
             self.sibling_floor[free] = self._floor(plan)
         return plan
+
+    def _price_outside(self, free: Candidate) -> None:
+        """The time of an offload-free sibling outside this search's space (its plan is
+        cached by the evaluator, often from an earlier search), for rule 1; nothing when its
+        shape cannot be built (nor can its variants')."""
+        try:
+            self.sibling_floor[free] = self._floor(self.evaluator.evaluate(free))
+        except ConfigError:
+            return
 
     def _price(self, key: float, candidate: Candidate, free: Candidate) -> Plan | None:
         """Rules 1, 2 and 2b of the Note before simulating ``candidate``; raises ConfigError
@@ -316,11 +330,12 @@ def _evaluator(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space:
                    else hw.host_bytes_per_node)
     if evaluator is None:
         return Evaluator(spec, hw, config.memory, budget, config.extrapolation,
-                         host_budget_bytes=host_budget, registry=space.registry)
+                         framework=config.framework, host_budget_bytes=host_budget,
+                         registry=space.registry)
     if (evaluator.spec, evaluator.hw, evaluator.memory, evaluator.budget_bytes,
-            evaluator.extrapolation, evaluator.host_budget_bytes) != (
-                spec, hw, config.memory, budget, config.extrapolation, host_budget) \
-            or evaluator.registry is not space.registry:
+            evaluator.extrapolation, evaluator.host_budget_bytes, evaluator.framework) != (
+                spec, hw, config.memory, budget, config.extrapolation, host_budget,
+                config.framework) or evaluator.registry is not space.registry:
         raise ValueError("search: the evaluator passed in prices another model, hardware, "
                          "config or registry")
     return evaluator
@@ -353,5 +368,6 @@ def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: Se
                                   seconds=time.monotonic() - started),
         notes=tuple(notes),
         spec=spec,
+        sharded_optimizer=config.memory.optimizer.sharded,
         evaluator=evaluator,
     )

@@ -17,7 +17,7 @@ from pipeoffload.core.families.base import FamilySpec, GroupSize
 from pipeoffload.core.registry import REGISTRY, Registry
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.candidate import Candidate
-from pipeoffload.planner.costing import MemoryConfig
+from pipeoffload.planner.costing import DEFAULT_FRAMEWORK, Framework, MemoryConfig
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.layer_time import RunConfig
 from pipeoffload.planner.ratio import PieceCost, layer_cost
@@ -85,7 +85,8 @@ def _check_searchable(family: FamilySpec) -> None:
 @dataclass(frozen=True)
 class SearchConfig:
     """How to search: the memory budget per GPU (None: the GPU's memory), the global batch in
-    sequences, how many plans to keep, memory accounting and the reduced simulation."""
+    sequences, how many plans to keep, memory accounting, the reduced simulation and the
+    framework whose behaviour prices each layout (planner/frameworks.py)."""
 
     gpus: int
     global_batch: int
@@ -102,6 +103,7 @@ class SearchConfig:
     host_budget_bytes: float | None = None
     """Pinned host memory per node that offload may use (None: the hardware's
     ``host_bytes_per_node``; 0: not checked)."""
+    framework: Framework = DEFAULT_FRAMEWORK
 
     def __post_init__(self) -> None:
         for name in ("gpus", "global_batch", "top_k"):

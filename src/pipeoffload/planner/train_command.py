@@ -11,8 +11,11 @@ printer refuses too:
 - a tensor-parallel degree that does not divide the heads, key/value heads, MLP width or the
   reference model's byte vocabulary;
 - activations of other than 2 (bf16) or 4 (fp32) bytes;
-- for a Hugging Face model (``spec.train_model``, run as ``--model PATH``): ``--recompute lgd``
-  and tensor parallelism of a family train does not shard (pipeoffload/hf_families.py).
+- for a Hugging Face model (``spec.train_model``, run as ``--model PATH``): ``--recompute lgd``,
+  recompute of a config with dropout, and tensor parallelism of a family train does not shard
+  (pipeoffload/hf_families.py);
+- optimizer state sharded over data parallelism (``--sharded-optimizer``, ZeRO-1) with dp > 1:
+  train keeps the whole optimizer state on every rank, so the plan's memory would not hold.
 """
 
 from __future__ import annotations
@@ -44,10 +47,16 @@ class TrainCommand:
         return f"pipeoffload train cannot run this plan: {self.refused}"
 
 
-def train_command(candidate: Candidate, spec: TransformerSpec | None = None) -> TrainCommand:
-    """The command that runs ``candidate`` (with ``spec``, the reference model at that shape)."""
+def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
+                  sharded_optimizer: bool = False) -> TrainCommand:
+    """The command that runs ``candidate`` (with ``spec``, the reference model at that shape);
+    ``sharded_optimizer``: the plan's memory counts the optimizer state sharded over DP."""
     c = candidate
     refused = _refusal(c, spec)
+    if refused is None and sharded_optimizer and c.dp > 1:
+        refused = (f"its memory counts the optimizer state sharded over the {c.dp} data-"
+                   "parallel ranks (--sharded-optimizer, ZeRO-1), and train keeps all of it on "
+                   "every rank; search without --sharded-optimizer for a plan train runs")
     if refused is not None:
         return TrainCommand(None, refused)
     parts = ["pipeoffload train", f"--pp {c.pp}", f"--dp {c.dp}"]
@@ -95,6 +104,9 @@ def _refusal(c: Candidate, spec: TransformerSpec | None) -> str | None:
         if c.recompute.value not in hf_families.RECOMPUTE_MODES:
             return (f"train recomputes a Hugging Face model's whole layers (full) or nothing, "
                     f"not {c.recompute.value}; search with --recompute full or none")
+        if c.recompute.value != "none" and spec.dropout:
+            return ("the config sets dropout, and train recomputes a Hugging Face model's "
+                    "layers only without it (other masks); search with --recompute none")
         if c.tp > 1 and spec.model_type not in hf_families.TENSOR_PARALLEL_MODEL_TYPES:
             return (f"train does not shard {spec.model_type} models over tensor-parallel "
                     "ranks; search with --tp 1")

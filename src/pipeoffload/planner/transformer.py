@@ -192,7 +192,7 @@ def _linear_flops(spec: TransformerSpec, micro_batch: int) -> float:
     return qkv + out + mlp_matmuls * 2 * bs * h * spec.ffn_hidden
 
 
-def _attention_core_flops(spec: TransformerSpec, micro_batch: int) -> float:
+def attention_core_flops(spec: TransformerSpec, micro_batch: int) -> float:
     """Forward FLOPs of Q K^T and of softmax(.) V: 2 * (2 b s^2 h), full s x s, no causal skip."""
     return 4 * micro_batch * spec.seq_len**2 * spec.hidden
 
@@ -213,7 +213,7 @@ def layer_flops(
     check_run(micro_batch, tp)
     count = as_flop_count(count)
     linear = _linear_flops(spec, micro_batch)
-    core = _attention_core_flops(spec, micro_batch)
+    core = attention_core_flops(spec, micro_batch)
     recompute_scores = core / 2 if spec.flash_attention and count is FlopCount.HARDWARE else 0.0
     return PassFlops(linear + core, linear + 2 * core + recompute_scores, linear).scaled(1 / tp)
 
@@ -235,7 +235,7 @@ def recompute_flops(
     if recompute is Recompute.FULL:
         return layer_flops(spec, micro_batch, tp=tp, count=count).f
     if recompute is Recompute.SELECTIVE and not spec.flash_attention:
-        return _attention_core_flops(spec, micro_batch) / tp
+        return attention_core_flops(spec, micro_batch) / tp
     return 0.0
 
 

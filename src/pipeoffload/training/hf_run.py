@@ -11,6 +11,7 @@ import torch
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.integrations.hf import causal_lm_stages
+from pipeoffload.integrations.hf_tp_layout import join_shards
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.export import export_dtype, export_pretrained, write_export
 from pipeoffload.parallel.gradients import tie_copy_names
@@ -26,7 +27,6 @@ from pipeoffload.training.hf_model import (
     resolve_model,
 )
 from pipeoffload.training.hf_model import check_model as check_hf_model
-from pipeoffload.training.hf_tensor_parallel import shard_dim
 from pipeoffload.training.split import stage_layer_ranges
 from pipeoffload.training.train import TrainConfig
 
@@ -78,7 +78,7 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
     """``pipeoffload export``: the checkpoint of a Hugging Face model (a step folder, or a
     checkpoint folder's newest) as an export, in one process; returns the folder and the step.
     The model's config comes from the checkpoint's manifest; tensor-parallel shards are joined
-    along the dimension training/hf_tensor_parallel.py split them; a bf16 run exported in
+    as integrations/hf_tp_layout.py split them (``join_shards``); a bf16 run exported in
     fp32 writes its float32 master weights."""
     manifest = ckpt.read_manifest(ckpt.find_checkpoint(checkpoint, None))
     info = manifest.info
@@ -110,8 +110,7 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
                 shards = [part["masters"][trainable.index(local)] for part in saved]
             else:
                 shards = [part["model"][local] for part in saved]
-            dim = shard_dim(local) if tp > 1 else None
-            value = shards[0] if dim is None else torch.cat(shards, dim)
+            value = join_shards(local, shards)
             if tuple(value.shape) != tuple(param.shape):
                 raise ConfigError(f"{manifest.folder}: {full} has shape {list(value.shape)}, "
                                   f"the config makes {list(param.shape)}")
