@@ -351,6 +351,29 @@ def test_png_without_matplotlib_is_skipped_with_a_note(tmp, capsys, monkeypatch)
     assert not (tmp / "x.png").exists()
 
 
+def test_the_reference_model_trains_without_the_optional_extras(tmp) -> None:
+    """A minimal install (torch only) trains: no module on the reference model's path imports
+    transformers or matplotlib. Run in fresh processes (children included), where an import
+    made by another test cannot hide one."""
+    import os
+    import subprocess
+
+    blocker = tmp / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\nfor name in ('transformers', 'matplotlib', 'numpy'):\n"
+        "    sys.modules[name] = None  # `import name` fails, as where it is not installed\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(blocker), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeoffload.cli", "train", "--model", "tiny", "--pp", "2",
+         "--steps", "1", "--p2p-timeout", PATIENCE],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: matplotlib is not installed" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_png_named_svg_is_svg(tmp, capsys) -> None:
     pytest.importorskip("matplotlib")
     code, _, _ = run(["simulate", "--pp", "2", "--png", str(tmp / "x.svg"), "--no-grid"], capsys)

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from pipeoffload.errors import ConfigError
-from pipeoffload.integrations.hf import causal_lm_stages
 from pipeoffload.integrations.hf_tp_layout import join_shards
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.export import export_dtype, export_pretrained, write_export
@@ -93,6 +92,9 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
     dtype = export_dtype(name)
     model = meta_model(config)
     num_stages = len(info["stage_to_rank"])
+    # Imported here: the reference model's runs (and a minimal install) never need transformers.
+    from pipeoffload.integrations.hf import causal_lm_stages
+
     stages = causal_lm_stages(model, num_stages, range(num_stages))
     names = {id(p): n for n, p in model.named_parameters()}
     copies = tie_copy_names(stages)
