@@ -18,7 +18,7 @@ shards (parallel/export.py) read.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -55,7 +55,8 @@ def apply_hf_tensor_parallel(stage: nn.Module, mesh: Any) -> nn.Module:
     )
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    layers = len(cast(nn.ModuleList, stage.layers))
     plan = {f"layers.{i}.{suffix}": styles[style]()
-            for i in range(len(stage.layers)) for suffix, style in HF_TENSOR_PARALLEL.items()}
+            for i in range(layers) for suffix, style in HF_TENSOR_PARALLEL.items()}
     parallelize_module(stage, mesh, plan)
     return stage
