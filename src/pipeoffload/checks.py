@@ -34,10 +34,13 @@ def check_number(where: str, value: object, *, minimum: float | None = None,
         raise ConfigError(f"{where} must be <= {maximum:g}, got {value!r}")
 
 
-def check_optional(where: str, value: object, **bounds: float | bool | None) -> None:
+def check_optional(where: str, value: object, *, minimum: float | None = None,
+                   above: float | None = None, maximum: float | None = None,
+                   integer: bool = False) -> None:
     """``check_number`` unless ``value`` is None."""
     if value is not None:
-        check_number(where, value, **bounds)  # type: ignore[arg-type]
+        check_number(where, value, minimum=minimum, above=above, maximum=maximum,
+                     integer=integer)
 
 
 def parse_json(text: str, source: str) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,11 +76,11 @@ def expand(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
 
 def config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
     """The command-line tokens ``path``'s settings stand for (checked, see the module doc)."""
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
+    else:
         try:
-            import tomli as tomllib  # type: ignore[no-redef]
+            import tomli as tomllib
         except ModuleNotFoundError:
             raise ConfigError(f"{CONFIG_FLAG} {path}: reading TOML needs Python 3.11 or later "
                               "(tomllib), or `pip install tomli`") from None

@@ -10,12 +10,17 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from typing import TYPE_CHECKING, Any
 
 from pipeoffload.cli import config_file, preflight
 from pipeoffload.cli.preflight import count, number
 from pipeoffload.core.collector import cyclic_gc_paused
 from pipeoffload.errors import ConfigError, PipeoffloadError
 from pipeoffload.sim.render_text import MIN_WIDTH
+
+if TYPE_CHECKING:  # the commands import these when they run (a fast start for every command)
+    from pipeoffload.core.schedule import Schedule
+    from pipeoffload.offload.plan import OffloadPlan
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -68,7 +73,9 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
                    "switch)")
 
 
-def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult without offload)
+def _schedule_and_plan(args: argparse.Namespace) -> OffloadPlan:
+    """The schedule ``simulate`` was asked for (by name, or as ``--from-csv`` holds it) with
+    offload planned in, and its simulation (OffloadPlan)."""
     from pipeoffload.api import plan_schedule, resolve_costs
     from pipeoffload.core.actions import OFFLOAD_KINDS
     from pipeoffload.core.text import read_csv
@@ -95,8 +102,9 @@ def _schedule_and_plan(args: argparse.Namespace):  # -> (OffloadPlan, SimResult 
         if target is None:  # a planned schedule saved with --csv runs as it was planned
             target = parse_target("given" if schedule.has_kind(*OFFLOAD_KINDS) else "none")
         return add_offload(schedule, costs, target, policy)
-    options = {k: v for k, v in (("chunks", args.chunks), ("group_size", args.group_size))
-               if v is not None}
+    options: dict[str, Any] = {
+        k: v for k, v in (("chunks", args.chunks), ("group_size", args.group_size))
+        if v is not None}
     microbatches = args.microbatches if args.microbatches is not None else 4 * args.pp
     preflight.check_work(args.pp, args.chunks or 2, microbatches)
     if args.allow_stall and target is None:
@@ -167,7 +175,7 @@ def _grid_width(flag: int | None) -> int | None:
     return None
 
 
-def _simulate_json(plan) -> dict:
+def _simulate_json(plan: OffloadPlan) -> dict[str, Any]:
     result, report, schedule = plan.result, plan.report, plan.schedule
     return {
         "schedule": schedule.name,
@@ -188,7 +196,7 @@ def _simulate_json(plan) -> dict:
     }
 
 
-def _marker_notes(schedule) -> list[str]:
+def _marker_notes(schedule: Schedule) -> list[str]:
     from pipeoffload.core.actions import MARKER_KINDS
 
     if not schedule.has_kind(*MARKER_KINDS):  # found once per schedule (Schedule.kind_set)

@@ -144,7 +144,10 @@ def parse_action(token: str, where: str = "") -> Action:
                     "(0F3;7B2)OVERLAP_F_B, or write its F and B")
         raise ParseError(f"{where}invalid action {token!r}: {hint}")
     stage, kind, microbatch = match.groups()
-    return Action(int(stage), Kind(kind), int(microbatch) if microbatch else None)
+    # A torch marker may be written without a microbatch (Note: [torch markers]); Action types
+    # microbatch as int for every action a schedule runs.
+    return Action(int(stage), Kind(kind),
+                  int(microbatch) if microbatch else None)  # type: ignore[arg-type]
 
 
 def parse_cell(cell: str, where: str = "") -> list[Action]:

@@ -41,7 +41,7 @@ def v_placement(pp: int) -> tuple[int, ...]:
     return tuple(stage if stage < pp else 2 * pp - 1 - stage for stage in range(2 * pp))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Schedule:
     """Per-rank action lists (``ranks[r]`` runs in order on rank r) and the stage placement.
 
@@ -70,8 +70,19 @@ class Schedule:
         default_factory=dict, init=False, repr=False, compare=False)
     """What passes derived from this schedule (``derived``); a new schedule starts empty."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
+    def __init__(self, ranks: Iterable[Iterable[Action]], stage_to_rank: Iterable[int],
+                 microbatches: int, name: str = "custom",
+                 routes: Iterable[Iterable[int]] = ()) -> None:
+        # Any iterables in (generators build lists), tuples kept: a schedule is immutable.
+        object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in ranks))
+        object.__setattr__(self, "stage_to_rank", tuple(stage_to_rank))
+        object.__setattr__(self, "microbatches", microbatches)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "routes", tuple(tuple(route) for route in routes))
+        object.__setattr__(self, "_derived", {})
+        self._check_shape()
+
+    def _check_shape(self) -> None:
         for rank, actions in enumerate(self.ranks):
             if set(map(type, actions)) <= _ACTION_TYPE:  # the usual case, in one C-level pass
                 continue
@@ -83,7 +94,6 @@ class Schedule:
                         "Action(stage, Kind.F, microbatch) or parse_action('0F3'), or load "
                         "text with core.text.parse_rows / read_csv",
                         rank=rank, position=position)
-        object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
         if not self.ranks:
             raise ScheduleError("a schedule needs at least one rank")
         if self.microbatches < 1:
@@ -97,7 +107,6 @@ class Schedule:
         empty = [r for r in range(len(self.ranks)) if r not in held]
         if empty:
             raise ScheduleError(f"rank {empty[0]} holds no stage; every rank needs at least one")
-        object.__setattr__(self, "routes", tuple(tuple(route) for route in self.routes))
         if self.routes:
             _check_routes(self.routes, len(self.stage_to_rank), self.microbatches)
 

@@ -81,6 +81,9 @@ class CausalLMStage(nn.Module):
         if self.embed_tokens is not None:
             # stage 0: token ids [batch, seq], positional or as HF's input_ids keyword
             hidden = self.embed_tokens(hidden if input_ids is None else input_ids)
+        if hidden is None:
+            raise TypeError("CausalLMStage.forward: give the hidden states (token ids, or "
+                            "input_ids=, on the first stage)")
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         if self.embed_positions is not None:
             hidden = hidden + self.embed_positions(positions)
@@ -97,7 +100,7 @@ class CausalLMStage(nn.Module):
             hidden = layer(hidden, attention_mask=masks[kind], **extra)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
-        if self.lm_head is not None:
+        if self.lm_head is not None and self.norm is not None:  # the last stage has both
             return self.lm_head(self.norm(hidden))
         return hidden if attention_mask is None else (hidden, attention_mask)
 

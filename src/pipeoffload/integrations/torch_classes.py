@@ -91,7 +91,7 @@ class _TorchNamed(PipeOffloadSchedule):
         return frozenset()
 
     @classmethod
-    def from_torch(cls, torch_schedule: Any, schedule: Any = None,  # type: ignore[override]
+    def from_torch(cls, torch_schedule: Any, schedule: Any = None,
                    **options: Any) -> PipeOffloadSchedule:
         """This class over ``torch_schedule``'s stages, loss, microbatch count, chunk specs and
         grad scaling (``schedule``: run that pipeoffload Schedule instead, as

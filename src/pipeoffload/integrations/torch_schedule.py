@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -136,7 +136,7 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         for kind, handler in self._handlers().items():
             # register_custom_function() accepts only torch's own kinds; the runtime's dispatch
             # is a lookup of action.computation_type in this dict, before its built-in kinds.
-            self._comp_type_to_function_map[kind] = self._wrap(handler)
+            cast(dict[Any, Any], self._comp_type_to_function_map)[kind] = self._wrap(handler)
 
     def _prepare_schedule_with_comms(self, actions: dict[int, list[Any]],
                                      format: str = "compute_only") -> None:
@@ -144,6 +144,7 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         Called again by a caller (as torch's tests do after building a schedule), it lowers
         again; an order other than our schedule's runs without offload, or is refused when the
         schedule offloads (its transfers were planned for its own order)."""
+        # torch annotates its lists as holding _Action | None; ours hold _Actions only.
         super()._prepare_schedule_with_comms(actions, format)  # type: ignore[arg-type]
         ours = getattr(self, "_ours", None)
         if ours is None or format != "compute_only":
@@ -187,7 +188,7 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         """The activation offloader, when the schedule has OFFLOAD actions."""
         return self._offloader
 
-    def _handlers(self) -> dict[TransferKind, Callable[[tuple[int, int]], None]]:
+    def _handlers(self) -> dict[TransferKind, Callable[[tuple[int, int]], object]]:
         def need() -> ActivationOffloader:
             assert self._offloader is not None, "transfer action without OFFLOAD in the schedule"
             return self._offloader
@@ -216,7 +217,8 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         for module in self._fsdp[key[0]]:
             module.unshard()
 
-    def _wrap(self, handler: Callable[[tuple[int, int]], None]) -> Callable[[Any, Any], None]:
+    def _wrap(self, handler: Callable[[tuple[int, int]], object]
+              ) -> Callable[[Any, Any], None]:
         def run(action: Any, ctx: Any) -> None:
             if not self._has_backward:
                 return  # forwards only (eval, or no loss_fn): nothing is kept for a backward
@@ -233,8 +235,8 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         # rank the previous stage's output), read just before F takes it: torch holds it for the
         # backward whatever we do (up to 2.14 also as a buffer kept for the whole run), so
         # copying it to host would free nothing; it stays like a parameter.
-        keep = [info.buffer for info in stage.args_recv_info.get(key[1], ())
-                if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+        keep = [buffer for info in stage.args_recv_info.get(key[1], ())
+                if isinstance(buffer := getattr(info, "buffer", None), torch.Tensor)]
         scope = self._offloader.scope(key, self.rank, self._offload_config.stream, keep=keep)
         scope.__enter__()
         self._open[key] = scope
@@ -295,11 +297,11 @@ def _check_stages(stages: Sequence[Any], schedule: Schedule) -> None:
             f"the stages' process group has {world} ranks but schedule {schedule.name!r} has "
             f"{schedule.num_ranks}; build the schedule with pp={world}")
     if any(not hasattr(s, "stage_index") for s in stages):
-        expected = schedule.stages_on_rank(rank)
-        if len(stages) != len(expected):
+        placed = schedule.stages_on_rank(rank)
+        if len(stages) != len(placed):
             raise ConfigError(
                 f"rank {rank} was given {len(stages)} stages, but schedule {schedule.name!r} "
-                f"places {len(expected)} there ({list(expected)})")
+                f"places {len(placed)} there ({list(placed)})")
         return
     given = sorted(s.stage_index for s in stages)
     expected = sorted(schedule.stages_on_rank(rank))
@@ -319,7 +321,10 @@ def _check_stages(stages: Sequence[Any], schedule: Schedule) -> None:
 def _check_send_waits(lowered: dict[int, list[Any]]) -> None:
     """torch's own check that every SEND_F / SEND_B has one WAIT_SEND after it, run on the
     spliced lists (torch runs it before the splice)."""
-    from torch.distributed.pipelining.schedules import _validate_send_waits
+    # torch >= 2.14 only; the caller asks torch_versions.py first (mypy runs on 2.13).
+    from torch.distributed.pipelining.schedules import (  # type: ignore[attr-defined, unused-ignore]
+        _validate_send_waits,
+    )
 
     try:
         _validate_send_waits(lowered)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
@@ -45,6 +45,13 @@ TO_TORCH = {Kind.F: FORWARD, Kind.I: BACKWARD_INPUT, Kind.W: BACKWARD_WEIGHT,
             Kind.B: FULL_BACKWARD}
 _TRANSFER = {Kind.OFFLOAD: TransferKind.OFFLOAD, Kind.RELOAD: TransferKind.RELOAD,
              Kind.FETCH: TransferKind.FETCH, Kind.OFFLOAD_WAIT: TransferKind.OFFLOAD_WAIT}
+
+
+def _ours(stage: int, kind: TransferKind, microbatch: int) -> _Action:
+    """One of our transfer actions as a torch ``_Action``: torch's runtime finds an action's
+    function by looking its computation type up in a dict (where we register ours), so our
+    kinds ride in torch's action type, which declares its own enum only."""
+    return _Action(stage, cast(Any, kind), microbatch)
 
 
 def compute_row(row: Sequence[Action], overlapped: Collection[Action] = ()) -> list[Any]:
@@ -95,7 +102,7 @@ def splice(row: Sequence[Action], lowered: list[Any], fsdp_stages: set[int]) -> 
         if action.kind in TO_TORCH:
             anchor = (action.stage, TO_TORCH[action.kind], action.microbatch)
         elif action.kind in _TRANSFER:
-            moved = _Action(action.stage, _TRANSFER[action.kind], action.microbatch)
+            moved = _ours(action.stage, _TRANSFER[action.kind], action.microbatch)
             (head if anchor is None else after.setdefault(anchor, [])).append(moved)
     out = list(head)
     for t in lowered:
@@ -116,14 +123,14 @@ def splice(row: Sequence[Action], lowered: list[Any], fsdp_stages: set[int]) -> 
             kind = sub.computation_type
             hit = key in offloaded
             if hit and kind == FORWARD:
-                out.append(_Action(key[0], TransferKind.SCOPE_BEGIN, key[1]))
-                closing.append(_Action(key[0], TransferKind.SCOPE_END, key[1]))
+                out.append(_ours(key[0], TransferKind.SCOPE_BEGIN, key[1]))
+                closing.append(_ours(key[0], TransferKind.SCOPE_END, key[1]))
             if hit and kind in (BACKWARD_INPUT, FULL_BACKWARD):
-                out.append(_Action(key[0], TransferKind.BACKWARD_READY, key[1]))
+                out.append(_ours(key[0], TransferKind.BACKWARD_READY, key[1]))
             if key[0] in fsdp_stages and kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):
-                out.append(_Action(key[0], TransferKind.UNSHARD_AGAIN, key[1]))
+                out.append(_ours(key[0], TransferKind.UNSHARD_AGAIN, key[1]))
             if hit and kind in (FULL_BACKWARD, BACKWARD_WEIGHT) and last_backward.get(key) == kind:
-                closing.append(_Action(key[0], TransferKind.FREE, key[1]))
+                closing.append(_ours(key[0], TransferKind.FREE, key[1]))
             closing.extend(after.pop((sub.stage_index, kind, sub.microbatch_index), []))
         out.append(t)
         out.extend(closing)

@@ -13,6 +13,7 @@ import functools
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import chain, repeat
 from operator import itemgetter
+from typing import cast
 
 from pipeoffload.core.actions import Action, Kind
 from pipeoffload.offload.select import Item
@@ -53,30 +54,30 @@ def latest_starts(result: SimResult, horizon: float) -> dict[Action, float]:
     remaining = count
     while remaining:
         progressed = False
-        for rank in range(len(pointer)):
-            start = first[rank]
-            while pointer[rank] >= start:
-                i = pointer[rank]
-                finish = horizon if i + 1 == first[rank + 1] else latest[i + 1]
+        for r in range(len(pointer)):
+            while pointer[r] >= first[r]:
+                i = pointer[r]
+                # The next action of the rank was visited before this one (reverse order).
+                finish = horizon if i + 1 == first[r + 1] else cast(float, latest[i + 1])
                 blocked = False
                 for after in successors[i]:
-                    at = latest[after]
-                    if at is None:
+                    later = latest[after]
+                    if later is None:
                         blocked = True
                         break
-                    if owner[after] != rank:
-                        at -= p2p
-                    if at < finish:  # type: ignore[operator]
-                        finish = at
+                    if owner[after] != r:
+                        later -= p2p
+                    if later < finish:
+                        finish = later
                 if blocked:
                     break
-                latest[i] = finish - duration[i]  # type: ignore[operator]
-                pointer[rank] -= 1
+                latest[i] = finish - duration[i]
+                pointer[r] -= 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise AssertionError("latest_starts: the schedule's dependencies form a cycle")
-    return dict(zip(actions, latest))  # type: ignore[arg-type]
+    return dict(zip(actions, cast("list[float]", latest)))  # every one set: no cycle
 
 
 class LatestStarts(Mapping[Action, float]):

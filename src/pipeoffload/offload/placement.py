@@ -58,7 +58,7 @@ class ComputeIndex:
         by_rank: list[list[tuple[int, int, Item]]] = [[] for _ in self.compute]
         for item, b_index in self.backward.items():
             rank = self.rank_of[item[0]]
-            f_index = self.index[rank][(item[0], _F, item[1])]  # type: ignore[index]  # an Action
+            f_index = self.index[rank][(item[0], _F, item[1])]  # type: ignore[index]  # equals its Action
             by_rank[rank].append((b_index, f_index, item))
         for backwards in by_rank:
             backwards.sort(reverse=True)
@@ -179,23 +179,25 @@ def insert(compute_index: ComputeIndex, leads: dict[Item, int], waits: dict[Acti
         b_index, rank_place = backward[item], place[rank]
         back[rank].append((rank_place[b_index - lead], b_index, _action((s, kind, m))))
         if kind is _RELOAD or item not in leads:  # one copy out per item
-            at = rank_place[index[rank][(s, _F, m)]]  # type: ignore[index]  # an Action
+            at = rank_place[index[rank][(s, _F, m)]]  # type: ignore[index]  # equals its Action
             after[rank][at] = _action((s, _OFFLOAD, m))
     for rank_back, rank_before in zip(back, before):
         rank_back.sort()  # by place, then in backward order
         for at, _, copy in rank_back:
-            if rank_before[at] is None:
+            slot = rank_before[at]
+            if slot is None:
                 rank_before[at] = [copy]
             else:
-                rank_before[at].append(copy)  # type: ignore[union-attr]
+                slot.append(copy)
     for forward, (s, m) in waits.items():
         rank = rank_of[forward[0]]
         at = place[rank][index[rank][forward]]
         wait = _action((s, _OFFLOAD_WAIT, m))
-        if before[rank][at] is None:
+        slot = before[rank][at]
+        if slot is None:
             before[rank][at] = [wait]
         else:
-            before[rank][at].append(wait)  # type: ignore[union-attr]
+            slot.append(wait)
     planned = []
     for actions, rank_before, rank_after in zip(ranks, before, after):
         out: list[Action] = []

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
+from typing import cast
 
 from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind, positions_of
@@ -321,6 +322,7 @@ class _Planner:
     def _runs_before(self, item: Item, forward: Action) -> bool:
         """Whether the item's forward comes before ``forward`` in their rank's program."""
         order = self.compute_index.index[self.compute_index.rank_of[forward[0]]]
+        # A plain tuple finds the Action (a NamedTuple) it equals, without making one.
         return order[(item[0], _F, item[1])] < order[forward]  # type: ignore[index]
 
     def floor_reason(self, rank: int) -> str:
@@ -350,7 +352,7 @@ class _Planner:
         moved_units = sum(self.units[s] for s, _ in offloaded)
         # Byte peaks exist exactly when every stage's activation size is known.
         bytes_moved = None if self.base.peak_bytes is None else float(
-            sum(self.costs.bytes_of(s) for s, _ in offloaded))  # type: ignore[misc]
+            sum(cast(float, self.costs.bytes_of(s)) for s, _ in offloaded))
         kept = set(offloaded)
         report = OffloadReport(
             target=target,

@@ -79,7 +79,9 @@ def fit_points(schedule: Schedule) -> list[RankPoints]:
         made: dict[tuple[int, int], int] = {}  # live activation -> the point that made it
         alive: list[bool] = []  # per point, whether the activation it made is still live
         first = 0  # the earliest point whose activation is live
-        live, oldest, done_at = [], [], []
+        live: list[int] = []
+        oldest: list[int] = []
+        done_at: list[tuple[int, ...]] = []
         for stage, kind, mb in actions:
             at = _SLOT.get(kind)
             if at is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeoffload.errors import ConfigError
@@ -119,7 +120,7 @@ def roofline_points(ridge_flops_per_byte: float) -> tuple[tuple[float, float], .
     )
 
 
-def check_points(points: tuple[tuple[float, float], ...], where: str) -> None:
+def check_points(points: Sequence[Sequence[float]], where: str) -> None:
     """Raise ConfigError unless ``points`` are (intensity > 0, 0 < fraction <= 1) pairs in
     strictly increasing intensity."""
     for point in points:

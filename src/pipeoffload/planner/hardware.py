@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.hardware_spec import Hardware
@@ -22,8 +23,8 @@ __all__ = ["A100_HBM_BYTES_PER_S", "H100_FLASH_ATTENTION_FLOPS", "H100_GEMM_BURS
 _MIB = 2**20
 
 
-def _preset(**kwargs: object) -> Hardware:
-    return Hardware(**kwargs)  # type: ignore[arg-type]
+def _preset(**kwargs: Any) -> Hardware:
+    return Hardware(**kwargs)
 
 
 _TB = 1e12

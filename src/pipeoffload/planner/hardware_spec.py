@@ -115,15 +115,16 @@ class Hardware:
                 raise ConfigError(
                     f"hardware {self.name!r}: {field} must be >= 0 (0: {meaning}), got {value!r}"
                 )
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name in ("name", "full_duplex", "intra_node_busbw_fraction",
-                              "inter_node_busbw_fraction", "gemm_points", *_OPTIONAL_RATES):
+        for spec_field in dataclasses.fields(self):
+            value = getattr(self, spec_field.name)
+            if spec_field.name in ("name", "full_duplex", "intra_node_busbw_fraction",
+                                   "inter_node_busbw_fraction", "gemm_points",
+                                   *_OPTIONAL_RATES):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                     not 0 < value < math.inf:
                 raise ConfigError(
-                    f"hardware {self.name!r}: {field.name} must be a positive number, "
+                    f"hardware {self.name!r}: {spec_field.name} must be a positive number, "
                     f"got {value!r}"
                 )
         for field in ("gpus_per_node", "gpus_per_host_link", "sm_count", "collective_sms"):

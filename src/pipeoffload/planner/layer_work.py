@@ -140,7 +140,7 @@ def _elements(spec: TransformerSpec, micro_batch: int, tp: int,
 
 
 def norm_work(spec: TransformerSpec, rows_elements: float,
-              kernel: NormKernel = NormKernel.PERSISTENT) -> PassWork:
+              kernel: NormKernel | str = NormKernel.PERSISTENT) -> PassWork:
     """One LayerNorm over ``rows_elements`` elements: forward and backward (Note [norm
     kernels]); bytes at the memory-bound rate, scaled for the older kernel by its measured
     time."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypeVar
 
 from pipeoffload.errors import ConfigError
 
@@ -68,22 +69,25 @@ class FlopCount(str, Enum):
     HARDWARE = "hardware"
 
 
-def _enum(enum_type: type[Enum], value: object, field: str) -> Enum:
+E = TypeVar("E", bound=Enum)
+
+
+def _enum(enum_type: type[E], value: object, field: str) -> E:
     try:
-        return enum_type(value.value if isinstance(value, Enum) else value)  # type: ignore[call-arg]
+        return enum_type(value.value if isinstance(value, Enum) else value)
     except ValueError:
-        choices = ", ".join(repr(m.value) for m in enum_type)  # type: ignore[attr-defined]
+        choices = ", ".join(repr(m.value) for m in enum_type)
         raise ConfigError(f"{field} must be one of {choices}, got {value!r}") from None
 
 
 def as_recompute(value: Recompute | str) -> Recompute:
     """``value`` as a Recompute, accepting its text ("none" / "lgd" / "full")."""
-    return _enum(Recompute, value, "recompute")  # type: ignore[return-value]
+    return _enum(Recompute, value, "recompute")
 
 
 def as_flop_count(value: FlopCount | str) -> FlopCount:
     """``value`` as a FlopCount, accepting its text ("model" / "hardware")."""
-    return _enum(FlopCount, value, "flop_count")  # type: ignore[return-value]
+    return _enum(FlopCount, value, "flop_count")
 
 
 @dataclass(frozen=True)

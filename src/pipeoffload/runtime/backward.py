@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -66,7 +67,7 @@ def plan_split(
                 group |= below[child]
         reaches_input[node] = reaches
         if type(node) is _ACCUMULATE_GRAD:
-            index = index_of.get(id(node.variable))  # type: ignore[attr-defined]
+            index = index_of.get(id(cast(Any, node).variable))  # AccumulateGrad's leaf
             below[node] = 0 if index is None else 1 << index
         else:
             below[node] = group
@@ -78,15 +79,16 @@ def plan_split(
             roots.append((index, _indices(below[edge.node])))
     seen = 0
     fallback = False
-    for _, group in [*boundary, *roots]:
-        mask = sum(1 << i for i in group)
+    for _, indices in [*boundary, *roots]:
+        mask = sum(1 << i for i in indices)
         if seen & mask:
             fallback = True
         seen |= mask
     return SplitPlan(tuple(boundary), tuple(roots), fallback)
 
 
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node type of a leaf's gradient sink
+# The node type of a leaf's gradient sink; torch's stubs do not declare it.
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 
 def _indices(mask: int) -> tuple[int, ...]:

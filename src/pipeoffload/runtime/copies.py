@@ -13,7 +13,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -93,7 +93,7 @@ class CudaCopies:
         allowed.record(compute)
         self.h2d.wait_event(allowed)
         if after is not None:
-            self.h2d.wait_event(after)  # type: ignore[arg-type]
+            self.h2d.wait_event(cast(torch.cuda.Event, after))  # an event of this engine
         with torch.cuda.stream(self.h2d):
             for target, host in zip(targets, hosts):
                 target.copy_(host, non_blocking=True)
@@ -101,11 +101,12 @@ class CudaCopies:
         done.record(self.h2d)
         return targets, done
 
+    # The events given back are the ones this engine's copies recorded.
     def done(self, event: object) -> bool:
-        return event.query()  # type: ignore[attr-defined]
+        return cast(torch.cuda.Event, event).query()
 
     def compute_wait(self, event: object) -> None:
-        torch.cuda.current_stream(self._device).wait_event(event)  # type: ignore[arg-type]
+        torch.cuda.current_stream(self._device).wait_event(cast(torch.cuda.Event, event))
 
     def retire(self, tensor: torch.Tensor) -> None:
         tensor.record_stream(self.d2h)
@@ -127,8 +128,8 @@ class CopyQueue:
         self.cap_bytes = cap_bytes
         # Weak when a bound method: the offloader owns this queue, and a strong reference back
         # would make the pair a cycle that outlives a dropped Pipeline until a full GC.
-        self._release = (weakref.WeakMethod(release) if hasattr(release, "__self__")
-                         else lambda: release)
+        self._release: Callable[[], Callable[[Any], None] | None] = (
+            weakref.WeakMethod(release) if hasattr(release, "__self__") else lambda: release)
         self._queue: deque[tuple[object, list[Any]]] = deque()
         self.waiting_bytes = 0
         self.max_waiting_bytes = 0  # the most seen after the cap applied
@@ -188,4 +189,6 @@ class CopyQueue:
     def _done(self, items: list[Any]) -> None:
         for item in items:
             if item.pending:  # else it stopped waiting meanwhile (reloaded or discarded)
-                self._release()(item)  # type: ignore[misc]
+                release = self._release()
+                assert release is not None, "the offloader that owns this queue polls it"
+                release(item)

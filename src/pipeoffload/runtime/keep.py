@@ -4,6 +4,8 @@ keeps, tensors on another device, and small ones."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pipeoffload.runtime.meter import is_plain, storage_key
@@ -13,8 +15,8 @@ _VIEW_NODES = frozenset({"TBackward0", "ViewBackward0", "TransposeBackward0",
                          "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0"})
 
 
-def _only_next(node: object) -> object | None:
-    nexts = [n for n, _ in node.next_functions if n is not None]  # type: ignore[attr-defined]
+def _only_next(node: Any) -> Any:
+    nexts = [n for n, _ in node.next_functions if n is not None]
     return nexts[0] if len(nexts) == 1 else None
 
 

@@ -169,8 +169,8 @@ def order_conflicts(schedule: Schedule, per_direction: bool = False,
     """
     if lane is None:
         lane = two_groups if per_direction else one_group
-    sent: dict[tuple[int, ...], list[tuple[str, int, int]]] = {}
-    received: dict[tuple[int, ...], list[tuple[str, int, int]]] = {}
+    sent: dict[tuple[int, int, Hashable], list[tuple[str, int, int]]] = {}
+    received: dict[tuple[int, int, Hashable], list[tuple[str, int, int]]] = {}
     for rank, _, action in schedule.actions:
         message = message_of(action) if action.kind in _COMM else None
         if message is None:

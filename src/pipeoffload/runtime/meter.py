@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 
@@ -176,7 +177,9 @@ class ActivationMeter:
             return tensor if token is None else token
 
         def unpack(packed: object) -> torch.Tensor:
-            return packed.tensor if isinstance(packed, ResidentToken) else packed  # type: ignore[return-value]
+            if isinstance(packed, ResidentToken):
+                return packed.tensor
+            return cast(torch.Tensor, packed)  # a tensor track() did not count
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
@@ -204,6 +207,13 @@ class ActivationMeter:
         last reset)."""
         return dict(self._scope_bytes)
 
+    @property
+    def stage_scope_bytes(self) -> dict[tuple[int, int], int]:
+        """``scope_bytes`` of the scopes keyed (stage, microbatch), as Pipeline keys them; other
+        keys (a meter used by hand) are left out."""
+        return {(key[0], key[1]): nbytes for key, nbytes in self._scope_bytes.items()
+                if isinstance(key, tuple) and len(key) == 2}
+
     def stage_activation_bytes(self, num_stages: int) -> tuple[int, ...]:
         """Per-stage activation bytes of one microbatch, for CostModel(stage_activation_bytes=).
 
@@ -211,8 +221,7 @@ class ActivationMeter:
         simulator takes one size per stage) or a stage was not measured.
         """
         sizes: dict[int, set[int]] = {}
-        for key, nbytes in self._scope_bytes.items():
-            stage, _ = key  # type: ignore[misc]
+        for (stage, _), nbytes in self.stage_scope_bytes.items():
             sizes.setdefault(stage, set()).add(nbytes)
         result = []
         for stage in range(num_stages):

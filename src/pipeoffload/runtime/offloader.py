@@ -52,6 +52,7 @@ import weakref
 from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -84,6 +85,16 @@ class _Storage:
     read: object | None = None  # CUDA: event of the last fetch-on-use read of ``host``
     fetched: weakref.ref | None = None  # the storage of the live fetched copy, if any
     pending: bool = False  # on the device, its copy to host queued and not seen complete
+
+    def device_bytes(self) -> torch.Tensor:
+        """``on_device``, where the caller's state says the storage is on the device."""
+        assert self.on_device is not None, "the storage is not on the device"
+        return self.on_device
+
+    def host_bytes(self) -> torch.Tensor:
+        """``host``, where the caller's state says the storage has a host copy."""
+        assert self.host is not None, "the storage has no host buffer"
+        return self.host
 
 
 @dataclass(eq=False)
@@ -267,7 +278,7 @@ class ActivationOffloader:
             elif self._meter is not None:
                 storage.token = self._meter.track(alias, scope.owner)
         return _Saved(scope, storage, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-                      tensor.storage_offset())
+                      int(tensor.storage_offset()))
 
     def _note_scope_size(self, scope: _Scope) -> None:
         """Track the largest activation, which sets the default cap (Note: [release order])."""
@@ -284,7 +295,7 @@ class ActivationOffloader:
         if isinstance(packed, ResidentToken):
             return packed.tensor
         if not isinstance(packed, _Saved):
-            return packed  # type: ignore[return-value]
+            return cast(torch.Tensor, packed)  # not ours to rebuild: saved as it was
         storage = packed.storage
         if storage.on_device is not None:
             raw = storage.on_device.untyped_storage()
@@ -322,18 +333,18 @@ class ActivationOffloader:
         """Start copying one storage to host during the forward."""
         storage.host = self._pool.take(storage.nbytes)
         if self._copies.synchronous:
-            storage.host.copy_(storage.on_device)  # type: ignore[arg-type]
+            storage.host.copy_(storage.device_bytes())
             if self._meter is not None:
-                self._meter.note(storage.on_device, scope.owner)  # type: ignore[arg-type]
+                self._meter.note(storage.device_bytes(), scope.owner)
             self._release_device(storage)
             return
         if self._meter is not None:
-            storage.token = self._meter.track(storage.on_device, scope.owner)  # type: ignore[arg-type]
+            storage.token = self._meter.track(storage.device_bytes(), scope.owner)
         self._copy_out([storage])
 
     def _copy_out(self, storages: list[_Storage]) -> None:
         """Queue copies to host after the compute stream's work (Note: [release order])."""
-        copied = self._copies.copy_out([(s.host, s.on_device) for s in storages])  # type: ignore[misc]
+        copied = self._copies.copy_out([(s.host_bytes(), s.device_bytes()) for s in storages])
         for storage in storages:
             storage.copied = copied
         self._waiting.add(copied, storages)
@@ -353,7 +364,7 @@ class ActivationOffloader:
             storage.host = self._pool.take(storage.nbytes)
         if self._copies.synchronous:
             for storage in storages:
-                storage.host.copy_(storage.on_device)  # type: ignore[union-attr]
+                storage.host_bytes().copy_(storage.device_bytes())
                 self._release_device(storage)
             return
         self._copy_out(storages)
@@ -371,9 +382,9 @@ class ActivationOffloader:
         if self._cuda_copies is None:
             for storage in scope.storages.values():
                 if storage.on_device is None:
-                    self._to_device(scope, storage, storage.host.clone())  # type: ignore[union-attr]
+                    self._to_device(scope, storage, storage.host_bytes().clone())
                 self._waiting.stop_waiting(storage)
-                self._pool.give_back(storage.host)  # type: ignore[arg-type]
+                self._pool.give_back(storage.host_bytes())
                 storage.host = None
             return
         assert self._cuda_copies is not None
@@ -382,16 +393,16 @@ class ActivationOffloader:
             if storage.on_device is not None:
                 # The D2H copy has not been seen to finish: the device bytes are still there.
                 self._waiting.stop_waiting(storage)
-                self._pool.give_back(storage.host, storage.copied)  # type: ignore[arg-type]
+                self._pool.give_back(storage.host_bytes(), storage.copied)
                 storage.host = None
             else:
                 back.append(storage)
         # The compute stream waits for ``done`` before the backward uses them (wait_reloaded,
         # or discard if the backward never ran).
-        targets, done = self._cuda_copies.copy_in([s.host for s in back])  # type: ignore[misc]
+        targets, done = self._cuda_copies.copy_in([s.host_bytes() for s in back])
         for storage, target in zip(back, targets):
             self._to_device(scope, storage, target)
-            self._pool.give_back(storage.host, done)  # type: ignore[arg-type]
+            self._pool.give_back(storage.host_bytes(), done)
             storage.host = None
         scope.reload_event = done
 
@@ -419,7 +430,9 @@ class ActivationOffloader:
         scope = self._scopes.get(key)
         if scope is None or scope.reload_event is None:
             return
-        torch.cuda.current_stream(self._device).wait_event(scope.reload_event)  # type: ignore[arg-type]
+        # the event CudaCopies.copy_in recorded
+        torch.cuda.current_stream(self._device).wait_event(cast(torch.cuda.Event,
+                                                                scope.reload_event))
         scope.reload_event = None
 
     def discard(self, key: Hashable) -> None:

@@ -67,7 +67,7 @@ class Pending:
     message: Message
     peer: int
     action: Action
-    works: list[object] = field(default_factory=list)
+    works: list[dist.Work] = field(default_factory=list)
     buffers: TensorTuple = ()
     meta_buffer: torch.Tensor | None = None
 
@@ -109,7 +109,7 @@ class LocalTransport:
 class _Sent:
     """A posted send (or metadata send): kept until its works complete."""
 
-    works: list[object]
+    works: list[dist.Work]
     tensors: TensorTuple
     action: Action
     peer: int
@@ -265,7 +265,7 @@ class DistTransport:
 
     def _drop_completed_sends(self) -> None:
         self._sends = [s for s in self._sends
-                       if not all(w.is_completed() for w in s.works)]  # type: ignore[attr-defined]
+                       if not all(w.is_completed() for w in s.works)]
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the device, from a pinned staging row made before the first
@@ -289,7 +289,7 @@ class DistTransport:
                           self._groups[channel], self._tag(message, meta))
 
     def _post(self, ops: list[dist.P2POp], action: Action | str, peer: int,
-              what: str) -> list[object]:
+              what: str) -> list[dist.Work]:
         if not ops:
             return []
         try:
@@ -297,19 +297,19 @@ class DistTransport:
         except Exception as error:
             raise self._failure(action, peer, what, repr(error)) from error
 
-    def _stream_wait(self, works: list[object], action: Action | str, peer: int) -> None:
+    def _stream_wait(self, works: list[dist.Work], action: Action | str, peer: int) -> None:
         for work in works:
             try:
-                work.wait()  # type: ignore[attr-defined]
+                work.wait()
             except Exception as error:
                 raise self._failure(action, peer, "tensors", repr(error)) from error
 
-    def _host_wait(self, works: list[object], action: Action | str, peer: int,
+    def _host_wait(self, works: list[dist.Work], action: Action | str, peer: int,
                    what: str) -> None:
         """Block the host until ``works`` complete, at most ``timeout_s``."""
         if self._nccl:
             deadline = time.monotonic() + self._timeout.total_seconds()
-            while not all(w.is_completed() for w in works):  # type: ignore[attr-defined]
+            while not all(w.is_completed() for w in works):
                 if time.monotonic() > deadline:
                     raise self._failure(action, peer, what, "timed out")
                 time.sleep(0.0002)
@@ -317,7 +317,7 @@ class DistTransport:
             return
         for work in works:
             try:
-                completed = work.wait(self._timeout)  # type: ignore[attr-defined]
+                completed = work.wait(self._timeout)
             except Exception as error:
                 raise self._failure(action, peer, what, repr(error)) from error
             if completed is False:

@@ -292,8 +292,7 @@ class Pipeline:
         stage_bytes: dict[int, int] = {}
         peaks: dict[int, int] = {}
         if self.meter is not None:
-            for key, nbytes in self.meter.scope_bytes.items():
-                stage = key[0]  # type: ignore[index]
+            for (stage, _), nbytes in self.meter.stage_scope_bytes.items():
                 if stage in self._runners:
                     stage_bytes[stage] = max(stage_bytes.get(stage, 0), nbytes)
             peaks = {rank: self.meter.peak_bytes(rank) for rank in self.ranks}

@@ -35,6 +35,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,15 +58,17 @@ class _Block:
     offset: int
     size: int
     free: bool = True
-    events: list[object] = field(default_factory=list)  # copies that must end before reuse
+    # Copies that must end before reuse: the copy engine's events (torch.cuda.Event, or the
+    # CPU tests' fake events), read through query() and synchronize() only.
+    events: list[Any] = field(default_factory=list)
 
     def ready(self) -> bool:
-        self.events = [e for e in self.events if not e.query()]  # type: ignore[attr-defined]
+        self.events = [e for e in self.events if not e.query()]
         return not self.events
 
     def wait(self) -> None:
         for event in self.events:
-            event.synchronize()  # type: ignore[attr-defined]
+            event.synchronize()
         self.events = []
 
 

@@ -46,7 +46,7 @@ Note: [rendezvous model]
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from pipeoffload.core.actions import Action, Kind
@@ -120,7 +120,7 @@ class Step:
 
 
 def warm_up_program(lowered: Schedule, rank: int,
-                    connections: list[tuple[object, int, int, Message]] | None = None
+                    connections: Sequence[tuple[object, int, int, Message]] | None = None
                     ) -> list[Step]:
     """``Pipeline.connect_peers`` on ``rank``: one warm-up message per connection this rank is
     an end of, in the order of ``lowering.peer_connections`` (the same on every rank), the host

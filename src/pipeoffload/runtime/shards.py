@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -22,6 +22,7 @@ try:  # torch.distributed may be built without DTensor (e.g. some macOS wheels)
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - depends on the torch build
+    # Without DTensor no tensor is one: the names stay, as None, for is_dtensor's test.
     DTensor = AsyncCollectiveTensor = None  # type: ignore[assignment, misc]
 
 
@@ -39,9 +40,9 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     an AsyncCollectiveTensor, whose collective this waits for)."""
     if is_dtensor(tensor):
         with torch.no_grad():
-            tensor = tensor.to_local()
+            tensor = cast(DTensor, tensor).to_local()
     if is_pending_collective(tensor):
-        tensor = tensor.trigger_wait()
+        tensor = cast(Any, tensor).trigger_wait()  # an AsyncCollectiveTensor's own method
     return tensor
 
 
@@ -61,8 +62,9 @@ class ShardLayout:
 
     @staticmethod
     def of(tensor: torch.Tensor) -> ShardLayout:
-        return ShardLayout(tensor.device_mesh, tuple(tensor.placements), tensor.shape,
-                           tuple(tensor.stride()))
+        dtensor = cast(DTensor, tensor)
+        return ShardLayout(dtensor.device_mesh, tuple(dtensor.placements), dtensor.shape,
+                           tuple(dtensor.stride()))
 
     def rebuild(self, shard: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

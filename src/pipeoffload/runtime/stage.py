@@ -137,7 +137,9 @@ class StageRunner:
     ) -> TensorTuple:
         """Run F; returns the outputs to send on (detached), or the detached loss if last."""
         marked = []
-        input_edges, input_meta, boxes = [], [], []
+        input_edges: list[GradientEdge] = []
+        input_meta: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        boxes: list[list[torch.Tensor | None]] = []
         for tensor in inputs:
             if not self.is_first and tensor.is_floating_point():
                 boxes.append([None])

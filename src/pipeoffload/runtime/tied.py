@@ -145,7 +145,7 @@ class TiedGradients:
         return self._meta[name]
 
     def _all_reduce(self, tensor: torch.Tensor, what: str,
-                    op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         work = dist.all_reduce(tensor, op=op, group=self._group, async_op=True)
         try:
             work.wait(self._timeout)

@@ -73,7 +73,7 @@ def render_png(result: SimResult, path: str | Path, *, compare: SimResult | None
     mem_top = max([*result.peak_activation, *(compare.peak_activation if compare else ())])
     mem_top = (mem_top or 1.0) * _MEMORY_HEADROOM
 
-    axes = []
+    axes: list[Any] = []  # matplotlib Axes (matplotlib is optional and untyped here)
     for rank in range(pp):
         row = rank * 3
         gantt = fig.add_subplot(grid[row, 0], sharex=axes[0] if axes else None)

@@ -42,7 +42,8 @@ def to_chrome_trace(result: SimResult, time_scale_us: float = DEFAULT_TIME_SCALE
     schedule = result.schedule
     events: list[dict[str, Any]] = []
     for rank in range(schedule.num_ranks):
-        events += _metadata(rank, sorted({t.lane for t in result.timeline[rank]}, key=LANE_TID.get))
+        lanes = {t.lane for t in result.timeline[rank]}
+        events += _metadata(rank, sorted(lanes, key=LANE_TID.__getitem__))
     for rank, row in enumerate(result.timeline):
         for item in row:
             stage, kind, microbatch = item.action

@@ -185,9 +185,10 @@ def activation_units(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:
     units = []
     for stage in range(schedule.num_stages):
         local = schedule.stages_on_rank(schedule.rank_of(stage))
-        sizes = [costs.bytes_of(s) for s in local]
-        if all(size is not None for size in sizes) and sum(sizes) > 0:  # type: ignore[arg-type]
-            units.append(costs.bytes_of(stage) / sum(sizes))  # type: ignore[operator,arg-type]
+        sizes = [size for s in local if (size := costs.bytes_of(s)) is not None]
+        own = costs.bytes_of(stage)
+        if len(sizes) == len(local) and own is not None and sum(sizes) > 0:
+            units.append(own / sum(sizes))
         else:
             units.append(1.0 / len(local))
     return tuple(units)
@@ -197,8 +198,9 @@ def _summarise(schedule: Schedule, costs: CostModel, run: RunRecord, program: Pr
                keep_changes: bool = False) -> SimResult:
     first = program.first
     units = activation_units(schedule, costs)
-    byte_sizes = [costs.bytes_of(s) for s in range(schedule.num_stages)]
-    have_bytes = all(b is not None for b in byte_sizes)
+    byte_sizes = [size for s in range(schedule.num_stages)
+                  if (size := costs.bytes_of(s)) is not None]
+    have_bytes = len(byte_sizes) == schedule.num_stages
     copy_time = copy_seconds(schedule, costs)
     peaks, peak_bytes, kept, compute = [], [], [], []
     for rank, actions in enumerate(schedule.ranks):
@@ -210,7 +212,7 @@ def _summarise(schedule: Schedule, costs: CostModel, run: RunRecord, program: Pr
             kept.append(changes)
         peaks.append(peak(changes, units))
         if have_bytes:
-            peak_bytes.append(peak(changes, byte_sizes))  # type: ignore[arg-type]
+            peak_bytes.append(peak(changes, byte_sizes))
     makespan = max(run.ended, default=0.0)  # as the timeline's: see RunRecord
     bubble = 1.0 - sum(compute) / (schedule.num_ranks * makespan) if makespan > 0 else 0.0
     return SimResult(

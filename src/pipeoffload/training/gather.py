@@ -78,7 +78,7 @@ def stage_sizes(topology: Topology, meter: ActivationMeter,
     """Per-stage activation bytes of one microbatch measured on the last step, from every
     process; None if a stage's microbatches differed (the simulator takes one size)."""
     seen: dict[int, set[int]] = {}
-    for (stage, _), nbytes in meter.scope_bytes.items():
+    for (stage, _), nbytes in meter.stage_scope_bytes.items():
         seen.setdefault(stage, set()).add(nbytes)
     # Per stage: its size, -1 if its microbatches differed, -2 if this process has none of it.
     local = [float(next(iter(seen[s])) if len(seen[s]) == 1 else -1) if s in seen else -2.0

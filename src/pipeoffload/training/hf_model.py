@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -224,7 +224,7 @@ def build_hf_stages(source: HFModelSource, num_stages: int, stage_indices: Itera
         if tp_mesh is not None:
             apply_hf_tensor_parallel(stage, tp_mesh)
         if recompute == "full":
-            for layer in stage.layers:
+            for layer in cast(nn.ModuleList, stage.layers):
                 _recompute_whole(layer)
     return HFStages(model, stages)
 

@@ -37,7 +37,7 @@ def measure_stage_bytes(stages: Mapping[int, nn.Module], first: int, last: int,
                 if stage == last:
                     out = lm_loss(out, tokens)
             del out, x
-    return {stage: nbytes for (stage, _), nbytes in meter.scope_bytes.items()}
+    return {stage: nbytes for (stage, _), nbytes in meter.stage_scope_bytes.items()}
 
 
 def reserve_host_memory(pipe: Pipeline, stages: Mapping[int, nn.Module], microbatch: int,

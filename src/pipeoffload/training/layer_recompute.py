@@ -27,6 +27,7 @@ that: all three terms are added inside the region, in the same order as without 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +37,7 @@ from pipeoffload.runtime.shards import is_pending_collective
 
 class _Recomputed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn: Callable[..., tuple[Tensor, ...]], n_inputs: int,  # type: ignore[override]
+    def forward(ctx: Any, fn: Callable[..., tuple[Tensor, ...]], n_inputs: int,
                 *args: Tensor) -> tuple[Tensor, ...]:
         ctx.fn, ctx.n_inputs = fn, n_inputs
         ctx.save_for_backward(*args[:n_inputs])
@@ -45,7 +46,7 @@ class _Recomputed(torch.autograd.Function):
             return fn(*args[:n_inputs])
 
     @staticmethod
-    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         inputs = [t.detach().requires_grad_(needs) for t, needs
                   in zip(ctx.saved_tensors, ctx.needs_input_grad[2:2 + ctx.n_inputs])]
         wanted = [t for t in (*inputs, *ctx.params) if t.requires_grad]

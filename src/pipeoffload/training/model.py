@@ -261,7 +261,7 @@ class Transformer(nn.Module):
             cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
             for layer in self.layers.values():
                 x = layer(x, cos, sin)
-        if self.output is not None:
+        if self.output is not None and self.norm is not None:
             x = self.output(self.norm(x))  # [batch, seq, vocab]
         return x
 

@@ -51,9 +51,9 @@ def apply_tensor_parallel(module: Transformer, mesh: Any) -> Transformer:
         plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     for name, block in module.layers.items():
         layer = f"layers.{name}"
-        for norm in ("attention_norm", "ffn_norm"):
-            plan[f"{layer}.{norm}"] = SequenceParallel(use_local_output=False)
-            gathered.append(getattr(block, norm))
+        for norm_name in ("attention_norm", "ffn_norm"):
+            plan[f"{layer}.{norm_name}"] = SequenceParallel(use_local_output=False)
+            gathered.append(getattr(block, norm_name))
         for proj in ("attention.wq", "attention.wk", "attention.wv",
                      "feed_forward.w1", "feed_forward.w3"):
             plan[f"{layer}.{proj}"] = ColwiseParallel()

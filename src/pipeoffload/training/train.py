@@ -234,8 +234,9 @@ def build_plan(config: TrainConfig) -> OffloadPlan:
     longest-lived chunk recomputed by RECOMPUTE actions (offload/recompute.py), every other
     activation offloaded.
     """
-    options = {k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
-               if v is not None}
+    options: dict[str, Any] = {
+        k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
+        if v is not None}
     policy = OffloadPolicy(fetch_on_use=config.fetch_on_use)
     return plan_schedule(config.schedule, config.pp, config.num_microbatches,
                          train_offload(config.offload), policy=policy, **options)

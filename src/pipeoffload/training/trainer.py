@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ from pipeoffload.training.hf_model import HFStages, resolve_model
 from pipeoffload.training.hf_run import build_hf, export_run
 from pipeoffload.training.host_reserve import reserve_host_memory
 from pipeoffload.training.measure import measure_without_offload
-from pipeoffload.training.model import set_layer_recompute
+from pipeoffload.training.model import Transformer, set_layer_recompute
 from pipeoffload.training.results import StepLog, TrainResult
 from pipeoffload.training.signals import StopRequest, signal_name
 from pipeoffload.training.split import build_stage_modules, lm_loss
@@ -396,6 +396,6 @@ def build_stages(config: TrainConfig, num_stages: int, mine: list[int],
                                  dtype=torch_dtype(config.dtype), device=topology.device)
     for module in stages.values():
         if topology.tp > 1:
-            apply_tensor_parallel(module, topology.tp_mesh)  # type: ignore[arg-type]
+            apply_tensor_parallel(cast(Transformer, module), topology.tp_mesh)
         set_layer_recompute(module, config.recompute)
     return stages

@@ -31,7 +31,7 @@ NAME = "interleaved-1f1b"
 def chunk_table(microbatches: int, chunks: int, group: int) -> list[tuple[int, int]]:
     """The (chunk, microbatch) order of the forwards: groups of ``group`` microbatches, each
     group through chunk 0, then chunk 1, ..."""
-    table = []
+    table: list[tuple[int, int]] = []
     for first in range(0, microbatches, group):
         members = range(first, min(first + group, microbatches))
         table.extend((chunk, mb) for chunk in range(chunks) for mb in members)
