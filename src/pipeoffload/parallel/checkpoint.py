@@ -358,7 +358,7 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
     if where.rank == 0:
         info = {**identity, "processes": _world(where), "data": state.dataset.state_dict()}
         write_manifest(folder, step, records, _json(info))
-        tidy(root, keep_last)
+        tidy(root, keep_last, list(extra_files or {}))
     _barrier(where)
     return folder
 

@@ -14,6 +14,7 @@ lowest stage (parallel/gradients.py tie_copy_names), and the config's
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,6 +41,34 @@ def check_export_folder(folder: str | Path, flag: str = "--export-hf") -> None:
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ConfigError(f"{flag} {folder}: the folder exists and is not empty; pass a new or "
                           "empty folder (an export never mixes with older files)")
+
+
+_EXPORT_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+                          r"tokenizer\.json|config\.json|\..+\.tmp)$")
+
+
+def export_complete(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a finished export: config.json is written last."""
+    return (Path(folder) / "config.json").is_file()
+
+
+def clear_unfinished_export(folder: str | Path, flag: str = "--export-hf") -> None:
+    """Remove what an interrupted export left in ``folder`` (weights, index, tokenizer,
+    temporary files: only names an export writes, only plain files), so it can be written
+    again; any other file there is refused, named, and left alone."""
+    path = Path(folder)
+    if not path.exists():
+        return
+    if not path.is_dir() or path.is_symlink():
+        raise ConfigError(f"{flag} {folder}: not a folder; pass a new or empty folder")
+    children = sorted(path.iterdir())
+    foreign = [c.name for c in children if not _EXPORT_FILE.match(c.name) or c.is_symlink()
+               or not c.is_file()]
+    if foreign:
+        raise ConfigError(f"{flag} {folder}: holds an unfinished export and {foreign[0]!r}, "
+                          "which no export writes; move it away or pass another folder")
+    for child in children:
+        child.unlink()
 
 
 def export_dtype(name: str) -> torch.dtype:
