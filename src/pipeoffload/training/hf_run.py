@@ -4,11 +4,13 @@ process's stages, the export at the end (training/hf_model.py, parallel/export.p
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from pipeoffload import hf_families
 from pipeoffload.errors import ConfigError
 from pipeoffload.integrations.hf_tp_layout import join_shards
 from pipeoffload.parallel import checkpoint as ckpt
@@ -46,7 +48,26 @@ def check_model(config: TrainConfig, num_stages: int) -> None:
                               f"is smaller than the data's {needed} token ids")
         return
     check_hf_model(resolve_model(config.hf_model), tp=config.tp, recompute=config.recompute,
-                   seq_len=config.data.seq_len, vocab_needed=needed, num_stages=num_stages)
+                   seq_len=config.data.seq_len, vocab_needed=needed, num_stages=num_stages,
+                   memory=run_memory(config))
+
+
+# Weights, gradients and AdamW's two moments per parameter; bf16 adds float32 master weights
+# and their gradients (parallel/precision.py).
+_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp64": 32}
+
+
+def run_memory(config: TrainConfig) -> tuple[int, int, str]:
+    """What the whole run needs per parameter (every data-parallel replica holds the model),
+    and the memory it has: the GPUs' (one per process) or this machine's."""
+    per_param = _BYTES_PER_PARAM[config.dtype] * config.dp
+    gpus = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if gpus:
+        processes = config.pp * config.dp * config.tp
+        total = torch.cuda.get_device_properties(0).total_memory * processes
+        return per_param, total, f"the memory of {processes} GPU(s)"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return per_param, host, "this machine's memory"
 
 
 def build_hf(config: TrainConfig, num_stages: int, mine: list[int],
@@ -93,6 +114,8 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
         raise ConfigError(f"checkpoint {manifest.folder} holds no Hugging Face config (the "
                           "reference model's, or a save_checkpoint of your own); export writes "
                           "models trained with `pipeoffload train --model PATH`")
+    hf_families.check_family(config, str(manifest.folder / ckpt.MANIFEST))
+    hf_families.check_values(config, str(manifest.folder / ckpt.MANIFEST))
     run_dtype, tp, num_stages = _layout(manifest)
     name = dtype_name or ("bf16" if run_dtype == "bf16" else "fp32")
     dtype = export_dtype(name)
