@@ -26,6 +26,7 @@ from torch import nn
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.integrations.hf_tp_layout import hf_order
+from pipeoffload.parallel import arguments
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.dtype_names import EXPORT_DTYPE_NAMES
 from pipeoffload.parallel.gradients import tie_copy_names
@@ -141,7 +142,17 @@ def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
 
 def _finish(folder: Path, config: Any, dtype: torch.dtype, weight_map: dict[str, str],
             total_bytes: int, tokenizer: str | Path | None) -> None:
-    if len(set(weight_map.values())) > 1:
+    """The index (several weight files), the tokenizer and config.json, last; refused if a
+    file no export writes appeared in the folder meanwhile (it would sit beside the export)."""
+    several = len(set(weight_map.values())) > 1
+    ours = set(weight_map.values()) | {"config.json"} | ({INDEX} if several else set()) | (
+        {"tokenizer.json"} if tokenizer is not None else set())
+    strangers = sorted(c.name for c in folder.iterdir() if c.name not in ours)
+    if strangers:
+        raise ConfigError(f"export folder {folder}: {strangers[0]!r} appeared there while the "
+                          "export was written; an export never mixes with other files, so "
+                          "move it away and export again (pipeoffload export CHECKPOINT DIR)")
+    if several:
         index = {"metadata": {"total_size": total_bytes},
                  "weight_map": dict(sorted(weight_map.items()))}
         ckpt.write_atomic(folder / INDEX, (json.dumps(index, indent=2) + "\n").encode())
@@ -158,7 +169,15 @@ def export_pretrained(folder: str | Path, model: nn.Module, stages: Mapping[int,
     ``named_parameters`` name them; split_causal_lm's or train's), with a copy of the
     ``tokenizer`` file (a tokenizer.json) if given. Under torch.distributed (``topology``, a
     parallel/topology.py Topology) every process calls it: tensor-parallel shards are
-    gathered, each pipeline rank writes its stages, global rank 0 the index and config last."""
+    gathered, each pipeline rank writes its stages, global rank 0 the index and config last.
+    ``folder`` must be new or empty (checked again at the end: files copied in meanwhile are
+    named, not left beside the export)."""
+    arguments.float_dtype("dtype", dtype)
+    arguments.stage_modules("stages", stages)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the nn.Module the stages were cut from, got "
+                        f"{type(model).__name__}")
+    check_export_folder(folder, "folder")
     folder = Path(folder)
     tensors = stage_tensors(model, stages, dtype, values)
     if topology is None or not topology.distributed:
