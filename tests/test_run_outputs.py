@@ -91,6 +91,10 @@ OUTPUT_CASES = [  # (argv, the words of the error line)
      "written into the folder of --data data"),
     (["--data", "data", "--tensorboard", "data"], "--tensorboard data is the same folder as "
      "--data"),
+    (["--data", "data", "--tensorboard", "data/tb"], "--tensorboard data/tb would be written "
+     "into the folder of --data data"),
+    (["--checkpoint-dir", "ck", "--resume", "auto", "--metrics", "{binary}"],
+     "--metrics binary.jsonl: not UTF-8 text (near byte 1"),
     (["--tensorboard", "tb", "--metrics", "tb/m.jsonl"], "--metrics tb/m.jsonl would be written "
      "into the folder of --tensorboard tb"),
     (["--export-hf", "out", "--tensorboard", "out/tb"], "--tensorboard out/tb would be written "
@@ -108,7 +112,9 @@ def test_outputs_stay_out_of_checkpoints_data_and_one_another(argv, words, place
     (place / "nul.toml").write_text('checkpoint-dir = "c\\u0000k"\n')
     if hasattr(os, "mkfifo"):
         os.mkfifo(place / "fifo")
-    argv = [a.replace("{nul}", "nul.toml").replace("{fifo}", "fifo") for a in argv]
+    (place / "binary.jsonl").write_bytes(b'{\xff"step": 1}\n')  # read back by a resumed run
+    argv = [a.replace("{nul}", "nul.toml").replace("{fifo}", "fifo")
+            .replace("{binary}", "binary.jsonl") for a in argv]
     before = snapshot(place)
     code, err = run([*TRAIN, *argv], capsys)
     assert code == 2 and no_training == [], err
@@ -224,3 +230,40 @@ def test_a_requeued_run_finishes_an_interrupted_export(tmp_path: Path, capsys,
     code, err = run(argv, capsys)
     assert code == 2 and "'notes.txt', which no export writes" in err, err
     assert (tmp_path / "ex" / "notes.txt").read_text() == "mine"
+
+
+@pytest.fixture
+def file_size_limit():
+    """Sets the file-size limit (RLIMIT_FSIZE, as a quota or ulimit -f would) for a moment;
+    Python ignores SIGXFSZ, so a write past it fails with EFBIG, an error naming no file."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def limit(nbytes: int | None) -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft if nbytes is None else nbytes, hard))
+
+    yield limit
+    limit(None)
+
+
+def test_a_file_size_limit_or_full_disk_names_the_file(tmp_path: Path, file_size_limit) -> None:
+    import errno
+
+    from pipeoffload.training.metrics import MetricsConfig, MetricsWriter
+
+    target = tmp_path / "ck" / "step_00000001" / "stage_000.pt"
+    writer = MetricsWriter(MetricsConfig(jsonl=str(tmp_path / "m.jsonl")), 0)
+    errors = []
+    for write in (lambda: ckpt.write_atomic(target, b"x" * 4096),
+                  lambda: writer.write_eval(1, 2.0)):
+        file_size_limit(16)
+        try:
+            write()
+        except OSError as error:
+            errors.append(error)
+        finally:
+            file_size_limit(None)
+    writer.close()
+    assert [(e.errno, e.filename) for e in errors] == [
+        (errno.EFBIG, str(target)), (errno.EFBIG, str(tmp_path / "m.jsonl"))]
+    assert sorted(p.name for p in target.parent.iterdir()) == []  # no temporary file left

@@ -26,12 +26,11 @@ import os
 import stat
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeoffload.errors import ConfigError, PipeoffloadError
+from pipeoffload.errors import ConfigError, PipeoffloadError, writing
 
 INPUT_ERROR = 2  # bad input, refused before any work (argparse uses 2 as well)
 FAILED = 1  # the work itself failed (a file could not be written, a run failed)
@@ -414,18 +413,6 @@ def have_matplotlib() -> bool:
 
 MATPLOTLIB_MISSING = ("matplotlib is not installed, so {what} was not written; "
                       "pip install 'pipeoffload[plot]' to get it")
-
-
-@contextmanager
-def writing(path: str | os.PathLike[str]) -> Iterator[None]:
-    """Name ``path`` in an OSError raised inside (a full disk fails a write, whose error names
-    no file)."""
-    try:
-        yield
-    except OSError as error:
-        if error.filename is None:
-            error.filename = str(path)
-        raise
 
 
 class _StandardOutput:

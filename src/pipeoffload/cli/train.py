@@ -198,6 +198,10 @@ def _configure(args: argparse.Namespace, torchrun: bool) -> tuple[TrainConfig, R
     if report.png is not None and not preflight.have_matplotlib():
         preflight.note("train", preflight.MATPLOTLIB_MISSING.format(what=report.png))
         report = dataclasses.replace(report, png=None)
+    if report.metrics is not None and config.resume is not None:
+        from pipeoffload.training.metrics import check_metrics_file
+
+        check_metrics_file(report.metrics)  # a resumed run reads it back at its first step
     if args.resume not in (None, "latest") and args.checkpoint_dir is None:
         preflight.note("train", "--resume PATH without --checkpoint-dir: this run saves no "
                        "checkpoint; add --checkpoint-dir DIR to keep its progress")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.errors import ConfigError
+from pipeoffload.errors import ConfigError, writing
 from pipeoffload.integrations.hf_tp_layout import hf_order
 from pipeoffload.parallel import arguments
 from pipeoffload.parallel import checkpoint as ckpt
@@ -157,7 +157,8 @@ def _finish(folder: Path, config: Any, dtype: torch.dtype, weight_map: dict[str,
                  "weight_map": dict(sorted(weight_map.items()))}
         ckpt.write_atomic(folder / INDEX, (json.dumps(index, indent=2) + "\n").encode())
     if tokenizer is not None:
-        shutil.copyfile(tokenizer, folder / "tokenizer.json")
+        with writing(folder / "tokenizer.json"):
+            shutil.copyfile(tokenizer, folder / "tokenizer.json")
     _write_config(folder, config, dtype)
 
 

@@ -12,6 +12,7 @@ elsewhere MFU is not reported (None) and the achieved model FLOP/s is.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from pipeoffload.errors import ConfigError, writing
 from pipeoffload.planner.hardware import device_preset
 from pipeoffload.planner.presets import load_model
 from pipeoffload.planner.transformer import (
@@ -28,6 +30,9 @@ from pipeoffload.planner.transformer import (
     head_flops,
     layer_flops,
 )
+
+# A record is about 300 bytes: 10^6 steps of records, far more than a run writes.
+MAX_METRICS_BYTES = 1 << 30
 
 
 def model_flops_per_step(model: Any, seq_len: int, batch_size: int) -> float:
@@ -113,8 +118,9 @@ class MetricsWriter:
     def write(self, log: Any) -> dict[str, Any]:
         record = step_record(log, self.config)
         if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
-            self._file.flush()
+            with writing(self._file.name):
+                self._file.write(json.dumps(record, sort_keys=True) + "\n")
+                self._file.flush()
         if self._tensorboard is not None:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
                         "model_flops_per_s", "mfu"):
@@ -131,8 +137,9 @@ class MetricsWriter:
     def write_eval(self, step: int, loss: float) -> None:
         """A held-out loss after ``step`` steps: its own line, ``{"step", "eval_loss"}``."""
         if self._file is not None:
-            self._file.write(json.dumps({"eval_loss": loss, "step": step}) + "\n")
-            self._file.flush()
+            with writing(self._file.name):
+                self._file.write(json.dumps({"eval_loss": loss, "step": step}) + "\n")
+                self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.add_scalar("eval/loss", loss, step)
             self._tensorboard.flush()
@@ -142,6 +149,32 @@ class MetricsWriter:
             self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def check_metrics_file(path: str) -> None:
+    """What a resumed run will read of an existing ``--metrics`` file (its records up to the
+    step resumed), checked before the run starts instead of at its first step: it must be a
+    regular UTF-8 text file of at most MAX_METRICS_BYTES."""
+    file = Path(path)
+    if not file.exists():
+        return
+    if not file.is_file():
+        raise ConfigError(f"--metrics {path}: not a regular file; name a file")
+    size = file.stat().st_size
+    if size > MAX_METRICS_BYTES:
+        raise ConfigError(f"--metrics {path}: {size} bytes, more than a resumed run reads back "
+                          f"({MAX_METRICS_BYTES}); move it away or name another file")
+    decoder, read = codecs.getincrementaldecoder("utf-8")(), 0
+    try:
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                decoder.decode(chunk)
+                read += len(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"--metrics {path}: not UTF-8 text (near byte {read + error.start}: "
+                          f"{error.reason}), so a resumed run cannot keep its records; move it "
+                          "away or name another file") from None
 
 
 def _truncate_after(path: Path, step: int) -> None:
@@ -155,8 +188,9 @@ def _truncate_after(path: Path, step: int) -> None:
         if not isinstance(record_step, int) or record_step <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    with writing(path):
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def tensorboard_writer(log_dir: str) -> Any:
