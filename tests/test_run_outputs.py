@@ -9,9 +9,11 @@ not write changes."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -267,3 +269,36 @@ def test_a_file_size_limit_or_full_disk_names_the_file(tmp_path: Path, file_size
     assert [(e.errno, e.filename) for e in errors] == [
         (errno.EFBIG, str(target)), (errno.EFBIG, str(tmp_path / "m.jsonl"))]
     assert sorted(p.name for p in target.parent.iterdir()) == []  # no temporary file left
+
+
+def test_tensorboard_on_a_full_disk_stops_its_events_with_one_note(tmp_path: Path, capsys,
+                                                                   file_size_limit) -> None:
+    pytest.importorskip("tensorboard")
+    from pipeoffload.cli.progress import Reporter
+    from pipeoffload.cli.train_report import ReportOptions
+    from pipeoffload.parallel.topology import Topology
+    from test_train import tiny_config
+
+    report = ReportOptions(json=False, png=None, log_every=1, threads=1,
+                           metrics=str(tmp_path / "m.jsonl"), tensorboard=str(tmp_path / "tb"),
+                           peak_flops_per_s=None)
+    reporter = Reporter(tiny_config(), report, Topology.local(1), sys.stdout)
+    reporter.held_out(0, 3.0)  # opens both writers, the event file's header written
+    events = next((tmp_path / "tb").iterdir())
+    file_size_limit(events.stat().st_size)  # the disk is full from now on
+    try:
+        reporter.held_out(1, 2.5)
+        reporter.held_out(2, 2.0)
+    finally:
+        file_size_limit(None)
+    reporter.close()
+    for thread in threading.enumerate():  # the event writer's thread ends after its hook ran
+        if type(thread).__name__ == "_AsyncWriterThread":
+            thread.join()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    notes = [line for line in err.splitlines() if "--tensorboard" in line]
+    assert len(notes) == 1 and f"--tensorboard {tmp_path / 'tb'}: File too large" in notes[0]
+    assert "no more TensorBoard events are written (the run goes on" in notes[0]
+    assert [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()
+            ] == [0, 1, 2]  # --metrics goes on (its file is still smaller than the limit)
