@@ -274,10 +274,11 @@ def test_a_file_size_limit_or_full_disk_names_the_file(tmp_path: Path, file_size
 def test_tensorboard_on_a_full_disk_stops_its_events_with_one_note(tmp_path: Path, capsys,
                                                                    file_size_limit) -> None:
     pytest.importorskip("tensorboard")
+    from test_train import tiny_config
+
     from pipeoffload.cli.progress import Reporter
     from pipeoffload.cli.train_report import ReportOptions
     from pipeoffload.parallel.topology import Topology
-    from test_train import tiny_config
 
     report = ReportOptions(json=False, png=None, log_every=1, threads=1,
                            metrics=str(tmp_path / "m.jsonl"), tensorboard=str(tmp_path / "tb"),
