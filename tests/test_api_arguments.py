@@ -141,3 +141,13 @@ def test_an_export_refuses_a_full_folder_and_files_that_appear_while_it_writes(
     monkeypatch.setattr(export_module, "_safetensors_bytes", real)
     done = export_pretrained(tmp_path / "fine", model, {0: model})
     assert sorted(p.name for p in done.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_an_empty_batch_is_refused_instead_of_a_nan_loss() -> None:
+    schedule = po.build_schedule("1f1b", pp=2, microbatches=2)
+    pipe = po.Pipeline({0: nn.Linear(4, 4), 1: nn.Linear(4, 4)}, schedule,
+                       loss_fn=lambda y, t: ((y - t) ** 2).mean())
+    with pytest.raises(ValueError, match=r"inputs\[0\] is an empty batch \(dim 0 has size 0\), "
+                       "whose loss would be nan; pass at least 2 rows"):
+        pipe.step(torch.ones(0, 4), target=torch.ones(0, 4))
+    assert torch.isfinite(pipe.step(torch.ones(2, 4), target=torch.ones(2, 4)))
