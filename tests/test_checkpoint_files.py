@@ -25,6 +25,7 @@ from pipeoffload.errors import FieldError
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel import checkpoint_files
 from pipeoffload.parallel.checkpoint import CheckpointError
+from pipeoffload.parallel.checkpoint_lock import LOCK_FILE
 
 
 def tiny_config(**changes):
@@ -178,6 +179,7 @@ def test_manifest_paths_are_only_plain_files_inside_the_step_folder(
         ckpt.read_manifest(folder)
     with pytest.raises(CheckpointError, match=message):
         run_inline(dataclasses.replace(config, checkpoint_dir=str(root)))
+    opened = [p for p in opened if Path(p) != root / LOCK_FILE]  # the run's folder lock
     assert opened and all(Path(p).parent == folder for p in opened), opened
 
 
@@ -210,7 +212,8 @@ def test_keep_last_retires_old_checkpoints_and_never_the_newest(tmp_path: Path) 
     newer_torn = root / "step_00000009"  # newer than the run: not touched
     newer_torn.mkdir()
     run_inline(dataclasses.replace(base, steps=5, keep_last=1, resume="latest"))
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000005", "step_00000009"]
+    assert sorted(p.name for p in root.iterdir() if p.name != LOCK_FILE) == ["step_00000005",
+                                                                         "step_00000009"]
     assert ckpt.read_manifest(root / "step_00000005").step == 5
     # Without --keep-last everything stays, as before.
     run_inline(dataclasses.replace(base, steps=7, keep_last=None, resume="latest"))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeoffload.parallel import arguments
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.gradients import (
     clip_gradients,
@@ -50,7 +51,10 @@ def init_distributed(pp: int, tp: int = 1, dp: int = 1, *, device: str = "auto",
     group per P2P channel of this process's pipeline, which NCCL needs for V-shaped and
     interleaved schedules (docs/runtime.md). ``Pipeline(..., **topology.pipeline_options())``
     takes them; ``topology.tp_mesh`` is the mesh to shard a stage over with torch DTensor."""
-    return connect(pp, dp, device, timeout_s, tp=tp)
+    for name, value in (("pp", pp), ("tp", tp), ("dp", dp)):
+        if arguments.step_number(name, value) < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return connect(pp, dp, device, arguments.positive_number("timeout_s", timeout_s), tp=tp)
 
 
 def _placement(topology: Topology | None, stages: Mapping[int, nn.Module]) -> Topology:
@@ -67,6 +71,8 @@ def clip_grad_norm_(stages: Mapping[int, nn.Module], max_norm: float,
     rank (a collective: all ranks call it), tied parameters counted once (on their lowest
     stage), DTensor shards summed over their tensor-parallel group. Returns the norm before
     clipping."""
+    arguments.stage_modules("stages", stages)
+    max_norm = arguments.positive_number("max_norm", max_norm, infinite=True)
     return clip_gradients(unique_params(stages), max_norm, topology, tie_copies(stages, tied))
 
 
@@ -102,6 +108,8 @@ def save_checkpoint(root: str | Path, step: int, stages: Mapping[int, nn.Module]
     with every file's SHA-256 and ``info`` (JSON), which load_checkpoint requires to match
     (``info["run"]``, if given, is the run id every file records). A
     collective: every process calls it. Returns the folder."""
+    arguments.step_number("step", step)
+    arguments.stage_optimizers("optimizers", optimizers, arguments.stage_modules("stages", stages))
     identity = dict(info or {})
     # Every file records a run id (checkpoint_files.FileIdentity); without one in ``info`` it is
     # a digest of ``info``, the same on every process and every save of the run.
@@ -119,6 +127,7 @@ def load_checkpoint(path: str | Path, stages: Mapping[int, nn.Module],
     newest complete checkpoint is taken) into the stages and optimizers; returns its step.
     Raises CheckpointError when it is missing, corrupt, or saved with another ``info`` or
     number of processes."""
+    arguments.stage_optimizers("optimizers", optimizers, arguments.stage_modules("stages", stages))
     position = _StepPosition()
     state = ckpt.TrainingState(stages, StageOptimizers(optimizers, masters), position)
     return ckpt.restore(state, path, None, dict(info or {}), _placement(topology, stages))

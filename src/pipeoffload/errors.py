@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.]*)\}")
@@ -81,3 +83,15 @@ class PipelineRuntimeError(PipeoffloadError, RuntimeError):
 class IntegrationError(PipeoffloadError, RuntimeError):
     """An integration cannot run here: an untested version of the library it adapts, a missing
     optional extra, or a model it does not know (names what it found and what to do)."""
+
+
+@contextmanager
+def writing(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Name ``path`` in an OSError raised inside that names no file: a full disk (ENOSPC) or
+    the file-size limit (EFBIG) fails a write with an error that says nothing of where."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            error.filename = os.fspath(path)
+        raise

@@ -13,6 +13,7 @@ checks `pipeoffload train` runs before starting any process, and the integration
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,19 @@ TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 RECOMPUTE_MODES = ("none", "full")
 #: config.json keys of dropout probabilities (Llama family, GPT-2).
 DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
+#: config.json keys that are sizes: whole numbers >= 1 where present (GPT-2's n_inner may be null).
+SIZE_KEYS = ("vocab_size", "num_hidden_layers", "n_layer", "hidden_size", "n_embd",
+             "num_attention_heads", "n_head", "num_key_value_heads", "intermediate_size",
+             "n_inner", "max_position_embeddings", "n_positions", "head_dim")
+#: config.json keys that are finite non-negative numbers where present.
+NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon", "initializer_range",
+               *DROPOUT_KEYS)
+#: RoPE scaling types transformers 5 builds (modeling_rope_utils.ROPE_INIT_FUNCTIONS, and
+#: "default"); another one fails inside transformers with a bare KeyError.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+#: Larger than any released model (about 130 layers); building the model's skeleton takes
+#: about 0.2 ms per layer, so 10^6 layers took minutes before any check (issue 40).
+MAX_LAYERS = 4096
 
 
 def value(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
@@ -63,6 +77,64 @@ def check_family(config: Mapping[str, Any], where: str) -> str:
             f"stages (it knows {', '.join(SUPPORTED_MODEL_TYPES)}); write the stage modules "
             "yourself (docs/runtime.md, stage contract) or use one of those families")
     return model_type
+
+
+def check_values(config: Mapping[str, Any], where: str) -> None:
+    """Refuse a config.json value of the wrong type, naming the file and the key: sizes are
+    whole numbers >= 1 (a float or a string fails deep inside transformers), rates and epsilons
+    finite numbers, RoPE scaling a table of a type transformers builds, activations names."""
+    for key in SIZE_KEYS:
+        found = config.get(key)
+        if found is None:
+            continue
+        if isinstance(found, bool) or not isinstance(found, int) or found < 1:
+            raise ConfigError(f"{where}: {key} is {found!r}; it must be a whole number >= 1")
+    layers = value(config, "num_hidden_layers", "n_layer", default=0)
+    if layers > MAX_LAYERS:
+        raise ConfigError(f"{where}: {layers} decoder layers, more than train builds "
+                          f"({MAX_LAYERS}; the largest released models have about 130)")
+    for key in NUMBER_KEYS:
+        found = config.get(key)
+        if found is not None and (isinstance(found, bool) or not isinstance(found, (int, float))
+                                  or not math.isfinite(found) or found < 0):
+            raise ConfigError(f"{where}: {key} is {found!r}; it must be a finite number >= 0")
+    for key in ("hidden_act", "activation_function"):
+        if config.get(key) is not None and not isinstance(config[key], str):
+            raise ConfigError(f"{where}: {key} is {config[key]!r}; it must be an activation's "
+                              "name, e.g. \"silu\"")
+    for key in ("rope_scaling", "rope_parameters"):
+        _check_rope(config.get(key), f"{where}: {key}")
+
+
+def _check_rope(rope: Any, where: str) -> None:
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where} is {rope!r}; it must be a table (or null)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{where}: rope_type {kind!r} is not one transformers builds "
+                          f"({', '.join(ROPE_TYPES)})")
+    for key, found in rope.items():
+        if key in ("rope_type", "type") or found is None or isinstance(found, list):
+            continue
+        if isinstance(found, bool) or not isinstance(found, (int, float)) or not math.isfinite(
+                found):
+            raise ConfigError(f"{where}: {key} is {found!r}; it must be a finite number")
+
+
+def parameter_estimate(config: Mapping[str, Any]) -> int:
+    """About how many parameters the config makes (embeddings, attention and MLP matrices;
+    norms and biases left out): what a size check compares with the memory a run has."""
+    found = sizes(config)
+    hidden = value(config, "hidden_size", "n_embd", default=0)
+    heads = found["heads"] or 1
+    head_dim = value(config, "head_dim", default=hidden // heads)
+    attention = hidden * head_dim * (2 * heads + 2 * found["kv_heads"])
+    mlp = (2 if config.get("model_type") == "gpt2" else 3) * hidden * (found["ffn_hidden"] or 0)
+    tied = config.get("tie_word_embeddings", config.get("model_type") == "gpt2")
+    embeddings = found["vocab_size"] * hidden * (1 if tied else 2)
+    return int(embeddings + found["layers"] * (attention + mlp))
 
 
 def check_parallel(config: Mapping[str, Any], where: str, *, tp: int, recompute: str) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
+import stat
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +23,7 @@ from typing import Any
 from pipeoffload.errors import ConfigError
 
 CONFIG_FLAG = "--config"
+MAX_SETTINGS_BYTES = 1 << 20  # a settings file of every option is about 2 KiB
 _NOT_SETTINGS = {"help", "config", "worker-config"}
 
 
@@ -84,13 +87,8 @@ def config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
         except ModuleNotFoundError:
             raise ConfigError(f"{CONFIG_FLAG} {path}: reading TOML needs Python 3.11 or later "
                               "(tomllib), or `pip install tomli`") from None
-    try:
-        with open(path, "rb") as f:
-            values = tomllib.load(f)
-    except OSError as error:
-        raise ConfigError(f"{CONFIG_FLAG} {path}: {error.strerror or error}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{CONFIG_FLAG} {path}: not valid TOML ({error})") from None
+    values = _parse(tomllib, path, _settings_text(path))
+    _refuse_spelled_twice(path, values)
     actions = setting_actions(parser)
     tokens: list[str] = []
     for key, value in values.items():
@@ -107,6 +105,53 @@ def config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
                               "are its long options without the leading --")
         tokens += _tokens(where, f"--{name}", action, value)
     return tokens
+
+
+def _settings_text(path: str) -> str:
+    """The text of settings file ``path``: a regular file (a FIFO would block, /dev/zero never
+    end) of at most MAX_SETTINGS_BYTES, UTF-8, a leading byte-order mark dropped."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{CONFIG_FLAG} {path}: not a regular file (a pipe or device); "
+                              "save the settings to a file")
+        if info.st_size > MAX_SETTINGS_BYTES:
+            raise ConfigError(f"{CONFIG_FLAG} {path}: {info.st_size} bytes, more than a "
+                              f"settings file may be ({MAX_SETTINGS_BYTES})")
+        with open(path, "rb") as f:
+            data = f.read(MAX_SETTINGS_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"{CONFIG_FLAG} {path}: {error.strerror or error}") from None
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{CONFIG_FLAG} {path}: not UTF-8 text (byte {error.start}: "
+                          f"{error.reason})") from None
+
+
+def _parse(tomllib: Any, path: str, text: str) -> dict[str, Any]:
+    """``text`` parsed as TOML; each way it can fail is one ConfigError naming the file."""
+    try:
+        return dict(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{CONFIG_FLAG} {path}: not valid TOML ({error})") from None
+    except RecursionError:
+        raise ConfigError(f"{CONFIG_FLAG} {path}: arrays or tables nested too deeply; a "
+                          "settings file holds `key = value` lines") from None
+    except ValueError as error:  # an integer of more digits than Python converts (4300)
+        raise ConfigError(f"{CONFIG_FLAG} {path}: a value cannot be read ({error})") from None
+
+
+def _refuse_spelled_twice(path: str, values: dict[str, Any]) -> None:
+    """Refuse one setting given under two spellings (``keep-last`` and ``keep_last``): the
+    later one would win silently."""
+    seen: dict[str, str] = {}
+    for key in values:
+        name = key.replace("_", "-")
+        if name in seen:
+            raise ConfigError(f"{CONFIG_FLAG} {path}: {seen[name]!r} and {key!r} are the same "
+                              "setting; keep one of them")
+        seen[name] = key
 
 
 def _tokens(where: str, option: str, action: argparse.Action, value: Any) -> list[str]:

@@ -26,12 +26,11 @@ import os
 import stat
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeoffload.errors import ConfigError, PipeoffloadError
+from pipeoffload.errors import ConfigError, PipeoffloadError, writing
 
 INPUT_ERROR = 2  # bad input, refused before any work (argparse uses 2 as well)
 FAILED = 1  # the work itself failed (a file could not be written, a run failed)
@@ -125,8 +124,19 @@ class InputPath(CheckedPath):
     """A file or folder to read."""
 
 
-def output_file(*suffixes: str) -> Callable[[str], OutputFile]:
-    """argparse type: a file to write; with ``suffixes``, its name must end in one of them."""
+class ResumePath(InputPath):
+    """The checkpoint to resume: it may be, or lie inside, an output folder (the run's own
+    --checkpoint-dir)."""
+
+
+class StoredOutputFile(OutputFile):
+    """An output file a long run appends to as it goes (``--metrics``): a regular file or a
+    new one, never a FIFO or device, which would block the run while nothing reads it."""
+
+
+def output_file(*suffixes: str, stored: bool = False) -> Callable[[str], OutputFile]:
+    """argparse type: a file to write; with ``suffixes``, its name must end in one of them;
+    ``stored``: a StoredOutputFile (a regular file, not a pipe or device)."""
     def parse(text: str) -> OutputFile:
         if not text.strip():
             raise argparse.ArgumentTypeError("expected a file name, got ''")
@@ -134,7 +144,7 @@ def output_file(*suffixes: str) -> Callable[[str], OutputFile]:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: the file name must end in {' or '.join(suffixes)} (it sets the "
                 "format)")
-        return OutputFile(text)
+        return StoredOutputFile(text) if stored else OutputFile(text)
     parse.__name__ = "output_file"
     return parse
 
@@ -156,7 +166,11 @@ input_path = _path_type(InputPath)
 def resume_path(text: str) -> str:
     """argparse type of --resume: the words ``latest`` (also its bare form's value) and
     ``auto``, or a path."""
-    return text if text in ("latest", "auto") else input_path(text)
+    if text in ("latest", "auto"):
+        return text
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return ResumePath(text)
 
 
 def check_work(pp: int, chunks: int, microbatches: int) -> None:
@@ -241,6 +255,9 @@ def check_path(flag: str, path: CheckedPath) -> None:
     if isinstance(path, OutputFile):
         if where.is_dir():
             problem = "is a folder; name a file"
+        elif isinstance(path, StoredOutputFile) and _special(where):
+            problem = ("is a pipe or device, which would stall the run while nothing reads "
+                       "it; name a regular file")
         elif _special(where):  # opening a FIFO here would block, or end its reader's input
             problem = None if os.access(where, os.W_OK) else "cannot be written"
         elif where.exists():
@@ -279,43 +296,81 @@ def check_path(flag: str, path: CheckedPath) -> None:
         raise ConfigError(f"{flag} {path}: {problem}")
 
 
+def check_text(flag: str, value: str) -> None:
+    """Refuse a value no file system call takes: a NUL byte, or bytes that are not UTF-8 (a
+    command line's undecodable bytes arrive as lone surrogates), which would fail the run at
+    its first write instead of now."""
+    if "\0" in value:
+        raise ConfigError(f"{flag} {value!r}: contains a NUL byte, which no path can hold")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise ConfigError(f"{flag} {shown}: is not UTF-8 text (its bytes were undecodable); "
+                          "rename it or pass a UTF-8 path") from None
+
+
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse non-finite floats in any flag and check every marked path (see the module doc),
-    and output files that would overwrite an input or another output, or land in an input
-    folder (a data folder reads every file in it on the next run)."""
+    """Refuse non-finite floats and NUL bytes or undecodable bytes in any flag, check every
+    marked path (see the module doc), and refuse outputs that would overwrite an input or
+    another output, or land inside an input or output folder (``check_places``)."""
     for dest, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{flag_name(dest)} must be a finite number, got {value}")
+        if isinstance(value, str):
+            check_text(flag_name(dest), value)
+    for dest, value in vars(args).items():
         if isinstance(value, CheckedPath):
             check_path(flag_name(dest), value)
-    paths = [(flag_name(dest), value) for dest, value in vars(args).items()
-             if isinstance(value, CheckedPath)]
-    outputs = [(flag, path) for flag, path in paths if isinstance(path, OutputFile)]
-    for index, (flag, path) in enumerate(outputs):
-        for other_flag, other in paths:
-            if other is path or isinstance(other, OutputDir) or (
-                    isinstance(other, OutputFile) and outputs.index((other_flag, other)) < index):
+    check_places([(flag_name(dest), value) for dest, value in vars(args).items()
+                  if isinstance(value, CheckedPath)])
+
+
+def check_places(paths: Sequence[tuple[str, CheckedPath]]) -> None:
+    """Refuse an output (file or folder) that is another given path, or lies inside another
+    output folder or an input folder (a data folder reads every file in it; a metrics file
+    in a checkpoint folder overwrites its files), or holds another output. A checkpoint to
+    resume (ResumePath) may be, or lie inside, an output folder."""
+    for index, (flag, path) in enumerate(paths):
+        if not isinstance(path, (OutputFile, OutputDir)):
+            continue
+        for other_index, (other_flag, other) in enumerate(paths):
+            if other is path or (isinstance(other, (OutputFile, OutputDir))
+                                 and other_index < index):
                 continue
-            clash = _clash(Path(path), Path(other))
+            clash = _clash(Path(path), Path(other), isinstance(path, OutputDir),
+                           isinstance(other, (OutputFile, OutputDir)),
+                           isinstance(other, ResumePath))
+            if clash == _HOLDS:
+                flag, path, other_flag, other = other_flag, other, flag, path
             if clash:
-                raise ConfigError(f"{flag} {path} {clash} {other_flag} {other}; "
-                                  "choose another file")
+                raise ConfigError(f"{flag} {path} {_INSIDE if clash == _HOLDS else clash} "
+                                  f"{other_flag} {other}; outputs go outside the checkpoint "
+                                  "folder and the data, each to its own place: choose "
+                                  "another path")
 
 
-def _clash(output: Path, other: Path) -> str | None:
-    """How writing ``output`` would touch ``other`` (a file or folder given too), or None."""
+_INSIDE = "would be written into the folder of"
+_HOLDS = "holds"  # the other output would be written inside this one's folder
+
+
+def _clash(output: Path, other: Path, folder: bool, other_output: bool,
+           resume: bool) -> str | None:
+    """How writing ``output`` (a ``folder`` or a file) would touch ``other`` (an
+    ``other_output``, or an input; ``resume``: the checkpoint to resume), or None."""
     if _special(output):  # /dev/stdout, a FIFO: nothing stored
         return None
     try:
-        if output.exists() and other.exists() and os.path.samefile(output, other):
-            return "is the same file as"
+        same = output.exists() and other.exists() and os.path.samefile(output, other)
     except OSError:
-        pass
+        same = False
     mine, theirs = output.resolve(), other.resolve()
-    if mine == theirs:
-        return "is the same file as"
-    if theirs in mine.parents and other.is_dir():
-        return "would be written into the folder of"
+    if same or mine == theirs:
+        return None if folder and resume else f"is the same {'folder' if folder else 'file'} as"
+    if theirs in mine.parents and (other_output or other.is_dir()):
+        return _INSIDE
+    if mine in theirs.parents and folder and other_output:
+        return _HOLDS
     return None
 
 
@@ -358,18 +413,6 @@ def have_matplotlib() -> bool:
 
 MATPLOTLIB_MISSING = ("matplotlib is not installed, so {what} was not written; "
                       "pip install 'pipeoffload[plot]' to get it")
-
-
-@contextmanager
-def writing(path: str | os.PathLike[str]) -> Iterator[None]:
-    """Name ``path`` in an OSError raised inside (a full disk fails a write, whose error names
-    no file)."""
-    try:
-        yield
-    except OSError as error:
-        if error.filename is None:
-            error.filename = str(path)
-        raise
 
 
 class _StandardOutput:

@@ -64,6 +64,7 @@ class Reporter:
         self._held_out = (f"{config.eval_batches} batches at most, the last "
                           f"{config.data.eval_fraction:g} of the data")
         self._writer: MetricsWriter | None = None
+        self._board_noted = False
 
     def _open(self, start_step: int) -> MetricsWriter | None:
         """The metrics writer, made at the run's first record (a resumed run's start step
@@ -82,6 +83,7 @@ class Reporter:
         writer = self._open(log.start_step)
         if writer is not None:
             writer.write(log)
+            self._board_note(writer)
         if log.step % self.report.log_every and log.step not in (log.start_step + 1, log.steps):
             return
         try:
@@ -94,11 +96,21 @@ class Reporter:
         writer = self._open(step)  # before any step: the run's first record, at its start
         if writer is not None:
             writer.write_eval(step, loss)
+            self._board_note(writer)
         say(f"held-out loss at step {step}: {loss:.4f} ({self._held_out})", self.out)
+
+    def _board_note(self, writer: MetricsWriter) -> None:
+        """Say once that TensorBoard events stopped (a full disk), and why."""
+        if writer.board_failed is not None and not self._board_noted:
+            self._board_noted = True
+            preflight.note("train", f"--tensorboard {writer.board_failed}; no more TensorBoard "
+                           "events are written (the run goes on; checkpoints and --metrics are "
+                           "not affected)")
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._board_note(self._writer)
 
 
 def progress_line(log: StepLog, metrics: MetricsConfig) -> str:

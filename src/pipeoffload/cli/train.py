@@ -138,12 +138,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     settings, changed = run_settings(args)
     done = nothing_to_resume(config)
     if done:
-        preflight.note("train", done)
-        return 0
+        return _finish_done_run(config, done)
     out = sys.stderr if report.json else sys.stdout
     if torchrun:
         return _run_under_torchrun(config, report, settings, changed, out)
     return _run_here(config, report, settings, changed, out, inline=args.inline)
+
+
+def _finish_done_run(config: TrainConfig, done: str) -> int:
+    """A requeued run whose training is complete: nothing to train, but an export an earlier
+    run did not finish (killed while writing it) is written now."""
+    if config.export_hf is None or config.checkpoint_dir is None:
+        preflight.note("train", done)
+        return 0
+    from pipeoffload.parallel.checkpoint import complete_checkpoints
+    from pipeoffload.parallel.checkpoint_lock import FolderLock
+    from pipeoffload.parallel.export import export_complete
+    from pipeoffload.training.hf_run import finish_export
+
+    if export_complete(config.export_hf):
+        preflight.note("train", f"{done}; the export in {config.export_hf} is complete")
+        return 0
+    lock = FolderLock.acquire(config.checkpoint_dir)
+    try:
+        newest = complete_checkpoints(config.checkpoint_dir)[-1]
+        preflight.note("train", f"{done}; finishing the export to {config.export_hf} from "
+                       f"{newest}, which an earlier run did not complete")
+        folder = finish_export(config, newest)
+    finally:
+        lock.release()
+    preflight.note("train", f"exported {newest} to {folder}")
+    return 0
 
 
 def _run_launched(worker_config: str) -> int:
@@ -173,6 +198,10 @@ def _configure(args: argparse.Namespace, torchrun: bool) -> tuple[TrainConfig, R
     if report.png is not None and not preflight.have_matplotlib():
         preflight.note("train", preflight.MATPLOTLIB_MISSING.format(what=report.png))
         report = dataclasses.replace(report, png=None)
+    if report.metrics is not None and config.resume is not None:
+        from pipeoffload.training.metrics import check_metrics_file
+
+        check_metrics_file(report.metrics)  # a resumed run reads it back at its first step
     if args.resume not in (None, "latest") and args.checkpoint_dir is None:
         preflight.note("train", "--resume PATH without --checkpoint-dir: this run saves no "
                        "checkpoint; add --checkpoint-dir DIR to keep its progress")

@@ -157,7 +157,7 @@ def _runtime_and_output_options(parser: argparse.ArgumentParser) -> None:
                    "--resume auto: the newest one if there is one, else start from scratch")
     g.add_argument("--keep-last", type=count(1), default=None, metavar="N",
                    help="keep only the newest N complete checkpoints (default: keep all)")
-    g.add_argument("--metrics", type=output_file(), default=None, metavar="FILE.jsonl",
+    g.add_argument("--metrics", type=output_file(stored=True), default=None, metavar="FILE.jsonl",
                    help="write one JSON line per step: step, loss, lr, grad norm, tokens/s, "
                    "step time, MFU, peak activation and host pool bytes per rank")
     g.add_argument("--tensorboard", type=output_dir, default=None, metavar="DIR",

@@ -88,6 +88,9 @@ class PipeOffloadSchedule(_PipelineScheduleRuntime):
         tied_timeout_s: float = RuntimeConfig().p2p_timeout_s,
         **torch_options: Any,
     ) -> None:
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a pipeoffload Schedule (build_schedule), got "
+                            f"{type(schedule).__name__}")
         schedule = validate(schedule)
         if n_microbatches is not None and n_microbatches != schedule.microbatches:
             raise ConfigError(
@@ -291,6 +294,10 @@ def _device(stage: Any) -> torch.device:
 def _check_stages(stages: Sequence[Any], schedule: Schedule) -> None:
     if not stages:
         raise ConfigError("no PipelineStage given; pass this rank's stages")
+    for i, stage in enumerate(stages):
+        if not hasattr(stage, "group_rank") or isinstance(stage, type):
+            raise TypeError(f"stages[{i}] is {stage!r}, not a torch PipelineStage; wrap each "
+                            "stage module in torch.distributed.pipelining.PipelineStage")
     rank, world = stages[0].group_rank, stages[0].group_size
     if world != schedule.num_ranks:
         raise ConfigError(

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeoffload.errors import writing
 from pipeoffload.parallel.checkpoint_files import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -97,18 +98,19 @@ def _fsync_dir(folder: Path) -> None:
 def write_atomic(path: Path, data: bytes) -> FileRecord:
     """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one
     (see Note: [atomic checkpoint])."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
     return FileRecord(path.name, len(data), hashlib.sha256(data).hexdigest())
 
 
@@ -358,7 +360,7 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
     if where.rank == 0:
         info = {**identity, "processes": _world(where), "data": state.dataset.state_dict()}
         write_manifest(folder, step, records, _json(info))
-        tidy(root, keep_last)
+        tidy(root, keep_last, list(extra_files or {}))
     _barrier(where)
     return folder
 

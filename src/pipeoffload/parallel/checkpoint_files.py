@@ -12,16 +12,18 @@
 - After a save completes, stale ``.<name>.<random>.tmp`` files of killed saves are removed, and
   ``keep_last`` retires old checkpoints (their manifest first, so an interrupted removal leaves
   an incomplete folder, never a damaged "complete" one); the newest complete one is never
-  removed.
+  removed. Only files a save wrote are removed, never through a symlink: other files in a
+  step folder stay (and keep the folder), and a step folder that is a symlink is skipped.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
-import shutil
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,8 @@ MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 4096 ranks is under 1 MiB
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _TMP = re.compile(r"^\..+\.tmp$")  # checkpoint.write_atomic's temporary names
+# checkpoint.stage_file's and rank_file's names
+_SAVED = re.compile(r"^(stage_\d{3,}(_tp\d+)?|rank_\d{5,})\.pt$")
 
 
 class CheckpointError(PipeoffloadError):
@@ -158,15 +162,17 @@ def check_identity(path: Path, saved: object, expected: FileIdentity) -> None:
             "together")
 
 
-def tidy(root: str | Path, keep_last: int | None) -> list[Path]:
+def tidy(root: str | Path, keep_last: int | None, extra_names: Collection[str] = ()
+         ) -> list[Path]:
     """After a complete save (every rank's files written): remove stale temporary files in
-    every step folder, and with ``keep_last`` the complete checkpoints older than the newest
-    ``keep_last`` and incomplete folders older than the newest complete one. Returns the
-    folders removed."""
-    folders = step_folders(root)
+    every step folder, and with ``keep_last`` retire the complete checkpoints older than the
+    newest ``keep_last`` and incomplete folders older than the newest complete one. Only what a
+    save writes is removed (``retire``; ``extra_names``: the extra files a save adds); a step
+    folder that is a symlink is never entered. Returns the folders retired."""
+    folders = [f for f in step_folders(root) if not f.path.is_symlink()]
     for folder in folders:
         for child in folder.path.iterdir():
-            if _TMP.match(child.name) and child.is_file():
+            if _TMP.match(child.name) and _plain(child):
                 child.unlink(missing_ok=True)
     if keep_last is None:
         return []
@@ -176,12 +182,45 @@ def tidy(root: str | Path, keep_last: int | None) -> list[Path]:
     if not complete:
         return []
     newest = complete[-1]
-    retire = complete[:-keep_last] + [f for f in folders if not f.complete
-                                      and f.step < newest.step]
-    for folder in sorted(retire, key=lambda f: f.step):
-        (folder.path / MANIFEST).unlink(missing_ok=True)  # incomplete first, then gone
-        shutil.rmtree(folder.path, ignore_errors=True)
-    return [f.path for f in retire]
+    old = complete[:-keep_last] + [f for f in folders if not f.complete and f.step < newest.step]
+    for folder in sorted(old, key=lambda f: f.step):
+        retire(folder.path, extra_names)
+    return [f.path for f in old]
+
+
+def _plain(path: Path) -> bool:
+    """A regular file that is not a symlink."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def retire(folder: Path, extra_names: Collection[str] = ()) -> None:
+    """Remove a step folder's checkpoint: its manifest first (so an interrupted removal leaves
+    an incomplete folder, never a damaged complete one), then the files the manifest lists
+    (or, without one, the names a save writes: stage, rank, ``extra_names`` and temporary
+    files), each only if it is a plain file, then the folder if nothing else is left in it."""
+    names = _written_names(folder) | set(extra_names)
+    (folder / MANIFEST).unlink(missing_ok=True)
+    for child in folder.iterdir():
+        if (child.name in names or _TMP.match(child.name)
+                or _SAVED.match(child.name)) and _plain(child):
+            child.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # files the run did not write stay, and so does their folder
+        pass
+
+
+def _written_names(folder: Path) -> set[str]:
+    """The file names ``folder``'s manifest lists (none if it has no readable one)."""
+    try:
+        body = json.loads(read_plain_file(folder, MANIFEST, max_bytes=MAX_MANIFEST_BYTES))
+        listed = body["files"]
+    except (CheckpointError, ValueError, KeyError, TypeError):
+        return set()
+    return {name for name in listed if isinstance(name, str) and _PLAIN_NAME.match(name)}
 
 
 def resolve_resume(resume: str | None, root: str | Path | None) -> str | None:

@@ -14,6 +14,7 @@ lowest stage (parallel/gradients.py tie_copy_names), and the config's
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.errors import ConfigError
+from pipeoffload.errors import ConfigError, writing
 from pipeoffload.integrations.hf_tp_layout import hf_order
+from pipeoffload.parallel import arguments
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.dtype_names import EXPORT_DTYPE_NAMES
 from pipeoffload.parallel.gradients import tie_copy_names
@@ -40,6 +42,34 @@ def check_export_folder(folder: str | Path, flag: str = "--export-hf") -> None:
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ConfigError(f"{flag} {folder}: the folder exists and is not empty; pass a new or "
                           "empty folder (an export never mixes with older files)")
+
+
+_EXPORT_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+                          r"tokenizer\.json|config\.json|\..+\.tmp)$")
+
+
+def export_complete(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a finished export: config.json is written last."""
+    return (Path(folder) / "config.json").is_file()
+
+
+def clear_unfinished_export(folder: str | Path, flag: str = "--export-hf") -> None:
+    """Remove what an interrupted export left in ``folder`` (weights, index, tokenizer,
+    temporary files: only names an export writes, only plain files), so it can be written
+    again; any other file there is refused, named, and left alone."""
+    path = Path(folder)
+    if not path.exists():
+        return
+    if not path.is_dir() or path.is_symlink():
+        raise ConfigError(f"{flag} {folder}: not a folder; pass a new or empty folder")
+    children = sorted(path.iterdir())
+    foreign = [c.name for c in children if not _EXPORT_FILE.match(c.name) or c.is_symlink()
+               or not c.is_file()]
+    if foreign:
+        raise ConfigError(f"{flag} {folder}: holds an unfinished export and {foreign[0]!r}, "
+                          "which no export writes; move it away or pass another folder")
+    for child in children:
+        child.unlink()
 
 
 def export_dtype(name: str) -> torch.dtype:
@@ -112,12 +142,23 @@ def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
 
 def _finish(folder: Path, config: Any, dtype: torch.dtype, weight_map: dict[str, str],
             total_bytes: int, tokenizer: str | Path | None) -> None:
-    if len(set(weight_map.values())) > 1:
+    """The index (several weight files), the tokenizer and config.json, last; refused if a
+    file no export writes appeared in the folder meanwhile (it would sit beside the export)."""
+    several = len(set(weight_map.values())) > 1
+    ours = set(weight_map.values()) | {"config.json"} | ({INDEX} if several else set()) | (
+        {"tokenizer.json"} if tokenizer is not None else set())
+    strangers = sorted(c.name for c in folder.iterdir() if c.name not in ours)
+    if strangers:
+        raise ConfigError(f"export folder {folder}: {strangers[0]!r} appeared there while the "
+                          "export was written; an export never mixes with other files, so "
+                          "move it away and export again (pipeoffload export CHECKPOINT DIR)")
+    if several:
         index = {"metadata": {"total_size": total_bytes},
                  "weight_map": dict(sorted(weight_map.items()))}
         ckpt.write_atomic(folder / INDEX, (json.dumps(index, indent=2) + "\n").encode())
     if tokenizer is not None:
-        shutil.copyfile(tokenizer, folder / "tokenizer.json")
+        with writing(folder / "tokenizer.json"):
+            shutil.copyfile(tokenizer, folder / "tokenizer.json")
     _write_config(folder, config, dtype)
 
 
@@ -129,7 +170,15 @@ def export_pretrained(folder: str | Path, model: nn.Module, stages: Mapping[int,
     ``named_parameters`` name them; split_causal_lm's or train's), with a copy of the
     ``tokenizer`` file (a tokenizer.json) if given. Under torch.distributed (``topology``, a
     parallel/topology.py Topology) every process calls it: tensor-parallel shards are
-    gathered, each pipeline rank writes its stages, global rank 0 the index and config last."""
+    gathered, each pipeline rank writes its stages, global rank 0 the index and config last.
+    ``folder`` must be new or empty (checked again at the end: files copied in meanwhile are
+    named, not left beside the export)."""
+    arguments.float_dtype("dtype", dtype)
+    arguments.stage_modules("stages", stages)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the nn.Module the stages were cut from, got "
+                        f"{type(model).__name__}")
+    check_export_folder(folder, "folder")
     folder = Path(folder)
     tensors = stage_tensors(model, stages, dtype, values)
     if topology is None or not topology.distributed:

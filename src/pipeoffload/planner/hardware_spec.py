@@ -128,10 +128,10 @@ class Hardware:
                     f"got {value!r}"
                 )
         for field in ("gpus_per_node", "gpus_per_host_link", "sm_count", "collective_sms"):
-            if not float(getattr(self, field)).is_integer():
+            if not float(getattr(self, field)).is_integer() or getattr(self, field) > MAX_COUNT:
                 raise ConfigError(
-                    f"hardware {self.name!r}: {field} must be a whole number, "
-                    f"got {getattr(self, field)!r}"
+                    f"hardware {self.name!r}: {field} must be a whole number up to "
+                    f"{MAX_COUNT}, got {getattr(self, field)!r}"
                 )
             object.__setattr__(self, field, int(getattr(self, field)))
         if not isinstance(self.full_duplex, bool):
@@ -242,6 +242,10 @@ class Hardware:
             raise ConfigError(f"{source}: gemm_points must be a list of [intensity, fraction]")
         return cls(**data)
 
+
+#: The largest GPU or SM count a preset may give: far above any machine (a node of 72 GPUs,
+#: 144 SMs), low enough that a typo (1e300) is refused instead of searching for minutes.
+MAX_COUNT = 1 << 16
 
 #: Fields that may be 0, and what 0 means.
 _OPTIONAL_RATES = {

@@ -109,6 +109,9 @@ _ACTIVATIONS = {
     "gelu": MlpKind.GELU, "gelu_new": MlpKind.GELU, "gelu_fast": MlpKind.GELU,
     "gelu_pytorch_tanh": MlpKind.GELU, "gelu_python": MlpKind.GELU,
 }
+# transformers' default hidden_act / activation_function of the families train splits
+_DEFAULT_ACTIVATIONS = {"llama": "silu", "mistral": "silu", "qwen2": "silu", "qwen3": "silu",
+                        "gpt2": "gelu_new"}
 _DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
 
 
@@ -126,6 +129,8 @@ def _mlp_kind(data: dict[str, Any], source: str) -> MlpKind | str:
     if data.get("mlp") is not None:
         return data["mlp"]
     act = data.get("hidden_act", data.get("activation_function"))
+    if act is None:  # transformers' default for the family, as from_pretrained would use
+        act = _DEFAULT_ACTIVATIONS.get(str(data.get("model_type")))
     if act is None:
         raise ConfigError(
             f"{source}: cannot tell the MLP kind; add \"mlp\": \"swiglu\" or \"gelu\" "

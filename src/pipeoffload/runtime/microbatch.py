@@ -41,6 +41,10 @@ def split(batch: TensorTuple, microbatches: int, what: str,
             raise ConfigError(f"{what}[{index}] is on the meta device (a shape without data); "
                               "pass tensors with data, on the CPU or the stages' device")
         size = tensor.shape[0]
+        if size == 0:
+            raise ConfigError(
+                f"{what}[{index}] is an empty batch (dim 0 has size 0), whose loss would be nan; "
+                f"pass at least {microbatches} rows, one per microbatch")
         if size % microbatches:
             raise ConfigError(
                 f"{what}[{index}] has batch size {size} (dim 0), which the schedule's "

@@ -83,7 +83,13 @@ def tokenize(documents: Sequence[bytes], path: str | Path) -> Tensor:
     """Token ids (int64 [n]) of the documents, each encoded on its own, concatenated."""
     tokenizer = load_tokenizer(path)
     texts = [d.decode("utf-8", errors="replace") for d in documents]
-    ids = [i for encoding in tokenizer.encode_batch(texts) for i in encoding.ids]
+    try:
+        encodings = tokenizer.encode_batch(texts)
+    except Exception as error:  # tokenizers raises a bare Exception (a WordLevel without unk)
+        raise ConfigError(f"--tokenizer {tokenizer_file(path)} cannot encode the data "
+                          f"({error}); a word-level tokenizer needs an unknown token "
+                          "(unk_token) for words outside its vocabulary") from None
+    ids = [i for encoding in encodings for i in encoding.ids]
     return torch.tensor(ids, dtype=torch.int64)
 
 

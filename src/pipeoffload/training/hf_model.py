@@ -101,6 +101,7 @@ def resolve_model(path: str) -> HFModelSource:
     if not isinstance(config, dict):
         raise ConfigError(f"{config_file}: expected a JSON object (a Hugging Face config.json)")
     hf_families.check_family(config, str(config_file))
+    hf_families.check_values(config, str(config_file))
     weight_map: dict[str, str] = {}
     if folder is not None:
         weight_map = _weight_map(folder)
@@ -120,6 +121,7 @@ def _weight_map(folder: Path) -> dict[str, str]:
         files = body.get("weight_map") if isinstance(body, dict) else None
         if not isinstance(files, dict):
             raise ConfigError(f"{index}: no \"weight_map\" object of weight name -> file")
+        _check_index_entries(index, files)
         missing = sorted({f for f in files.values() if not (folder / f).is_file()})
         if missing:
             raise ConfigError(f"{index} names weight files that are missing: {missing[:3]}")
@@ -136,6 +138,19 @@ def _weight_map(folder: Path) -> dict[str, str]:
         raise ConfigError(f"{single} is not a readable safetensors file ({error})") from None
 
 
+def _check_index_entries(index: Path, files: Mapping[Any, Any]) -> None:
+    """Every entry of a weight index maps a name to a file inside the index's folder: an entry
+    that is not a string, or a path that leaves the folder (``../x``, ``/etc/passwd``, a
+    symlink out), is refused before any file is opened."""
+    folder = index.parent.resolve()
+    for name, file in files.items():
+        if not isinstance(file, str) or not file or "\0" in file:
+            raise ConfigError(f"{index}: weight_map[{name!r}] is {file!r}, not a file name")
+        if folder not in (folder / file).resolve().parents:
+            raise ConfigError(f"{index}: weight_map[{name!r}] names {file!r}, which is outside "
+                              f"the model folder {index.parent}; an index names files beside it")
+
+
 def weights_note(path: str) -> str | None:
     """What to tell a user who passed a config.json next to weights that are not loaded."""
     given = Path(path)
@@ -150,10 +165,14 @@ def _weight_map_exists(folder: Path) -> bool:
 
 
 def check_model(source: HFModelSource, *, tp: int, recompute: str, seq_len: int,
-                vocab_needed: int, num_stages: int | None = None) -> None:
+                vocab_needed: int, num_stages: int | None = None,
+                memory: tuple[int, int, str] | None = None) -> None:
     """Everything about the model that would otherwise fail on every rank at once: family,
-    tensor parallelism, recompute, vocabulary, sequence length, layers per stage."""
+    tensor parallelism, recompute, vocabulary, sequence length, layers per stage, and
+    (``memory``: bytes per parameter, the bytes the run has, where they are) its size."""
     where = source.config_file
+    if memory is not None:
+        _check_size(source, *memory)
     hf_families.check_parallel(source.config, where, tp=tp, recompute=recompute)
     sizes = hf_families.sizes(source.config)
     if sizes["vocab_size"] < vocab_needed:
@@ -169,6 +188,19 @@ def check_model(source: HFModelSource, *, tp: int, recompute: str, seq_len: int,
         raise ConfigError(f"{where}: {sizes['layers']} decoder layers cannot fill "
                           f"{num_stages} pipeline stages (each needs one); lower --pp or "
                           "--chunks")
+
+
+def _check_size(source: HFModelSource, bytes_per_param: int, have_bytes: int, what: str) -> None:
+    """Refuse a model whose weights, gradients and optimizer state cannot fit ``have_bytes``
+    (before anything is allocated: a vocabulary of 10^8 took 6 GB and then failed)."""
+    params = hf_families.parameter_estimate(source.config)
+    need = params * bytes_per_param
+    if need > have_bytes:
+        raise ConfigError(
+            f"{source.config_file}: about {params:,} parameters need about {need / 2**30:,.1f} "
+            f"GiB for weights, gradients and AdamW state ({bytes_per_param} bytes each), more "
+            f"than {what} ({have_bytes / 2**30:,.1f} GiB); check vocab_size, hidden_size and "
+            "num_hidden_layers")
 
 
 def hf_config(config: Mapping[str, Any]) -> Any:

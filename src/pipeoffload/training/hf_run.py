@@ -4,15 +4,22 @@ process's stages, the export at the end (training/hf_model.py, parallel/export.p
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from pipeoffload import hf_families
 from pipeoffload.errors import ConfigError
 from pipeoffload.integrations.hf_tp_layout import join_shards
 from pipeoffload.parallel import checkpoint as ckpt
-from pipeoffload.parallel.export import export_dtype, export_pretrained, write_export
+from pipeoffload.parallel.export import (
+    clear_unfinished_export,
+    export_dtype,
+    export_pretrained,
+    write_export,
+)
 from pipeoffload.parallel.gradients import tie_copy_names
 from pipeoffload.parallel.precision import torch_dtype
 from pipeoffload.parallel.topology import Topology
@@ -41,7 +48,26 @@ def check_model(config: TrainConfig, num_stages: int) -> None:
                               f"is smaller than the data's {needed} token ids")
         return
     check_hf_model(resolve_model(config.hf_model), tp=config.tp, recompute=config.recompute,
-                   seq_len=config.data.seq_len, vocab_needed=needed, num_stages=num_stages)
+                   seq_len=config.data.seq_len, vocab_needed=needed, num_stages=num_stages,
+                   memory=run_memory(config))
+
+
+# Weights, gradients and AdamW's two moments per parameter; bf16 adds float32 master weights
+# and their gradients (parallel/precision.py).
+_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp64": 32}
+
+
+def run_memory(config: TrainConfig) -> tuple[int, int, str]:
+    """What the whole run needs per parameter (every data-parallel replica holds the model),
+    and the memory it has: the GPUs' (one per process) or this machine's."""
+    per_param = _BYTES_PER_PARAM[config.dtype] * config.dp
+    gpus = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if gpus:
+        processes = config.pp * config.dp * config.tp
+        total = torch.cuda.get_device_properties(0).total_memory * processes
+        return per_param, total, f"the memory of {processes} GPU(s)"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return per_param, host, "this machine's memory"
 
 
 def build_hf(config: TrainConfig, num_stages: int, mine: list[int],
@@ -73,7 +99,8 @@ def export_run(config: TrainConfig, hf: HFStages, masters: Mapping[int, list[tor
 
 
 def export_checkpoint(checkpoint: str | Path, folder: str | Path,
-                      dtype_name: str | None = None) -> tuple[Path, int]:
+                      dtype_name: str | None = None, tokenizer: str | Path | None = None
+                      ) -> tuple[Path, int]:
     """``pipeoffload export``: the checkpoint of a Hugging Face model (a step folder, or a
     checkpoint folder's newest) as an export, in one process; returns the folder and the step.
     The model's config comes from the checkpoint's manifest; tensor-parallel shards are joined
@@ -87,11 +114,12 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
         raise ConfigError(f"checkpoint {manifest.folder} holds no Hugging Face config (the "
                           "reference model's, or a save_checkpoint of your own); export writes "
                           "models trained with `pipeoffload train --model PATH`")
-    run_dtype, tp = info.get("dtype", "fp32"), int(info.get("tp", 1))
+    hf_families.check_family(config, str(manifest.folder / ckpt.MANIFEST))
+    hf_families.check_values(config, str(manifest.folder / ckpt.MANIFEST))
+    run_dtype, tp, num_stages = _layout(manifest)
     name = dtype_name or ("bf16" if run_dtype == "bf16" else "fp32")
     dtype = export_dtype(name)
     model = meta_model(config)
-    num_stages = len(info["stage_to_rank"])
     # Imported here: the reference model's runs (and a minimal install) never need transformers.
     from pipeoffload.integrations.hf import causal_lm_stages
 
@@ -117,4 +145,32 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
                 raise ConfigError(f"{manifest.folder}: {full} has shape {list(value.shape)}, "
                                   f"the config makes {list(param.shape)}")
             tensors[full] = value.to(dtype).contiguous()
-    return write_export(folder, hf_config(config), [tensors], dtype), manifest.step
+    return write_export(folder, hf_config(config), [tensors], dtype, tokenizer), manifest.step
+
+
+def _layout(manifest: ckpt.Manifest) -> tuple[str, int, int]:
+    """The run dtype, tensor-parallel size and stage count a checkpoint's manifest records,
+    each checked (a manifest edited by hand names the key it got wrong)."""
+    info = manifest.info
+    where = manifest.folder / ckpt.MANIFEST
+    dtype, tp, placement = info.get("dtype", "fp32"), info.get("tp", 1), info.get("stage_to_rank")
+    if dtype not in ("fp32", "bf16", "fp64"):
+        raise ckpt.CheckpointError(f"{where}: info.dtype is {dtype!r}, not fp32, bf16 or fp64")
+    if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 4096:
+        raise ckpt.CheckpointError(f"{where}: info.tp is {tp!r}, not a whole number in 1..4096")
+    if (not isinstance(placement, list) or not placement
+            or not all(isinstance(r, int) and not isinstance(r, bool) for r in placement)):
+        raise ckpt.CheckpointError(f"{where}: info.stage_to_rank is {placement!r}, not a list "
+                                   "of pipeline ranks (the manifest was edited or is damaged)")
+    return dtype, tp, len(placement)
+
+
+def finish_export(config: TrainConfig, checkpoint: Path) -> Path:
+    """A requeued run whose training is done (its newest checkpoint at ``--steps``) but whose
+    ``--export-hf`` was interrupted: remove what the interrupted export left and write it
+    again, in this process, from ``checkpoint`` (one weights file, whatever the pipeline)."""
+    assert config.export_hf is not None
+    clear_unfinished_export(config.export_hf)
+    tokenizer = None if config.data.tokenizer is None else tokenizer_file(config.data.tokenizer)
+    dtype = config.export_dtype or ("bf16" if config.dtype == "bf16" else "fp32")
+    return export_checkpoint(checkpoint, config.export_hf, dtype, tokenizer)[0]

@@ -12,13 +12,17 @@ elsewhere MFU is not reported (None) and the achieved model FLOP/s is.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from pipeoffload.errors import ConfigError, writing
 from pipeoffload.planner.hardware import device_preset
 from pipeoffload.planner.presets import load_model
 from pipeoffload.planner.transformer import (
@@ -28,6 +32,9 @@ from pipeoffload.planner.transformer import (
     head_flops,
     layer_flops,
 )
+
+# A record is about 300 bytes: 10^6 steps of records, far more than a run writes.
+MAX_METRICS_BYTES = 1 << 30
 
 
 def model_flops_per_step(model: Any, seq_len: int, batch_size: int) -> float:
@@ -109,39 +116,79 @@ class MetricsWriter:
             else:
                 self._file = path.open("w", encoding="utf-8")
         self._tensorboard = tensorboard_writer
+        self.board_failed: str | None = None
 
     def write(self, log: Any) -> dict[str, Any]:
         record = step_record(log, self.config)
         if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
-            self._file.flush()
-        if self._tensorboard is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
-                        "model_flops_per_s", "mfu"):
-                if record[key] is not None:
-                    self._tensorboard.add_scalar(f"train/{key}", record[key], log.step)
-            for rank, nbytes in enumerate(log.peak_bytes):
-                self._tensorboard.add_scalar(f"peak_activation_bytes/rank{rank}", nbytes,
-                                             log.step)
-            for rank, nbytes in enumerate(log.host_pool_bytes):
-                self._tensorboard.add_scalar(f"host_pool_bytes/rank{rank}", nbytes, log.step)
-            self._tensorboard.flush()
+            with writing(self._file.name):
+                self._file.write(json.dumps(record, sort_keys=True) + "\n")
+                self._file.flush()
+        self._board(lambda board: _board_step(board, record, log))
         return record
 
     def write_eval(self, step: int, loss: float) -> None:
         """A held-out loss after ``step`` steps: its own line, ``{"step", "eval_loss"}``."""
         if self._file is not None:
-            self._file.write(json.dumps({"eval_loss": loss, "step": step}) + "\n")
-            self._file.flush()
-        if self._tensorboard is not None:
-            self._tensorboard.add_scalar("eval/loss", loss, step)
-            self._tensorboard.flush()
+            with writing(self._file.name):
+                self._file.write(json.dumps({"eval_loss": loss, "step": step}) + "\n")
+                self._file.flush()
+        self._board(lambda board: (board.add_scalar("eval/loss", loss, step), board.flush()))
+
+    def _board(self, write: Callable[[Any], object]) -> None:
+        """Write to TensorBoard; if that fails (a full disk), stop writing there and keep the
+        reason in ``board_failed``: the run goes on, its checkpoints and --metrics unaffected."""
+        if self._tensorboard is None:
+            return
+        try:
+            write(self._tensorboard)
+        except OSError as error:
+            self._tensorboard = None
+            self.board_failed = f"{self.config.tensorboard}: {error.strerror or error}"
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        self._board(lambda board: board.close())
+        self._tensorboard = None
+
+
+def _board_step(board: Any, record: dict[str, Any], log: Any) -> None:
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "model_flops_per_s",
+                "mfu"):
+        if record[key] is not None:
+            board.add_scalar(f"train/{key}", record[key], log.step)
+    for rank, nbytes in enumerate(log.peak_bytes):
+        board.add_scalar(f"peak_activation_bytes/rank{rank}", nbytes, log.step)
+    for rank, nbytes in enumerate(log.host_pool_bytes):
+        board.add_scalar(f"host_pool_bytes/rank{rank}", nbytes, log.step)
+    board.flush()
+
+
+def check_metrics_file(path: str) -> None:
+    """What a resumed run will read of an existing ``--metrics`` file (its records up to the
+    step resumed), checked before the run starts instead of at its first step: it must be a
+    regular UTF-8 text file of at most MAX_METRICS_BYTES."""
+    file = Path(path)
+    if not file.exists():
+        return
+    if not file.is_file():
+        raise ConfigError(f"--metrics {path}: not a regular file; name a file")
+    size = file.stat().st_size
+    if size > MAX_METRICS_BYTES:
+        raise ConfigError(f"--metrics {path}: {size} bytes, more than a resumed run reads back "
+                          f"({MAX_METRICS_BYTES}); move it away or name another file")
+    decoder, read = codecs.getincrementaldecoder("utf-8")(), 0
+    try:
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                decoder.decode(chunk)
+                read += len(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"--metrics {path}: not UTF-8 text (near byte {read + error.start}: "
+                          f"{error.reason}), so a resumed run cannot keep its records; move it "
+                          "away or name another file") from None
 
 
 def _truncate_after(path: Path, step: int) -> None:
@@ -155,8 +202,9 @@ def _truncate_after(path: Path, step: int) -> None:
         if not isinstance(record_step, int) or record_step <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    with writing(path):
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def tensorboard_writer(log_dir: str) -> Any:
@@ -166,4 +214,18 @@ def tensorboard_writer(log_dir: str) -> Any:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
+    if not getattr(threading.excepthook, "quiet_event_writers", False):
+        threading.excepthook = _quiet_event_writers(threading.excepthook)
     return SummaryWriter(log_dir=log_dir)
+
+
+def _quiet_event_writers(previous: Callable[[Any], object]) -> Callable[[Any], None]:
+    """A threading.excepthook that leaves out TensorBoard's event-writer thread: its failure (a
+    full disk) is raised again in the thread that writes next, where MetricsWriter says it in
+    one line; the thread's own traceback would only repeat it."""
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ != "_AsyncWriterThread":
+            previous(args)
+
+    hook.quiet_event_writers = True  # type: ignore[attr-defined]  # marks it installed
+    return hook

@@ -8,6 +8,7 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPlan
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.checkpoint_files import check_root, resolve_resume
+from pipeoffload.parallel.checkpoint_lock import check_unlocked
 from pipeoffload.parallel.export import check_export_folder
 from pipeoffload.training.data import TextDataset
 from pipeoffload.training.hf_run import check_model
@@ -28,6 +29,7 @@ def check_run(config: TrainConfig, processes: int) -> OffloadPlan:
     TextDataset.from_config(config.data, dp_size=config.dp)
     if config.checkpoint_dir is not None:
         check_root(config.checkpoint_dir)
+        check_unlocked(config.checkpoint_dir)
     if config.export_hf is not None:
         check_export_folder(config.export_hf)
     resume = resolve_resume(config.resume, config.checkpoint_dir)

@@ -34,6 +34,7 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPlan
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.checkpoint_files import check_root, resolve_resume
+from pipeoffload.parallel.checkpoint_lock import FolderLock
 from pipeoffload.parallel.gradients import clip_gradients, sync_gradients, uncounted_masters
 from pipeoffload.parallel.optimizer import PipelineOptimizer, StageAdamW
 from pipeoffload.parallel.precision import torch_dtype
@@ -120,6 +121,7 @@ class Trainer:
     meter: ActivationMeter
     pipe: Pipeline
     identity: dict[str, Any]
+    lock: FolderLock | None = None  # global rank 0's, on the checkpoint folder, while it runs
 
     @classmethod
     def build(cls, config: TrainConfig, topology: Topology, hooks: Hooks | None = None
@@ -168,7 +170,15 @@ class Trainer:
     def run(self) -> TrainResult:
         """Resume (or start), train up to ``config.steps`` with held-out losses and
         checkpoints on the way, then finish; stops early after a step when ``hooks.stop`` is
-        set on any process."""
+        set on any process. Global rank 0 holds the checkpoint folder's lock meanwhile."""
+        try:
+            return self._run()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
+
+    def _run(self) -> TrainResult:
         steps = self.config.steps
         start, stopped = self.resume()
         record = _Record(start, [0] * self.config.pp)
@@ -195,6 +205,8 @@ class Trainer:
         config = self.config
         if config.checkpoint_dir is not None:
             check_root(config.checkpoint_dir)
+            if self.topology.rank == 0:
+                self.lock = FolderLock.acquire(config.checkpoint_dir)
         resume = resolve_resume(config.resume, config.checkpoint_dir)
         run = f"{random.SystemRandom().getrandbits(48):012x}"  # a fresh start's id (not seeded)
         if resume is not None:
