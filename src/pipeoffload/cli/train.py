@@ -70,7 +70,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ReportOptio
     model, hf_model, seq_len = _model_from_args(args)
     data = DataConfig(source=args.data, seq_len=seq_len, batch_size=args.batch_size,
                       seed=args.seed, max_bytes=args.max_bytes, tokenizer=args.tokenizer,
-                      eval_fraction=args.eval_fraction)
+                      eval_fraction=args.eval_fraction, text_key=args.text_key,
+                      cache_dir=args.cache_dir)
     if args.resume is not None and args.resume == "latest" and args.checkpoint_dir is None:
         raise ConfigError("--resume without a PATH needs --checkpoint-dir (where to look)")
     try:
@@ -118,10 +119,11 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, str | None,
     seq_len = args.seq_len if args.seq_len is not None else min(128, positions)
     if hf_model is None:
         overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
-        if args.tokenizer is not None:
-            from pipeoffload.training.documents import tokenizer_vocab_size
+        from pipeoffload.training.data import is_token_source, vocab_needed
 
-            overrides["vocab_size"] = tokenizer_vocab_size(args.tokenizer)
+        if args.tokenizer is not None or is_token_source(args.data):
+            overrides["vocab_size"] = vocab_needed(DataConfig(source=args.data,
+                                                              tokenizer=args.tokenizer))
         model = dataclasses.replace(model, **overrides)
     return model, hf_model, seq_len
 

@@ -1,0 +1,261 @@
+"""Reading documents from what ``--data`` names, each kind read as what it is.
+
+- a text file, or a folder (every non-hidden file below it, sorted by path): a plain file is
+  one document; a file whose first 8 KiB hold a NUL byte or are not UTF-8 is binary (a
+  ``.pyc``, a PNG) and is skipped and counted, never trained on;
+- JSON lines (``.jsonl`` in any letter case): one object per line, its ``text_key`` string one
+  document; each line is read with bounded memory (``MAX_LINE_BYTES``) and any line that is not
+  such an object is refused by number;
+- compressed files (``.gz``; ``.zst`` with the zstd extra): read as the file without that
+  suffix (``a.jsonl.gz`` is JSON lines);
+- Parquet (``.parquet``, the parquet extra: pyarrow): the ``text_key`` column, a row a document;
+- a ``datasets`` dataset saved with ``save_to_disk`` (a folder holding ``dataset_info.json`` or
+  ``dataset_dict.json``), or ``hf:NAME[:SPLIT]`` for one already in the local cache (the
+  datasets extra; nothing is downloaded): the ``text_key`` column.
+Pre-tokenised binaries are not documents; token_store.py reads them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from pipeoffload.errors import ConfigError
+
+MAX_LINE_BYTES = 64 << 20
+"""The longest JSON line read (64 MiB): memory per line stays bounded, a longer one is refused."""
+SNIFF_BYTES = 8192
+HF_PREFIX = "hf:"
+_EXTRAS = {
+    "zstandard": "the zstd extra: pip install 'pipeoffload[zstd]'",
+    "pyarrow": "the parquet extra: pip install 'pipeoffload[parquet]'",
+    "datasets": "the datasets extra: pip install 'pipeoffload[datasets]'",
+}
+
+
+@dataclass(frozen=True)
+class FileDocuments:
+    """What one file gave: its documents, the bytes read from it, whether ``max_bytes`` cut
+    it short, and whether it was skipped as binary (then no documents)."""
+
+    documents: list[bytes]
+    nbytes: int
+    truncated: bool = False
+    binary: bool = False
+
+
+def import_extra(module: str, what: str) -> Any:
+    """``module`` imported, or a ConfigError naming the extra that brings it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"{what} needs {module}, which is not installed; install "
+                          f"{_EXTRAS.get(module, module)}") from None
+
+
+def kind_of(path: Path) -> tuple[str, str | None]:
+    """(kind, compression) of a file by its name: kind "jsonl", "parquet" or "text";
+    compression "gz", "zst" or None."""
+    name = path.name.lower()
+    compression = None
+    for suffix in ("gz", "zst"):
+        if name.endswith("." + suffix):
+            compression, name = suffix, name[: -len(suffix) - 1]
+    if name.endswith(".jsonl"):
+        return "jsonl", compression
+    if name.endswith(".parquet") and compression is None:
+        return "parquet", None
+    return "text", compression
+
+
+def _open(path: Path, compression: str | None) -> IO[bytes]:
+    if compression == "gz":
+        return io.BufferedReader(gzip.GzipFile(path, "rb"))
+    if compression == "zst":
+        zstandard = import_extra("zstandard", f"{path} (zstd-compressed)")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(path.open("rb")))
+    return path.open("rb")
+
+
+def read_file(path: Path, limit: int, text_key: str = "text") -> FileDocuments:
+    """The documents of one file, at most ``limit`` bytes of it (-1: all; compressed files
+    count their uncompressed bytes)."""
+    kind, compression = kind_of(path)
+    if kind == "parquet":
+        return read_parquet(path, limit, text_key)
+    try:
+        with _open(path, compression) as f:
+            if kind == "jsonl":
+                return read_jsonl_stream(f, path, limit, text_key)
+            return _read_text(f, limit)
+    except (OSError, EOFError) as error:
+        if isinstance(error, (gzip.BadGzipFile, EOFError)) or compression is not None:
+            raise ConfigError(f"{path}: cannot be decompressed ({error}); is it really "
+                              f"{compression}-compressed?") from None
+        raise ConfigError(f"{path}: cannot be read ({error})") from None
+
+
+def _read_text(f: IO[bytes], limit: int) -> FileDocuments:
+    head = f.read(SNIFF_BYTES if limit < 0 else min(SNIFF_BYTES, limit))
+    if is_binary(head):
+        return FileDocuments([], 0, binary=True)
+    rest = f.read(-1 if limit < 0 else limit - len(head))
+    cut = limit >= 0 and bool(f.read(1))
+    data = head + rest
+    return FileDocuments([data], len(data), truncated=cut)
+
+
+def is_binary(head: bytes) -> bool:
+    """Whether a file's first bytes say it is not text: a NUL byte, or not UTF-8 (a character
+    cut at the end of ``head`` is allowed)."""
+    if b"\0" in head:
+        return True
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return error.start < len(head) - 3
+    return False
+
+
+def read_jsonl_stream(f: IO[bytes], path: Path, limit: int, text_key: str = "text"
+                      ) -> FileDocuments:
+    """The ``text_key`` of each record (UTF-8), whole lines only, at most ``limit`` bytes; a
+    line longer than MAX_LINE_BYTES is refused unread past that bound."""
+    documents: list[bytes] = []
+    used, number = 0, 0
+    while True:
+        number += 1
+        bound = MAX_LINE_BYTES if limit < 0 else min(MAX_LINE_BYTES, limit - used)
+        line = f.readline(bound + 1)
+        if not line:
+            return FileDocuments(documents, used)
+        if len(line) > bound:
+            if bound < MAX_LINE_BYTES:
+                return FileDocuments(documents, used, truncated=True)
+            raise ConfigError(f"{path}:{number}: the line is longer than {MAX_LINE_BYTES >> 20} "
+                              "MiB (MAX_LINE_BYTES); split that document")
+        used += len(line)
+        if line.strip():
+            documents.append(_record_text(line, path, number, text_key))
+
+
+def _record_text(line: bytes, path: Path, number: int, text_key: str) -> bytes:
+    where = f"{path}:{number}"
+    try:
+        record = json.loads(line)
+    except RecursionError:
+        raise ConfigError(f"{where}: the record is nested too deeply to read") from None
+    except ValueError as error:  # JSONDecodeError, bad UTF-8, a number of too many digits
+        raise ConfigError(f"{where}: not a JSON object ({str(error)[:200]}); a .jsonl file "
+                          f"holds one {{\"{text_key}\": ...}} object per line") from None
+    text = record.get(text_key) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        keys = sorted(record)[:5] if isinstance(record, dict) else "-"
+        raise ConfigError(f"{where}: the record has no \"{text_key}\" string (keys {keys}); "
+                          "name the text field with --text-key")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ConfigError(f"{where}: the \"{text_key}\" string holds a lone surrogate "
+                          f"({error.object[error.start:error.end]!r}), which is not text; "
+                          "fix that record") from None
+
+
+def _column_documents(column: Any, origin: str, limit: int) -> FileDocuments:
+    documents: list[bytes] = []
+    used = 0
+    for row, text in enumerate(column):
+        if not isinstance(text, str):
+            raise ConfigError(f"{origin}: row {row} is {type(text).__name__}, not text")
+        data = text.encode("utf-8", errors="replace")
+        if limit >= 0 and used + len(data) > limit:
+            return FileDocuments(documents, used, truncated=True)
+        documents.append(data)
+        used += len(data)
+    return FileDocuments(documents, used)
+
+
+def read_parquet(path: Path, limit: int, text_key: str = "text") -> FileDocuments:
+    """The ``text_key`` column of a Parquet file, a row a document, read a row group at a
+    time."""
+    parquet = import_extra("pyarrow.parquet", f"{path} (Parquet)")
+    try:
+        reader = parquet.ParquetFile(path)
+    except Exception as error:
+        raise ConfigError(f"{path}: not a readable Parquet file ({error})") from None
+    if text_key not in reader.schema_arrow.names:
+        raise ConfigError(f"{path}: no column {text_key!r} (columns "
+                          f"{reader.schema_arrow.names[:8]}); name it with --text-key")
+
+    def rows() -> Iterator[Any]:
+        for group in range(reader.num_row_groups):
+            yield from reader.read_row_group(group, columns=[text_key]).column(0).to_pylist()
+
+    return _column_documents(rows(), str(path), limit)
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk``."""
+    return path.is_dir() and any((path / name).is_file()
+                                 for name in ("dataset_info.json", "dataset_dict.json"))
+
+
+def read_hf_dataset(source: str, limit: int, text_key: str = "text") -> FileDocuments:
+    """The ``text_key`` column of a saved dataset folder or ``hf:NAME[:SPLIT]`` from the
+    local cache (offline: a dataset not cached is an error, never a download)."""
+    datasets = import_extra("datasets", f"--data {source}")
+    try:
+        dataset = _load_hf(datasets, source)
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(f"--data {source}: the datasets package cannot load it "
+                          f"({str(error)[:300]}); nothing is downloaded: save it with "
+                          "save_to_disk or load it once online") from None
+    if text_key not in dataset.column_names:
+        raise ConfigError(f"--data {source}: no column {text_key!r} (columns "
+                          f"{dataset.column_names[:8]}); name it with --text-key")
+    return _column_documents((row[text_key] for row in dataset), source, limit)
+
+
+def _load_hf(datasets: Any, source: str) -> Any:
+    if source.startswith(HF_PREFIX):
+        name, _, split = source[len(HF_PREFIX):].partition(":")
+        datasets.config.HF_HUB_OFFLINE = True
+        datasets.config.HF_DATASETS_OFFLINE = True
+        return datasets.load_dataset(name, split=split or "train")
+    dataset = datasets.load_from_disk(source)
+    if isinstance(dataset, datasets.DatasetDict):
+        split = "train" if "train" in dataset else sorted(dataset)[0]
+        dataset = dataset[split]
+    return dataset
+
+
+def read_sources(files: list[Path], root: Path, max_bytes: int | None, text_key: str,
+                 read: Callable[[Path, int, str], FileDocuments] = read_file
+                 ) -> tuple[list[bytes], list[tuple[str, int]], int, bool]:
+    """Read ``files`` in order up to ``max_bytes``: (documents, [(name, bytes read)],
+    binary files skipped, whether the cap cut the data)."""
+    documents: list[bytes] = []
+    used: list[tuple[str, int]] = []
+    size, skipped = 0, 0
+    for path in files:
+        if max_bytes is not None and size >= max_bytes:
+            return documents, used, skipped, True
+        got = read(path, -1 if max_bytes is None else max_bytes - size, text_key)
+        if got.binary:
+            skipped += 1
+            continue
+        documents.extend(got.documents)
+        used.append((path.relative_to(root).as_posix(), got.nbytes))
+        size += got.nbytes
+        if got.truncated:
+            return documents, used, skipped, True
+    return documents, used, skipped, False
