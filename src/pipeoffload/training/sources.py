@@ -57,7 +57,7 @@ def import_extra(module: str, what: str) -> Any:
         return importlib.import_module(module)
     except ImportError:
         raise ConfigError(f"{what} needs {module}, which is not installed; install "
-                          f"{_EXTRAS.get(module, module)}") from None
+                          f"{_EXTRAS.get(module.split('.')[0], module)}") from None
 
 
 def kind_of(path: Path) -> tuple[str, str | None]:

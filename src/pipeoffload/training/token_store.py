@@ -124,9 +124,15 @@ def open_store(source: Path) -> TokenStore:
     ends = _document_ends(docs_path, count) if docs_path.is_file() else (count,)
     vocab = header.get("vocab_size")
     if vocab is None:
-        vocab = int(tokens.max()) + 1
+        vocab = max_id(tokens) + 1
     identity = header.get("sha256") or sampled_identity(tokens_path)
     return TokenStore(tokens, ends, header.get("eos"), vocab, str(source), str(identity))
+
+
+def max_id(tokens: Tensor, chunk: int = 1 << 24) -> int:
+    """The largest id, read ``chunk`` tokens at a time (torch has no max over uint16)."""
+    return max(int(tokens[i: i + chunk].to(torch.int64).max())
+               for i in range(0, tokens.numel(), chunk))
 
 
 def _document_ends(path: Path, count: int) -> tuple[int, ...]:
