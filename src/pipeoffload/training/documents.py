@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.parallel.tokenizer_files import CONFIG, EOS_NAMES, special_token
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -46,27 +47,20 @@ def tokenizer_vocab_size(path: str | Path) -> int:
     return int(load_tokenizer(path).get_vocab_size(with_added_tokens=True))
 
 
-EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "[SEP]")
-
-
 def eos_token_id(tokenizer: Any, path: str | Path) -> int | None:
     """The tokenizer's end-of-document id: ``eos_token`` of a tokenizer_config.json beside
-    it, else the first of EOS_NAMES it knows; None when it names none."""
-    config = tokenizer_file(path).parent / "tokenizer_config.json"
-    names: list[str] = []
+    it, else the first of EOS_NAMES it knows (parallel/tokenizer_files.py, as exports name
+    it); None when it names none."""
+    config = tokenizer_file(path).parent / CONFIG
+    given = None
     if config.is_file():
         try:
-            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-        except (OSError, ValueError, AttributeError, RecursionError):
-            eos = None
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if isinstance(eos, str):
-            names.append(eos)
-    for name in (*names, *EOS_NAMES):
-        found = tokenizer.token_to_id(name)
-        if found is not None:
-            return int(found)
-    return None
+            values = json.loads(config.read_text(encoding="utf-8"))
+            given = values.get("eos_token") if isinstance(values, dict) else None
+        except (OSError, ValueError, RecursionError):
+            given = None
+    found = special_token(tokenizer, EOS_NAMES, None, given)
+    return None if found is None else found[1]
 
 
 def encode_documents(tokenizer: Any, documents: Sequence[bytes]) -> list[list[int]]:

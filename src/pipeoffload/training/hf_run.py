@@ -73,12 +73,15 @@ def export_run(config: TrainConfig, hf: HFStages, masters: Mapping[int, list[tor
 
 
 def export_checkpoint(checkpoint: str | Path, folder: str | Path,
-                      dtype_name: str | None = None) -> tuple[Path, int]:
+                      dtype_name: str | None = None,
+                      tokenizer: str | Path | None = None) -> tuple[Path, int]:
     """``pipeoffload export``: the checkpoint of a Hugging Face model (a step folder, or a
     checkpoint folder's newest) as an export, in one process; returns the folder and the step.
     The model's config comes from the checkpoint's manifest; tensor-parallel shards are joined
     as integrations/hf_tp_layout.py split them (``join_shards``); a bf16 run exported in
-    fp32 writes its float32 master weights."""
+    fp32 writes its float32 master weights. ``tokenizer`` (a tokenizer.json or its folder)
+    goes with it as ``--export-hf`` writes it."""
+    tokenizer = None if tokenizer is None else tokenizer_file(tokenizer)
     manifest = ckpt.read_manifest(ckpt.find_checkpoint(checkpoint, None))
     info = manifest.info
     model_info = info.get("model")
@@ -117,4 +120,4 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
                 raise ConfigError(f"{manifest.folder}: {full} has shape {list(value.shape)}, "
                                   f"the config makes {list(param.shape)}")
             tensors[full] = value.to(dtype).contiguous()
-    return write_export(folder, hf_config(config), [tensors], dtype), manifest.step
+    return write_export(folder, hf_config(config), [tensors], dtype, tokenizer), manifest.step
