@@ -110,6 +110,9 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, str | None,
     else:
         from pipeoffload.training.hf_model import resolve_model
 
+        if args.document_mask:
+            raise ConfigError("--document-mask masks the reference model's attention; with "
+                              "--model PATH it is not supported yet")
         if overrides:
             flags = field_flags()
             raise ConfigError(f"{', '.join(flags[f'model.{f}'] for f in overrides)} shape the "
@@ -121,11 +124,25 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, str | None,
         overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
         from pipeoffload.training.data import is_token_source, vocab_needed
 
+        if args.document_mask:
+            overrides["document_eos"] = _document_eos(args)
         if args.tokenizer is not None or is_token_source(args.data):
             overrides["vocab_size"] = vocab_needed(DataConfig(source=args.data,
                                                               tokenizer=args.tokenizer))
         model = dataclasses.replace(model, **overrides)
     return model, hf_model, seq_len
+
+
+def _document_eos(args: argparse.Namespace) -> int:
+    """The id --document-mask masks attention at: the data's end-of-document token."""
+    from pipeoffload.training.data import end_of_document_id
+
+    eos = end_of_document_id(DataConfig(source=args.data, tokenizer=args.tokenizer))
+    if eos is None:
+        raise ConfigError("--document-mask needs an end-of-document token, and the tokenizer "
+                          "names none (no eos_token in a tokenizer_config.json beside it, none "
+                          "of the usual names); add one")
+    return eos
 
 
 def cmd_train(args: argparse.Namespace) -> int:

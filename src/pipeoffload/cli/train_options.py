@@ -112,6 +112,10 @@ def _model_and_data_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", type=input_path, default=None, metavar="PATH",
                    help="a local tokenizer.json (or its folder), read with the tokenizers "
                    "package; default: bytes are tokens (the vocabulary must hold 256)")
+    g.add_argument("--document-mask", action="store_true",
+                   help="mask attention by document: a token attends only to earlier tokens of "
+                   "its own document (ended by the data's end-of-document token; the reference "
+                   "model)")
     g.add_argument("--eval-fraction", type=number(minimum=0, maximum=0.99), default=0.05,
                    metavar="X", help="hold out X of the tokens as whole documents, drawn by --seed "
                    "(default 0.05; 0: none)")

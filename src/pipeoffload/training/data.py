@@ -194,6 +194,18 @@ def vocab_needed(config: DataConfig) -> int:
     return VOCAB_SIZE
 
 
+def end_of_document_id(config: DataConfig) -> int | None:
+    """The id between documents of the configured data: BYTE_EOS for bytes, the tokenizer's
+    (None when it names none), or what a pre-tokenised store's header says."""
+    if config.tokenizer is not None:
+        from pipeoffload.training.documents import eos_token_id, load_tokenizer
+
+        return eos_token_id(load_tokenizer(config.tokenizer), config.tokenizer)
+    if is_token_source(config.source):
+        return open_store(Path(str(config.source))).eos
+    return BYTE_EOS
+
+
 def split_documents(store: TokenStore, eval_fraction: float, seed: int
                     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(training, held-out) token ranges of the store: see [held-out split]."""

@@ -25,6 +25,8 @@ def check_run(config: TrainConfig, processes: int) -> OffloadPlan:
                           "not tie or all-reduce; use dualpipev (one copy, the same order folded "
                           "into V placement)")
     check_model(config, plan.schedule.num_stages)
+    if config.model.document_eos is not None and config.tp > 1:
+        raise ConfigError("--document-mask with --tp above 1 is not supported yet; use --tp 1")
     dataset = TextDataset.from_config(config.data, dp_size=config.dp)
     if config.checkpoint_dir is not None:
         check_root(config.checkpoint_dir)
