@@ -91,7 +91,8 @@ def _timed(argv: list[str], env: dict[str, str]) -> float:
 
 
 def train_argv(data: Path, tokenizer: Path | None) -> list[str]:
-    argv = ["train", "--model", "tiny", "--pp", "2", "--inline", "--steps", "1", "--no-baseline", "--no-png",
+    argv = ["train", "--model", "tiny", "--pp", "2", "--inline", "--steps", "1", "--no-baseline",
+            "--no-png",
             "--data", str(data), "--seq-len", "64", "--batch-size", "8"]
     return argv + (["--tokenizer", str(tokenizer)] if tokenizer else [])
 

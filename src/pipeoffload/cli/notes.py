@@ -50,8 +50,9 @@ def startup_line(config: TrainConfig, report: ReportOptions, processes: int,
 def data_line(data: DataConfig) -> str:
     """Which files the run reads and how many bytes of each, the binary files skipped, and
     what goes between documents; or, for pre-tokenised data, its tokens and documents."""
-    from pipeoffload.training.data import is_token_source, load_corpus
+    from pipeoffload.training.data import load_corpus
     from pipeoffload.training.documents import files_report
+    from pipeoffload.training.sources import is_token_source
 
     if is_token_source(data.source):
         from pathlib import Path

@@ -122,11 +122,13 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, str | None,
     seq_len = args.seq_len if args.seq_len is not None else min(128, positions)
     if hf_model is None:
         overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
-        from pipeoffload.training.data import is_token_source, vocab_needed
+        from pipeoffload.training.sources import is_token_source
 
         if args.document_mask:
             overrides["document_eos"] = _document_eos(args)
         if args.tokenizer is not None or is_token_source(args.data):
+            from pipeoffload.training.data import vocab_needed
+
             overrides["vocab_size"] = vocab_needed(DataConfig(source=args.data,
                                                               tokenizer=args.tokenizer))
         model = dataclasses.replace(model, **overrides)

@@ -30,9 +30,7 @@ import hashlib
 import itertools
 import math
 import random
-import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,35 +38,14 @@ import torch
 from torch import Tensor
 
 from pipeoffload.errors import ConfigError
-from pipeoffload.training.data_config import STDLIB_MAX_BYTES, DataConfig
+from pipeoffload.training.data_config import DataConfig
 from pipeoffload.training.documents import check_store_vocabulary
-from pipeoffload.training.sources import HF_PREFIX, is_saved_dataset, read_hf_dataset, read_sources
-from pipeoffload.training.token_store import TokenStore, open_store, store_paths
+from pipeoffload.training.sources import Corpus, is_token_source, read_corpus
+from pipeoffload.training.token_store import TokenStore, open_store
 
 VOCAB_SIZE = 256
 BYTE_EOS = 0
 """The end-of-document token between byte-level documents: NUL, which text never holds."""
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """The text read, where from (``origin``, ``files`` in reading order, ``file_bytes`` read
-    from each), whether ``max_bytes`` cut it short, where each document ends in ``data``
-    (a plain file is one document, a JSON-lines record or a row another), and how many binary
-    files were skipped."""
-
-    data: bytes = field(repr=False)
-    files: tuple[str, ...]
-    origin: str
-    truncated: bool
-    file_bytes: tuple[int, ...] = ()
-    document_ends: tuple[int, ...] = ()
-    skipped: int = 0
-
-    def documents(self) -> list[bytes]:
-        """The documents, in order."""
-        ends = self.document_ends or (len(self.data),)
-        return [self.data[a:b] for a, b in zip((0, *ends[:-1]), ends)]
 
 
 def encode(text: str | bytes) -> Tensor:
@@ -83,76 +60,11 @@ def decode(ids: Tensor | Sequence[int]) -> str:
     return bytes(values).decode("utf-8", errors="replace")
 
 
-def _stdlib_files(packages: Sequence[str]) -> tuple[Path, list[Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    dirs = [root / name for name in packages if (root / name / "__init__.py").is_file()]
-    if not dirs:
-        raise ConfigError(
-            f"none of the standard-library packages {list(packages)} was found under {root}; "
-            "pass a text file or folder as the data source instead"
-        )
-    files = [p for d in dirs for p in d.rglob("*.py") if p.is_file()]
-    return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def user_files(source: Path) -> tuple[Path, list[Path]]:
-    """(root, files) a user's file or folder names: every non-hidden file, sorted by path."""
-    if not source.exists():
-        raise ConfigError(f"data source {source} does not exist; pass a text file or folder")
-    if source.is_file():
-        return source.parent, [source]
-    if not source.is_dir():
-        raise ConfigError(f"data source {source} is neither a file nor a folder")
-    files = [
-        p for p in source.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(source).parts)
-    ]
-    if not files:
-        raise ConfigError(
-            f"data folder {source} holds no files (hidden files are skipped); add text files"
-        )
-    return source, sorted(files, key=lambda p: p.relative_to(source).as_posix())
-
-
-def is_hf_source(source: str | Path | None) -> bool:
-    """Whether the source is a ``datasets`` dataset (``hf:NAME`` or a saved folder)."""
-    return source is not None and (str(source).startswith(HF_PREFIX)
-                                   or is_saved_dataset(Path(source)))
-
-
-def is_token_source(source: str | Path | None) -> bool:
-    """Whether the source is pre-tokenised (a token store, or a ``.bin`` of ids)."""
-    return (source is not None and not str(source).startswith(HF_PREFIX)
-            and store_paths(Path(source)) is not None)
-
-
 def load_corpus(config: DataConfig) -> Corpus:
-    """Read the configured source's documents in a fixed order, up to the byte cap (the
-    built-in corpus: ``STDLIB_MAX_BYTES`` unless ``max_bytes`` says otherwise)."""
+    """The configured text (sources.py ``read_corpus``); a pre-tokenised source is refused."""
     if is_token_source(config.source):
         raise ConfigError(f"{config.source} holds token ids, not text")
-    if is_hf_source(config.source):
-        got = read_hf_dataset(str(config.source), -1 if config.max_bytes is None
-                              else config.max_bytes, config.text_key)
-        documents, used = got.documents, [(str(config.source), got.nbytes)]
-        origin, skipped, truncated = f"dataset {config.source}", 0, got.truncated
-    else:
-        cap = config.max_bytes
-        if config.source is None:
-            root, files = _stdlib_files(config.stdlib_packages)
-            origin = f"Python standard library ({', '.join(config.stdlib_packages)}) in {root}"
-            cap = STDLIB_MAX_BYTES if cap is None else cap
-        else:
-            root, files = user_files(Path(config.source))
-            origin = str(config.source)
-        documents, used, skipped, truncated = read_sources(files, root, cap, config.text_key)
-    data = b"".join(documents)
-    if not data:
-        note = f" ({skipped} binary file(s) skipped)" if skipped else ""
-        raise ConfigError(f"data source {origin} is empty{note}; give it some text")
-    ends = tuple(itertools.accumulate(len(c) for c in documents if c))
-    return Corpus(data=data, files=tuple(n for n, _ in used), origin=origin, truncated=truncated,
-                  file_bytes=tuple(b for _, b in used), document_ends=ends, skipped=skipped)
+    return read_corpus(config)
 
 
 def byte_store(corpus: Corpus) -> TokenStore:

@@ -29,6 +29,7 @@ from pipeoffload.training.documents import (
     load_tokenizer,
     tokenizer_file,
 )
+from pipeoffload.training.sources import is_hf_source, read_corpus, user_files
 from pipeoffload.training.token_store import HEADER, TokenStore, open_store, sampled_identity
 
 CACHE_ENV = "PIPEOFFLOAD_CACHE"
@@ -47,8 +48,6 @@ def cache_root(config: DataConfig) -> Path:
 
 def source_identity(config: DataConfig) -> str:
     """The source's identity for the cache key (module docstring)."""
-    from pipeoffload.training.data import is_hf_source, user_files
-
     source = config.source
     if source is None:
         return f"stdlib:{sys.version}:{','.join(config.stdlib_packages)}"
@@ -85,11 +84,9 @@ def cached_store(config: DataConfig, progress: Progress | None = None) -> TokenS
 def tokenized_documents(config: DataConfig, progress: Progress | None = None
                         ) -> tuple[Iterator[list[int]], int | None, int, str]:
     """(each document's ids, the EOS id, the vocabulary, where from) for the configured text."""
-    from pipeoffload.training.data import load_corpus
-
     assert config.tokenizer is not None
     tokenizer = load_tokenizer(config.tokenizer)
-    corpus = load_corpus(config)
+    corpus = read_corpus(config)
     documents = corpus.documents()
 
     def encoded() -> Iterator[list[int]]:

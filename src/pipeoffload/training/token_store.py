@@ -33,9 +33,9 @@ import torch
 from torch import Tensor
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.training.sources import DOCUMENTS, HEADER, TOKENS, store_paths
 
 FORMAT = "pipeoffload-tokens"
-HEADER, TOKENS, DOCUMENTS = "tokens.json", "tokens.bin", "documents.bin"
 _DTYPES = {"uint16": (torch.uint16, "H", 2), "uint32": (torch.uint32, "I", 4)}
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 1 << 16
 
@@ -55,16 +55,6 @@ class TokenStore:
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
-
-
-def store_paths(source: Path) -> tuple[Path, Path, Path] | None:
-    """(header, tokens, documents) when ``source`` is a token store or a ``.bin`` with a
-    header beside it, else None."""
-    if source.is_dir() and (source / HEADER).is_file():
-        return source / HEADER, source / TOKENS, source / DOCUMENTS
-    if source.is_file() and source.suffix.lower() == ".bin":
-        return source.with_suffix(".json"), source, source.with_suffix(".idx")
-    return None
 
 
 def sampled_identity(path: Path) -> str:
