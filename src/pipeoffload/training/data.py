@@ -15,12 +15,13 @@ splits keep the store's order. A source of one document holds out its last token
 
 Note: [global batch] The batch of global step t is a pure function of (corpus, seed, seq_len,
 batch_size, t): global samples t*B .. t*B+B-1 (B = batch_size), where global sample g is
-window ``perm_e[g mod W]`` of epoch e = g // W, W the number of training windows and perm_e a
-permutation seeded by (seed, e). Data-parallel replica r of dp_size takes rows
-r*B/dp_size .. (r+1)*B/dp_size - 1 of it, so the replicas' batches concatenated in rank order
-are exactly the batch one replica with dp_size=1 sees; the saved state is just the step,
-which also lets a run resume with a different dp_size. A window is read from the store when its
-batch is made (a memory-mapped store is never read whole).
+window ``perm_e[g mod W]`` of epoch e = g // W, W the number of training windows and perm_e
+torch.randperm(W) from a generator seeded by SHA-256 of (seed, e) (milliseconds at millions of
+windows; the same on every rank and for a given torch version). Data-parallel replica r of
+dp_size takes rows r*B/dp_size .. (r+1)*B/dp_size - 1 of it, so the replicas' batches
+concatenated in rank order are exactly the batch one replica with dp_size=1 sees; the saved
+state is just the step, which also lets a run resume with a different dp_size. A window is read
+from the store when its batch is made (a memory-mapped store is never read whole).
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ class TextDataset:
         self.data_identity = hashlib.sha256(
             f"{self.store.identity}|{config.eval_fraction}|{train}".encode()).hexdigest()
         self.step = 0
-        self._perms: dict[int, list[int]] = {}
+        self._perms: dict[int, Tensor] = {}
 
     def _check_sizes(self) -> None:
         seq, batch, origin = self.config.seq_len, self.config.batch_size, self.store.origin
@@ -245,11 +246,12 @@ class TextDataset:
     def _window(self, sample: int) -> int:
         epoch, position = divmod(sample, self.num_train_windows)
         if epoch not in self._perms:
-            order = list(range(self.num_train_windows))
-            random.Random(f"{self.config.seed}:{epoch}").shuffle(order)
+            label = hashlib.sha256(f"{self.config.seed}:{epoch}".encode()).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(label[:8], "little") >> 1)
+            order = torch.randperm(self.num_train_windows, generator=generator)
             self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1}
             self._perms[epoch] = order
-        return self._perms[epoch][position]
+        return int(self._perms[epoch][position])
 
     def _windows(self, stream: TokenStream, windows: Iterable[int]) -> tuple[Tensor, Tensor]:
         seq = self.config.seq_len
