@@ -1,7 +1,9 @@
-"""--document-mask on the reference model: a token never attends across a document boundary, so
-the loss of documents packed into one row equals the loss of each document trained on its own
-(rotary positions are relative: equal to float rounding, 1e-5); pipeline stages pass the
-documents on; and a pipelined run trains with it."""
+"""--document-mask: a token never attends across a document boundary, so the loss of documents
+packed into one row equals the loss of each document trained on its own. The reference model
+keeps row positions (rotary positions are relative: equal to float rounding, 1e-5); Hugging Face
+Llama / Qwen3 / GPT-2 stages restart positions per document (float64: equal to 1e-12, the
+attention's sums over another length being the only difference). Pipeline stages pass the
+documents on, and a pipelined run trains with it."""
 
 from __future__ import annotations
 
@@ -81,3 +83,33 @@ def test_a_pipelined_run_trains_with_documents_masked(tmp_path) -> None:
     plain = train(dataclasses.replace(config, model=model_preset("tiny")), Topology.local(2))
     assert all(loss == loss for loss in masked.losses)
     assert masked.losses[0] != plain.losses[0]  # the batch crosses documents
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_hugging_face_stages_mask_documents(family: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    from pipeoffload.integrations.hf import causal_lm_stages
+
+    shape = (dict(n_layer=2, n_embd=16, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                  attn_pdrop=0.0) if family == "gpt2" else
+             dict(num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    config = transformers.AutoConfig.for_model(family, vocab_size=64, bos_token_id=None,
+                                               eos_token_id=None, **shape)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
+    stages = causal_lm_stages(model, 2, [0, 1])
+    for stage in stages.values():
+        stage.document_eos = EOS
+    parts = docs(2)
+    row = torch.tensor([[t for d in parts for t in d]])
+    hidden, segments = stages[0](row)
+    packed = stages[1](hidden, segments)[0]
+    start = 0
+    for d in parts:
+        alone = model(torch.tensor([d])).logits[0]
+        assert torch.allclose(packed[start: start + len(d)], alone, atol=1e-12, rtol=0)
+        start += len(d)
+    for stage in stages.values():
+        stage.document_eos = None
+    assert not torch.allclose(stages[1](stages[0](row))[0], packed, atol=1e-3)

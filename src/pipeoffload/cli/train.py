@@ -110,14 +110,15 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, str | None,
     else:
         from pipeoffload.training.hf_model import resolve_model
 
-        if args.document_mask:
-            raise ConfigError("--document-mask masks the reference model's attention; with "
-                              "--model PATH it is not supported yet")
         if overrides:
             flags = field_flags()
             raise ConfigError(f"{', '.join(flags[f'model.{f}'] for f in overrides)} shape the "
                               "reference model; a Hugging Face model's shape is its config.json")
-        model = model_preset("small")
+        model = model_preset("small")  # unused but for --document-mask's id
+        if args.document_mask:
+            eos = _document_eos(args)
+            model = dataclasses.replace(model, vocab_size=max(model.vocab_size, eos + 1),
+                                        document_eos=eos)
         positions = resolve_model(hf_model).max_positions or 128
     seq_len = args.seq_len if args.seq_len is not None else min(128, positions)
     if hf_model is None:

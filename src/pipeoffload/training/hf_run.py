@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -48,11 +49,14 @@ def build_hf(config: TrainConfig, num_stages: int, mine: list[int],
              topology: Topology) -> HFStages:
     """This process's stages of the Hugging Face model (Note: [HF stages])."""
     assert config.hf_model is not None
-    return build_hf_stages(resolve_model(config.hf_model), num_stages, mine, seed=config.seed,
-                           dtype=torch_dtype(config.dtype),
-                           device=topology.device or torch.device("cpu"),
-                           tp_mesh=topology.tp_mesh if topology.tp > 1 else None,
-                           recompute=config.recompute)
+    hf = build_hf_stages(resolve_model(config.hf_model), num_stages, mine, seed=config.seed,
+                         dtype=torch_dtype(config.dtype),
+                         device=topology.device or torch.device("cpu"),
+                         tp_mesh=topology.tp_mesh if topology.tp > 1 else None,
+                         recompute=config.recompute)
+    for stage in hf.stages.values():  # --document-mask (integrations/hf.py CausalLMStage)
+        cast(Any, stage).document_eos = config.model.document_eos
+    return hf
 
 
 def export_run(config: TrainConfig, hf: HFStages, masters: Mapping[int, list[torch.Tensor]],

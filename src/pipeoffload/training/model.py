@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn.utils import skip_init
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.runtime.inputs import document_segments
 from pipeoffload.training.layer_recompute import recomputed
 from pipeoffload.training.model_config import RECOMPUTE_MODES, ModelConfig
 
@@ -53,13 +54,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2)
-
-
-def document_segments(ids: Tensor, eos: int) -> Tensor:
-    """[batch, seq] int64: per token, the end-of-document ids before it in its row, so a
-    document's tokens (its closing ``eos`` included) share one number."""
-    ends = (ids == eos).to(torch.int64)
-    return torch.cumsum(ends, dim=1) - ends
 
 
 def document_mask(segments: Tensor) -> Tensor:
