@@ -121,6 +121,8 @@ def test_a_json_line_past_the_bound_is_refused_unread(tmp_path: Path, monkeypatc
     assert reads == [1001, 1001]  # never more than the bound (+1) in memory
     capped = load_corpus(DataConfig(source=path, max_bytes=100))
     assert capped.documents() == [b"ok"] and capped.truncated
+    with pytest.raises(ConfigError, match="--max-bytes 5 ends before the first whole line"):
+        load_corpus(DataConfig(source=path, max_bytes=5))
 
 
 def test_a_saved_dataset_is_read_and_an_uncached_name_is_not_downloaded(tmp_path: Path) -> None:

@@ -360,6 +360,9 @@ def read_corpus(config: DataConfig) -> Corpus:
             origin = str(config.source)
         documents, used, skipped, truncated = read_sources(files, root, cap, config.text_key)
     data = b"".join(documents)
+    if not data and truncated:
+        raise ConfigError(f"--max-bytes {cap} ends before the first whole line or document of "
+                          f"{origin}; raise it")
     if not data:
         note = f" ({skipped} binary file(s) skipped)" if skipped else ""
         raise ConfigError(f"data source {origin} is empty{note}; give it some text")
