@@ -79,3 +79,28 @@ def test_given_tokenizer_files_are_copied_as_given(tmp_path):
     special = json.loads((tmp_path / "export" / "special_tokens_map.json").read_text())
     assert special["eos_token"] == special["pad_token"] == "<|endoftext|>"
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "export").model_max_length == 77
+
+
+def test_pipeoffload_export_writes_the_tokenizer_of_a_checkpoint(tmp_path, monkeypatch):
+    """`pipeoffload export CHECKPOINT DIR --tokenizer PATH` (from a 1-step Qwen3 run trained
+    through that tokenizer) writes the files --export-hf would: AutoTokenizer encodes as
+    training did."""
+    from pipeoffload.cli.main import main
+
+    path = bpe(tmp_path / "tok", ["<|endoftext|>"], None)
+    vocab = tokenizers.Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    config = transformers.Qwen3Config(vocab_size=vocab, max_position_embeddings=64,
+                                      **{**SHAPE, "num_hidden_layers": 2})
+    config.save_pretrained(tmp_path / "model")
+    (tmp_path / "text.txt").write_text(" ".join(TEXT) * 40)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--model", str(tmp_path / "model"), "--pp", "2", "--inline",
+                 "--schedule", "1f1b", "--steps", "1", "--data", "text.txt", "--tokenizer", str(path), "--seq-len",
+                 "16", "--batch-size", "4", "--eval-fraction", "0", "--checkpoint-dir", "ck",
+                 "--no-png", "--no-baseline"]) == 0
+    assert main(["export", "ck", "out", "--tokenizer", str(path.parent)]) == 0
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert type(loaded).__name__ != "Qwen2Tokenizer"
+    assert loaded(TEXT[1]).input_ids == tokenizers.Tokenizer.from_file(str(path)).encode(
+        TEXT[1]).ids
+    assert loaded.eos_token == "<|endoftext|>"
