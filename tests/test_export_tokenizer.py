@@ -95,9 +95,9 @@ def test_pipeoffload_export_writes_the_tokenizer_of_a_checkpoint(tmp_path, monke
     (tmp_path / "text.txt").write_text(" ".join(TEXT) * 40)
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--model", str(tmp_path / "model"), "--pp", "2", "--inline",
-                 "--schedule", "1f1b", "--steps", "1", "--data", "text.txt", "--tokenizer", str(path), "--seq-len",
-                 "16", "--batch-size", "4", "--eval-fraction", "0", "--checkpoint-dir", "ck",
-                 "--no-png", "--no-baseline"]) == 0
+                 "--schedule", "1f1b", "--steps", "1", "--data", "text.txt", "--tokenizer",
+                 str(path), "--seq-len", "16", "--batch-size", "4", "--eval-fraction", "0",
+                 "--checkpoint-dir", "ck", "--no-png", "--no-baseline"]) == 0
     assert main(["export", "ck", "out", "--tokenizer", str(path.parent)]) == 0
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert type(loaded).__name__ != "Qwen2Tokenizer"
