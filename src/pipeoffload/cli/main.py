@@ -230,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     from pipeoffload.cli.export import add_export_parser
     from pipeoffload.cli.plan import add_plan_parser
+    from pipeoffload.cli.tokenize import add_tokenize_parser
     from pipeoffload.cli.train import add_train_parser
 
     sub = parser.add_subparsers(dest="command", required=True)
@@ -257,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_export_parser(sub)
     add_plan_parser(sub)
+    add_tokenize_parser(sub)
     return parser
 
 

@@ -48,13 +48,25 @@ def startup_line(config: TrainConfig, report: ReportOptions, processes: int,
 
 
 def data_line(data: DataConfig) -> str:
-    """Which files the run reads and how many bytes of each."""
+    """Which files the run reads and how many bytes of each, the binary files skipped, and
+    what goes between documents; or, for pre-tokenised data, its tokens and documents."""
     from pipeoffload.training.data import load_corpus
     from pipeoffload.training.documents import files_report
+    from pipeoffload.training.sources import is_token_source
 
+    if is_token_source(data.source):
+        from pathlib import Path
+
+        from pipeoffload.training.token_store import open_store
+
+        store = open_store(Path(str(data.source)))
+        eos = "no end-of-document id" if store.eos is None else f"end-of-document id {store.eos}"
+        return (f"data: {len(store):,} pre-tokenised tokens in {len(store.ends):,} documents "
+                f"from {store.origin} (memory-mapped; {eos})")
     corpus = load_corpus(data)
     cut = " (cut at --max-bytes)" if corpus.truncated else ""
-    return files_report(corpus.origin, corpus.files, corpus.file_bytes) + cut
+    skipped = (f"; {corpus.skipped} binary file(s) skipped" if corpus.skipped else "")
+    return files_report(corpus.origin, corpus.files, corpus.file_bytes) + cut + skipped
 
 
 def interrupt_note(args: argparse.Namespace) -> str:

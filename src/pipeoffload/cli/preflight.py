@@ -163,6 +163,11 @@ input_file = _path_type(InputFile)
 input_path = _path_type(InputPath)
 
 
+def data_source(text: str) -> str:
+    """argparse type of --data: ``hf:NAME[:SPLIT]`` (a dataset in the local cache), or a path."""
+    return text if text.startswith("hf:") and len(text) > 3 else input_path(text)
+
+
 def resume_path(text: str) -> str:
     """argparse type of --resume: the words ``latest`` (also its bare form's value) and
     ``auto``, or a path."""

@@ -61,8 +61,8 @@ class Reporter:
         self.report = report
         self.out = out
         self.metrics = metrics_config(config, report, topology)
-        self._held_out = (f"{config.eval_batches} batches at most, the last "
-                          f"{config.data.eval_fraction:g} of the data")
+        self._held_out = (f"{config.eval_batches} batches at most of the "
+                          f"{config.data.eval_fraction:g} of the data held out")
         self._writer: MetricsWriter | None = None
         self._board_noted = False
 

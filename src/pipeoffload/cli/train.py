@@ -70,7 +70,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ReportOptio
     model, hf_model, seq_len = _model_from_args(args)
     data = DataConfig(source=args.data, seq_len=seq_len, batch_size=args.batch_size,
                       seed=args.seed, max_bytes=args.max_bytes, tokenizer=args.tokenizer,
-                      eval_fraction=args.eval_fraction)
+                      eval_fraction=args.eval_fraction, text_key=args.text_key,
+                      cache_dir=args.cache_dir)
     if args.resume is not None and args.resume == "latest" and args.checkpoint_dir is None:
         raise ConfigError("--resume without a PATH needs --checkpoint-dir (where to look)")
     try:
@@ -113,17 +114,38 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, str | None,
             flags = field_flags()
             raise ConfigError(f"{', '.join(flags[f'model.{f}'] for f in overrides)} shape the "
                               "reference model; a Hugging Face model's shape is its config.json")
-        model = model_preset("small")
+        model = model_preset("small")  # unused but for --document-mask's id
+        if args.document_mask:
+            eos = _document_eos(args)
+            model = dataclasses.replace(model, vocab_size=max(model.vocab_size, eos + 1),
+                                        document_eos=eos)
         positions = resolve_model(hf_model).max_positions or 128
     seq_len = args.seq_len if args.seq_len is not None else min(128, positions)
     if hf_model is None:
         overrides["max_seq_len"] = max(model.max_seq_len, seq_len)
-        if args.tokenizer is not None:
-            from pipeoffload.training.documents import tokenizer_vocab_size
+        from pipeoffload.training.sources import is_token_source
 
-            overrides["vocab_size"] = tokenizer_vocab_size(args.tokenizer)
+        if args.document_mask:
+            overrides["document_eos"] = _document_eos(args)
+        if args.tokenizer is not None or is_token_source(args.data):
+            from pipeoffload.training.data import vocab_needed
+
+            overrides["vocab_size"] = vocab_needed(DataConfig(source=args.data,
+                                                              tokenizer=args.tokenizer))
         model = dataclasses.replace(model, **overrides)
     return model, hf_model, seq_len
+
+
+def _document_eos(args: argparse.Namespace) -> int:
+    """The id --document-mask masks attention at: the data's end-of-document token."""
+    from pipeoffload.training.data import end_of_document_id
+
+    eos = end_of_document_id(DataConfig(source=args.data, tokenizer=args.tokenizer))
+    if eos is None:
+        raise ConfigError("--document-mask needs an end-of-document token, and the tokenizer "
+                          "names none (no eos_token in a tokenizer_config.json beside it, none "
+                          "of the usual names); add one")
+    return eos
 
 
 def cmd_train(args: argparse.Namespace) -> int:

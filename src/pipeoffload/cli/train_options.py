@@ -14,6 +14,7 @@ from pipeoffload.cli.preflight import (
     MAX_MICROBATCHES,
     MAX_RANKS,
     count,
+    data_source,
     input_path,
     number,
     output_dir,
@@ -94,16 +95,30 @@ def _model_and_data_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=count(1, 1 << 20), default=16,
                    help="global batch in sequences, "
                    "summed over dp replicas (default 16)")
-    g.add_argument("--data", type=input_path, default=None, metavar="PATH",
-                   help="text file or folder "
+    g.add_argument("--data", type=data_source, default=None, metavar="PATH",
+                   help="text file or folder (.jsonl, .gz, .zst, .parquet read as what they "
+                   "are; binary files skipped), a saved datasets folder, hf:NAME[:SPLIT] from "
+                   "the local cache, or a pre-tokenised store (pipeoffload tokenize) "
                    "(default: Python standard-library sources)")
-    g.add_argument("--max-bytes", type=count(1), default=1 << 20,
-                   help="read at most this much text (default 1 MiB)")
+    g.add_argument("--max-bytes", type=count(1), default=None,
+                   help="read at most this much text (default: all of --data; 1 MiB of the "
+                   "built-in corpus)")
+    g.add_argument("--text-key", default="text", metavar="KEY",
+                   help="the JSON-lines field / Parquet or dataset column holding the text "
+                   "(default text)")
+    g.add_argument("--cache-dir", type=output_dir, default=None, metavar="DIR",
+                   help="where text tokenised with --tokenizer is kept (default "
+                   "$PIPEOFFLOAD_CACHE or ~/.cache/pipeoffload)")
     g.add_argument("--tokenizer", type=input_path, default=None, metavar="PATH",
                    help="a local tokenizer.json (or its folder), read with the tokenizers "
                    "package; default: bytes are tokens (the vocabulary must hold 256)")
+    g.add_argument("--document-mask", action="store_true",
+                   help="mask attention by document: a token attends only to earlier tokens of "
+                   "its own document (ended by the data's end-of-document token; the reference "
+                   "model)")
     g.add_argument("--eval-fraction", type=number(minimum=0, maximum=0.99), default=0.05,
-                   metavar="X", help="hold out the last X of the tokens (default 0.05; 0: none)")
+                   metavar="X", help="hold out X of the tokens as whole documents, drawn by --seed "
+                   "(default 0.05; 0: none)")
     g.add_argument("--eval-every", type=count(0), default=0, metavar="N",
                    help="also measure the held-out loss at the start and every N steps "
                    "(default 0: at the end only)")

@@ -25,6 +25,7 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError, IntegrationError
 from pipeoffload.hf_families import SUPPORTED_MODEL_TYPES
 from pipeoffload.runtime.blocks import balanced_ranges
+from pipeoffload.runtime.inputs import document_positions, document_segments
 
 # SUPPORTED_MODEL_TYPES: ``config.model_type`` values whose decoder layout split_causal_lm knows
 # and tests cover: Llama-family (model.embed_tokens / layers / norm / rotary_emb, lm_head) and
@@ -56,7 +57,12 @@ class CausalLMStage(nn.Module):
 
     Inputs: first stage ``(input_ids, attention_mask=None)`` (or keywords), others ``(hidden,
     attention_mask=None)``; returns ``(hidden, attention_mask)`` when a mask came in, else
-    ``hidden``; the last stage returns the logits ``[batch, seq, vocab]``.
+    ``hidden``; the last stage returns the logits ``[batch, seq, vocab]``. With
+    ``document_eos`` set (on every stage) attention is masked by document: the first stage
+    computes each token's document from the ids (runtime/inputs.py ``document_segments``) and
+    sends it on in the mask's place, and every stage gives each token its position within its
+    document, from which transformers' mask functions build the packed-sequence causal mask
+    (and rotary positions restart per document, as if each were its own row).
     """
 
     def __init__(self, config: Any, layers: Sequence[nn.Module], first_layer: int,
@@ -74,17 +80,24 @@ class CausalLMStage(nn.Module):
         self.norm = norm
         self.lm_head = head
         self.tied_parameters: dict[str, dict[int, str]] = {}  # Note: [tied parameters]
+        self.document_eos: int | None = None  # set on every stage: see the class docstring
 
     def forward(self, hidden: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, *,
                 input_ids: torch.Tensor | None = None) -> Any:
         if self.embed_tokens is not None:
             # stage 0: token ids [batch, seq], positional or as HF's input_ids keyword
-            hidden = self.embed_tokens(hidden if input_ids is None else input_ids)
+            ids = hidden if input_ids is None else input_ids
+            if self.document_eos is not None and ids is not None:
+                attention_mask = document_segments(ids, self.document_eos)
+            hidden = self.embed_tokens(ids)
         if hidden is None:
             raise TypeError("CausalLMStage.forward: give the hidden states (token ids, or "
                             "input_ids=, on the first stage)")
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        padding = attention_mask
+        if self.document_eos is not None and attention_mask is not None:
+            positions, padding = document_positions(attention_mask), None
         if self.embed_positions is not None:
             hidden = hidden + self.embed_positions(positions)
         if self.embed_dropout is not None:
@@ -93,7 +106,7 @@ class CausalLMStage(nn.Module):
         if self.rotary_emb is not None:
             extra = {"position_ids": positions,
                      "position_embeddings": self.rotary_emb(hidden, position_ids=positions)}
-        masks = {kind: _MASKS[kind](self.config, hidden, attention_mask, None,
+        masks = {kind: _MASKS[kind](self.config, hidden, padding, None,
                                     position_ids=positions)
                  for kind in set(self.layer_types)}
         for layer, kind in zip(self.layers, self.layer_types):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.dtype_names import EXPORT_DTYPE_NAMES
 from pipeoffload.parallel.gradients import tie_copy_names
 from pipeoffload.parallel.precision import DTYPES
+from pipeoffload.parallel.tokenizer_files import tokenizer_files
 from pipeoffload.runtime.shards import is_dtensor
 
 INDEX = "model.safetensors.index.json"
@@ -108,8 +108,9 @@ def _safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
     return save(dict(sorted(tensors.items())), metadata={"format": "pt"})
 
 
-def _write_config(folder: Path, config: Any, dtype: torch.dtype) -> None:
-    values = json.loads(config.to_json_string())
+def _write_config(folder: Path, config: Any, dtype: torch.dtype,
+                  token_ids: Mapping[str, int] | None = None) -> None:
+    values = {**json.loads(config.to_json_string()), **(token_ids or {})}
     values["dtype"] = str(dtype).removeprefix("torch.")
     values.pop("torch_dtype", None)
     ckpt.write_atomic(folder / "config.json",
@@ -156,10 +157,13 @@ def _finish(folder: Path, config: Any, dtype: torch.dtype, weight_map: dict[str,
         index = {"metadata": {"total_size": total_bytes},
                  "weight_map": dict(sorted(weight_map.items()))}
         ckpt.write_atomic(folder / INDEX, (json.dumps(index, indent=2) + "\n").encode())
+    token_ids: dict[str, int] = {}
     if tokenizer is not None:
-        with writing(folder / "tokenizer.json"):
-            shutil.copyfile(tokenizer, folder / "tokenizer.json")
-    _write_config(folder, config, dtype)
+        files, token_ids = tokenizer_files(tokenizer, json.loads(config.to_json_string()))
+        for name, contents in files.items():
+            with writing(folder / name):
+                ckpt.write_atomic(folder / name, contents)
+    _write_config(folder, config, dtype, token_ids)
 
 
 def export_pretrained(folder: str | Path, model: nn.Module, stages: Mapping[int, nn.Module],
@@ -167,8 +171,9 @@ def export_pretrained(folder: str | Path, model: nn.Module, stages: Mapping[int,
                       values: Mapping[int, torch.Tensor] | None = None,
                       tokenizer: str | Path | None = None) -> Path:
     """Export the model ``stages`` were cut from (``model``: the ``*ForCausalLM`` whose
-    ``named_parameters`` name them; split_causal_lm's or train's), with a copy of the
-    ``tokenizer`` file (a tokenizer.json) if given. Under torch.distributed (``topology``, a
+    ``named_parameters`` name them; split_causal_lm's or train's), with the ``tokenizer``
+    (a tokenizer.json) if given, its tokenizer_config.json and special_tokens_map.json copied
+    or generated (parallel/tokenizer_files.py). Under torch.distributed (``topology``, a
     parallel/topology.py Topology) every process calls it: tensor-parallel shards are
     gathered, each pipeline rank writes its stages, global rank 0 the index and config last.
     ``folder`` must be new or empty (checked again at the end: files copied in meanwhile are

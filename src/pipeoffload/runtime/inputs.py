@@ -91,3 +91,21 @@ def positional(inputs: object
     if not names:
         raise ConfigError("inputs is an empty dict; pass stage 0's tensors")
     return tuple(names), tuple(values)
+
+
+def document_segments(ids: torch.Tensor, eos: int) -> torch.Tensor:
+    """[batch, seq] int64: per token, the end-of-document ids before it in its row, so a
+    document's tokens (its closing ``eos`` included) share one number (``--document-mask``)."""
+    ends = (ids == eos).to(torch.int64)
+    return torch.cumsum(ends, dim=1) - ends
+
+
+def document_positions(segments: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] int64: each token's position within its document (0 at a document's first
+    token in the row), from ``document_segments``."""
+    seq = segments.shape[1]
+    index = torch.arange(seq, device=segments.device).expand_as(segments)
+    first = torch.ones_like(segments, dtype=torch.bool)
+    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    start = torch.cummax(torch.where(first, index, torch.zeros_like(index)), dim=1).values
+    return index - start

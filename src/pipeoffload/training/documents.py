@@ -1,53 +1,21 @@
-"""Training text beyond plain files: JSON-lines records and token ids from a local tokenizer.
-
-A JSON-lines file (``*.jsonl``) holds one JSON object per line whose ``"text"`` string is one
-document; blank lines are skipped. A plain file is one document. With ``--tokenizer PATH`` (a
-``tokenizer.json``, or a folder holding one, read by the ``tokenizers`` package: no downloads)
-each document is encoded on its own, with what the tokenizer's post-processor adds (a BOS token
-for Llama's), and the documents' ids are concatenated; without one, tokens are the documents'
-UTF-8 bytes (data.py).
+"""Token ids from a local tokenizer: ``--tokenizer PATH`` (a ``tokenizer.json``, or a folder
+holding one, read by the ``tokenizers`` package: no downloads). Each document (sources.py) is
+encoded on its own, with what the tokenizer's post-processor adds (a BOS token for Llama's), and
+the tokenizer's end-of-document token goes between documents (``eos_token_id``); without a
+tokenizer, tokens are the documents' UTF-8 bytes (data.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from pipeoffload.errors import ConfigError
+from pipeoffload.parallel.tokenizer_files import CONFIG, EOS_NAMES, special_token
 
-JSONL_SUFFIX = ".jsonl"
 TOKENIZER_FILE = "tokenizer.json"
-
-
-def read_jsonl(path: Path, limit: int) -> tuple[list[bytes], int, bool]:
-    """The ``text`` of each record of ``path`` (UTF-8), reading at most ``limit`` bytes (-1:
-    all) and only whole lines; also the bytes read and whether the limit cut the file short."""
-    documents: list[bytes] = []
-    used = 0
-    with path.open("rb") as f:
-        for number, line in enumerate(f, start=1):
-            if limit >= 0 and used + len(line) > limit:
-                return documents, used, True
-            used += len(line)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ConfigError(f"{path}:{number}: not a JSON object ({error}); a .jsonl file "
-                                  "holds one {\"text\": ...} object per line") from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise ConfigError(f"{path}:{number}: the record has no \"text\" string (keys "
-                                  f"{sorted(record)[:5] if isinstance(record, dict) else '-'})")
-            documents.append(text.encode("utf-8"))
-    return documents, used, False
 
 
 def tokenizer_file(path: str | Path) -> Path:
@@ -79,9 +47,26 @@ def tokenizer_vocab_size(path: str | Path) -> int:
     return int(load_tokenizer(path).get_vocab_size(with_added_tokens=True))
 
 
-def tokenize(documents: Sequence[bytes], path: str | Path) -> Tensor:
-    """Token ids (int64 [n]) of the documents, each encoded on its own, concatenated."""
-    tokenizer = load_tokenizer(path)
+def eos_token_id(tokenizer: Any, path: str | Path) -> int | None:
+    """The tokenizer's end-of-document id: ``eos_token`` of a tokenizer_config.json beside
+    it, else the first of EOS_NAMES it knows (parallel/tokenizer_files.py, as exports name
+    it); None when it names none."""
+    config = tokenizer_file(path).parent / CONFIG
+    given = None
+    if config.is_file():
+        try:
+            values = json.loads(config.read_text(encoding="utf-8"))
+            given = values.get("eos_token") if isinstance(values, dict) else None
+        except (OSError, ValueError, RecursionError):
+            given = None
+    found = special_token(tokenizer, EOS_NAMES, None, given)
+    return None if found is None else found[1]
+
+
+def encode_documents(tokenizer: Any, documents: Sequence[bytes], path: str | Path
+                     ) -> list[list[int]]:
+    """Each document's ids, encoded on its own (the tokenizers package spreads a batch over
+    its threads)."""
     texts = [d.decode("utf-8", errors="replace") for d in documents]
     try:
         encodings = tokenizer.encode_batch(texts)
@@ -89,14 +74,16 @@ def tokenize(documents: Sequence[bytes], path: str | Path) -> Tensor:
         raise ConfigError(f"--tokenizer {tokenizer_file(path)} cannot encode the data "
                           f"({error}); a word-level tokenizer needs an unknown token "
                           "(unk_token) for words outside its vocabulary") from None
-    ids = [i for encoding in encodings for i in encoding.ids]
-    return torch.tensor(ids, dtype=torch.int64)
+    return [list(encoding.ids) for encoding in encodings]
 
 
-def tokens_sha256(tokens: Tensor) -> str:
-    """SHA-256 of token ids (as int64), what a resumed run must see again."""
-    data = tokens.to(torch.int64).contiguous().clone()
-    return hashlib.sha256(bytes(data.untyped_storage())).hexdigest()
+def check_store_vocabulary(store: Any, path: str | Path) -> None:
+    """Refuse a pre-tokenised store whose ids the tokenizer cannot have made."""
+    size = tokenizer_vocab_size(path)
+    if store.vocab_size > size:
+        raise ConfigError(f"--data {store.origin} holds ids up to {store.vocab_size - 1}, but "
+                          f"--tokenizer {path} has {size}; pass the tokenizer it was made "
+                          "with")
 
 
 def files_report(origin: str, files: Sequence[str], sizes: Sequence[int], shown: int = 12) -> str:

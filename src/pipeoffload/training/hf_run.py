@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -74,11 +75,14 @@ def build_hf(config: TrainConfig, num_stages: int, mine: list[int],
              topology: Topology) -> HFStages:
     """This process's stages of the Hugging Face model (Note: [HF stages])."""
     assert config.hf_model is not None
-    return build_hf_stages(resolve_model(config.hf_model), num_stages, mine, seed=config.seed,
-                           dtype=torch_dtype(config.dtype),
-                           device=topology.device or torch.device("cpu"),
-                           tp_mesh=topology.tp_mesh if topology.tp > 1 else None,
-                           recompute=config.recompute)
+    hf = build_hf_stages(resolve_model(config.hf_model), num_stages, mine, seed=config.seed,
+                         dtype=torch_dtype(config.dtype),
+                         device=topology.device or torch.device("cpu"),
+                         tp_mesh=topology.tp_mesh if topology.tp > 1 else None,
+                         recompute=config.recompute)
+    for stage in hf.stages.values():  # --document-mask (integrations/hf.py CausalLMStage)
+        cast(Any, stage).document_eos = config.model.document_eos
+    return hf
 
 
 def export_run(config: TrainConfig, hf: HFStages, masters: Mapping[int, list[torch.Tensor]],
@@ -105,7 +109,9 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
     checkpoint folder's newest) as an export, in one process; returns the folder and the step.
     The model's config comes from the checkpoint's manifest; tensor-parallel shards are joined
     as integrations/hf_tp_layout.py split them (``join_shards``); a bf16 run exported in
-    fp32 writes its float32 master weights."""
+    fp32 writes its float32 master weights. ``tokenizer`` (a tokenizer.json or its folder)
+    goes with it as ``--export-hf`` writes it."""
+    tokenizer = None if tokenizer is None else tokenizer_file(tokenizer)
     manifest = ckpt.read_manifest(ckpt.find_checkpoint(checkpoint, None))
     info = manifest.info
     model_info = info.get("model")

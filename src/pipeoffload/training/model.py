@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn.utils import skip_init
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.runtime.inputs import document_segments
 from pipeoffload.training.layer_recompute import recomputed
 from pipeoffload.training.model_config import RECOMPUTE_MODES, ModelConfig
 
@@ -53,6 +54,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2)
+
+
+def document_mask(segments: Tensor) -> Tensor:
+    """[batch, 1, seq, seq] bool: query i may attend key j when j <= i in the same document."""
+    seq = segments.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
+    return (segments[:, None, :, None] == segments[:, None, None, :]) & causal
 
 
 class RMSNorm(nn.Module):
@@ -100,8 +108,10 @@ class Attention(nn.Module):
         """Q, K, V projections of the normed input (this rank's heads under tensor parallelism)."""
         return self.wq(x), self.wk(x), self.wv(x)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Rotary embeddings, causal attention and the output projection.
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+               mask: Tensor | None = None) -> Tensor:
+        """Rotary embeddings, causal attention (or ``mask``'s: [batch, 1, seq, seq], True where
+        a token may attend) and the output projection.
 
         Heads are counted from the projections' widths ([batch, seq, heads * head_dim]), so the
         same code runs the local heads of a tensor-parallel shard.
@@ -114,11 +124,14 @@ class Attention(nn.Module):
         group = q.shape[1] // k.shape[1]
         if group > 1:  # [batch, kv heads, seq, hd] -> [batch, heads, seq, hd]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return self.attend(*self.project(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        return self.attend(*self.project(x), cos, sin, mask)
 
 
 class FeedForward(nn.Module):
@@ -163,25 +176,25 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         if self.recompute == "full":
-            return recomputed(lambda h: (self._kept(h, cos, sin),), (self,), x)[0]
+            return recomputed(lambda h: (self._kept(h, cos, sin, mask),), (self,), x)[0]
         if self.recompute == "lgd":
-            return self._lgd(x, cos, sin)
-        return self._kept(x, cos, sin)
+            return self._lgd(x, cos, sin, mask)
+        return self._kept(x, cos, sin, mask)
 
-    def _kept(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def _kept(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
-    def _lgd(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _lgd(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         # Each region passes its input on to the residual: layer_recompute.py Note: [lgd
         # gradient sums] (bit-for-bit the gradients of recompute none).
         attention, mlp = self.attention, self.feed_forward
         q, k, v, x = recomputed(
             lambda h: (*attention.project(self.attention_norm(h)), h.view_as(h)),
             (self.attention_norm, attention.wq, attention.wk, attention.wv), x)
-        x = x + attention.attend(q, k, v, cos, sin)
+        x = x + attention.attend(q, k, v, cos, sin, mask)
         gate, up, x = recomputed(lambda h: (*mlp.up(self.ffn_norm(h)), h.view_as(h)),
                                  (self.ffn_norm, mlp.w1, mlp.w3), x)
         (down,) = recomputed(lambda g, u: (mlp.down(g, u),), (mlp.w2,), gate, up)
@@ -237,13 +250,17 @@ class Transformer(nn.Module):
     def has_head(self) -> bool:
         return self.output is not None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, segments: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Logits (the head's stage), hidden states, or with ``document_eos`` hidden states and
+        the document ``segments`` [batch, seq] that the next stage masks attention by."""
         if self.tok_embeddings is not None:
             if x.dim() != 2 or x.dtype.is_floating_point:
                 raise ConfigError(
                     f"the embedding stage takes token ids [batch, seq] (int64), got "
                     f"{x.dtype} {list(x.shape)}"
                 )
+            if self.config.document_eos is not None:
+                segments = document_segments(x, self.config.document_eos)
             x = self.tok_embeddings(x)  # [batch, seq, dim]
         elif x.dim() != 3 or x.shape[-1] != self.config.dim:
             raise ConfigError(
@@ -259,11 +276,12 @@ class Transformer(nn.Module):
         if self.layers:
             positions = torch.arange(seq, device=x.device)
             cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
+            mask = None if segments is None else document_mask(segments)
             for layer in self.layers.values():
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, mask)
         if self.output is not None and self.norm is not None:
-            x = self.output(self.norm(x))  # [batch, seq, vocab]
-        return x
+            return self.output(self.norm(x))  # [batch, seq, vocab]
+        return x if segments is None else (x, segments)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -22,6 +22,9 @@ class ModelConfig:
     ``init_std`` is the std of every weight matrix at init; the two projections that write
     into the residual stream (attention ``wo``, MLP ``w2``) are further scaled by
     1/sqrt(2 * n_layers) so the residual's variance does not grow with depth.
+    ``document_eos``: with an id, attention is masked by document (``--document-mask``): a
+    token attends only to earlier tokens of its own document, which ends with that id
+    (training/model.py ``document_segments``); None: plain causal attention.
     """
 
     vocab_size: int = 256
@@ -34,6 +37,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    document_eos: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
@@ -56,6 +60,9 @@ class ModelConfig:
                 f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number "
                 "of query heads"
             )
+        if self.document_eos is not None and not 0 <= self.document_eos < self.vocab_size:
+            raise ConfigError(f"ModelConfig.document_eos={self.document_eos} is not an id of "
+                              f"the vocabulary (0..{self.vocab_size - 1})")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError("ModelConfig.rope_theta, norm_eps and init_std must be > 0")
 

@@ -26,7 +26,9 @@ def check_run(config: TrainConfig, processes: int) -> OffloadPlan:
                           "not tie or all-reduce; use dualpipev (one copy, the same order folded "
                           "into V placement)")
     check_model(config, plan.schedule.num_stages)
-    TextDataset.from_config(config.data, dp_size=config.dp)
+    if config.model.document_eos is not None and config.tp > 1:
+        raise ConfigError("--document-mask with --tp above 1 is not supported yet; use --tp 1")
+    dataset = TextDataset.from_config(config.data, dp_size=config.dp)
     if config.checkpoint_dir is not None:
         check_root(config.checkpoint_dir)
         check_unlocked(config.checkpoint_dir)
@@ -38,6 +40,9 @@ def check_run(config: TrainConfig, processes: int) -> OffloadPlan:
         ckpt.check_compatible(manifest, {**checkpoint_identity(config, plan.schedule),
                                          "processes": processes})
         ckpt.check_resume_step(manifest.step, manifest.folder, config.steps)
+        saved = manifest.info.get("data")
+        if isinstance(saved, dict):
+            dataset.load_state_dict(saved)  # the same data and batching, or refused here
     elif config.checkpoint_dir is not None and ckpt.complete_checkpoints(config.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints; "
                           "pass --resume to continue from them, or use an empty folder")
