@@ -34,10 +34,10 @@ from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPlan
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.checkpoint_files import check_root, resolve_resume
-from pipeoffload.parallel.gradients import clip_gradients, sync_gradients, uncounted_masters
 from pipeoffload.parallel.optimizer import PipelineOptimizer, StageAdamW
 from pipeoffload.parallel.precision import torch_dtype
 from pipeoffload.parallel.topology import Topology
+from pipeoffload.parallel.zero import ZeroAdamW
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
@@ -114,7 +114,6 @@ class Trainer:
     hf: HFStages | None
     stages: dict[int, nn.Module]
     optimizer: PipelineOptimizer
-    ties: set[int]  # ids of the optimizer's params left out of the gradient norm
     dataset: TextDataset
     runtime: RuntimeConfig
     meter: ActivationMeter
@@ -135,8 +134,7 @@ class Trainer:
         hf = build_hf(config, schedule.num_stages, mine, topology) if config.hf_model else None
         stages = hf.stages if hf is not None else build_stages(config, schedule.num_stages,
                                                                mine, topology)
-        optimizer = make_optimizer(config, stages)
-        ties = uncounted_masters(stages, optimizer.params)
+        optimizer = make_optimizer(config, stages, topology)
         dataset = TextDataset.from_config(config.data, dp_rank=topology.dp_index,
                                           dp_size=topology.dp)
         runtime = RuntimeConfig(p2p_timeout_s=config.p2p_timeout_s, offload=OffloadConfig(
@@ -146,7 +144,7 @@ class Trainer:
                         device=topology.device, meter=meter,
                         channel_groups=topology.channel_groups)
         _reserve_host_memory(config, topology, pipe, stages, hf)
-        return cls(config, topology, hooks or Hooks(), plan, hf, stages, optimizer, ties, dataset,
+        return cls(config, topology, hooks or Hooks(), plan, hf, stages, optimizer, dataset,
                    runtime, meter, pipe, checkpoint_identity(config, schedule))
 
     @property
@@ -233,12 +231,10 @@ class Trainer:
         the norm before clipping (None without clipping)."""
         optimizer = self.optimizer
         optimizer.take_grads()
-        sync_gradients(optimizer.params, self.topology)
+        optimizer.reduce_grads()
         grad_norm = None
         if self.config.grad_clip is not None:
-            grad_norm = clip_gradients(
-                [m for s in sorted(self.stages) for m in optimizer.params[s]],
-                self.config.grad_clip, self.topology, self.ties)
+            grad_norm = optimizer.clip_grads(self.config.grad_clip)
         optimizer.set_lr(lr)
         optimizer.step()
         optimizer.zero_grad()
@@ -359,10 +355,15 @@ def train(config: TrainConfig, topology: Topology,
     return Trainer.build(config, topology, hooks).run()
 
 
-def make_optimizer(config: TrainConfig, stages: Mapping[int, nn.Module]) -> PipelineOptimizer:
-    """The run's optimizer: AdamW per stage over master weights (float32 ones for bf16)."""
+def make_optimizer(config: TrainConfig, stages: Mapping[int, nn.Module],
+                   topology: Topology) -> PipelineOptimizer:
+    """The run's optimizer: AdamW per stage over master weights (float32 ones for bf16),
+    whole on every replica (``zero`` 0) or sharded over them (1, parallel/zero.py)."""
+    if config.zero == 1:
+        return ZeroAdamW(stages, topology, lr=config.lr, betas=config.betas,
+                         weight_decay=config.weight_decay)
     return StageAdamW(stages, mixed=config.dtype == "bf16", lr=config.lr, betas=config.betas,
-                      weight_decay=config.weight_decay)
+                      weight_decay=config.weight_decay, topology=topology)
 
 
 def _reserve_host_memory(config: TrainConfig, topology: Topology, pipe: Pipeline,
@@ -380,10 +381,12 @@ def _reserve_host_memory(config: TrainConfig, topology: Topology, pipe: Pipeline
 def checkpoint_identity(config: TrainConfig, schedule: Schedule) -> dict[str, Any]:
     """What a checkpoint is only valid with (its manifest's ``info``, compared on resume):
     a checkpoint holds each tensor-parallel rank's shards, so another ``tp`` is refused (not
-    resharded), and another ``dtype``, whose weights and optimizer state differ, too."""
+    resharded), and another ``dtype``, whose weights and optimizer state differ, too; another
+    ``dp`` or ``zero`` re-shards (parallel/checkpoint.py RESHARDABLE)."""
     model = (dataclasses.asdict(config.model) if config.hf_model is None
              else {"hf_config": resolve_model(config.hf_model).config})
-    return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "dtype": config.dtype,
+    return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "zero": config.zero,
+            "dtype": config.dtype,
             "schedule": schedule.name, "stage_to_rank": list(schedule.stage_to_rank),
             "model": model}
 
