@@ -134,11 +134,10 @@ class ZeroAdamW:
         """Reduce-scatter each stage's gradients into its master shard's ``.grad`` (the
         average over replicas) and free the parameters' gradients."""
         for st in self._stages.values():
-            flat = st.layout.flatten([p.grad if p.grad is not None else torch.zeros_like(p)
-                                      for p in st.params])
+            flat = st.layout.flatten([_grad_shard(p) for p in st.params])
             if self._dp > 1:
                 shard = torch.empty_like(st.master)
-                dist.reduce_scatter_tensor(shard, flat, group=self.topology.dp_group)
+                dist.reduce_scatter_single(shard, flat, group=self.topology.dp_group)
                 shard /= self._dp
             else:
                 shard = flat
@@ -192,7 +191,7 @@ class ZeroAdamW:
             if self._dp > 1:
                 flat = torch.empty(st.layout.shard_numel * self._dp, dtype=dtype,
                                    device=shard.device)
-                dist.all_gather_into_tensor(flat, shard, group=self.topology.dp_group)
+                dist.all_gather_single(flat, shard, group=self.topology.dp_group)
             else:
                 flat = shard
             for p, (begin, end) in zip(st.params, st.layout.spans()):
@@ -244,6 +243,17 @@ class ZeroAdamW:
                 for k in MOMENTS}
         self._optimizers[stage].load_state_dict(
             {"state": {0: {"step": state[0]["step"], **mine}}, "param_groups": [group]})
+
+
+def _grad_shard(p: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``p``'s gradient in ``p``'s layout: a tensor-parallel sharded
+    parameter's gradient can come back replicated (its slice is taken, no communication)."""
+    g = p.grad
+    if g is None:
+        return torch.zeros_like(local_shard(p))
+    if is_dtensor(g) and tuple(g.placements) != tuple(p.placements):  # type: ignore[attr-defined]
+        g = g.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
+    return local_shard(g)
 
 
 def join_shards(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

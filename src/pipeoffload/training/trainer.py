@@ -56,6 +56,7 @@ from pipeoffload.training.hf_run import build_hf, export_run
 from pipeoffload.training.host_reserve import reserve_host_memory
 from pipeoffload.training.measure import measure_without_offload
 from pipeoffload.training.model import Transformer, set_layer_recompute
+from pipeoffload.training.model_state import gradient_bytes, model_state
 from pipeoffload.training.results import StepLog, TrainResult
 from pipeoffload.training.signals import StopRequest, signal_name
 from pipeoffload.training.split import build_stage_modules, lm_loss
@@ -119,6 +120,7 @@ class Trainer:
     meter: ActivationMeter
     pipe: Pipeline
     identity: dict[str, Any]
+    grad_bytes: int = 0  # the largest gradients a step's backward left (model_state.py)
 
     @classmethod
     def build(cls, config: TrainConfig, topology: Topology, hooks: Hooks | None = None
@@ -230,6 +232,7 @@ class Trainer:
         """The optimizer's step on the gradients, averaged over replicas and clipped; returns
         the norm before clipping (None without clipping)."""
         optimizer = self.optimizer
+        self.grad_bytes = max(self.grad_bytes, gradient_bytes(self.stages))
         optimizer.take_grads()
         optimizer.reduce_grads()
         grad_norm = None
@@ -266,13 +269,16 @@ class Trainer:
             with self._peer_failures(f"exporting to {self.config.export_hf}"):
                 exported = str(export_run(self.config, self.hf, self.optimizer.params,
                                           self.topology))
+        with self._peer_failures("measuring the model state"):
+            state = model_state(self.stages, self.optimizer, self.grad_bytes, self.topology,
+                                zero=self.config.zero, dtype=self.config.dtype)
         tokens = self.config.data.batch_size * self.config.data.seq_len
         return TrainResult(
             self.plan, record.start, record.start + len(record.losses), tuple(record.losses),
             tokens * len(record.losses) / record.busy_s if record.busy_s else 0.0,
             tuple(record.peaks), record.stage_bytes, simulation, baseline_sim, baseline,
             record.saved, self.reporter, stopped, self._stop_reason(stopped),
-            eval_losses=tuple(record.eval_losses), export=exported)
+            eval_losses=tuple(record.eval_losses), export=exported, model_state=state)
 
     def _state(self) -> ckpt.TrainingState:
         return ckpt.TrainingState(self.stages, self.optimizer, self.dataset)
