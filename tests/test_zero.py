@@ -1,11 +1,17 @@
 """ZeRO-1 (parallel/zero.py) in `train`: one launch of 4 gloo processes trains the reference
 model with ``zero`` 0 and 1 in the same processes, pp2 x dp2 (fp32 and bf16) and tp2 x dp2,
-checkpoints at step 10 and resumes to 20; this process then resumes that dp 2 checkpoint with
-dp 1 (Pipeline's local mode) under both zero levels."""
+checkpoints at step 10 and resumes to 20, runs the command `plan --sharded-optimizer` prints
+for a tied Hugging Face Llama config under both levels, and a loop of its own with
+``pipeoffload.zero_optimizer``; this process then resumes the dp 2 checkpoint with dp 1
+(Pipeline's local mode) under both zero levels and exports the Llama checkpoints."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib.util
+import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -38,7 +44,46 @@ def _run(config: TrainConfig, topology: Topology) -> dict:
             "checkpoint": result.checkpoint}
 
 
-def _cases(rank: int, world: int, root: str) -> dict:
+def _own_loop(topology: Topology, root: str) -> bool:
+    """pipeoffload.zero_optimizer against per-stage AdamW with average_gradients and
+    clip_grad_norm_ (the same arithmetic at dp = 2: bitwise), and its checkpoint round trip."""
+    import pipeoffload as po
+
+    stage = topology.pp_rank
+    torch.manual_seed(stage)
+    ours = {stage: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))}
+    theirs = {stage: copy_module(ours[stage])}
+    zero = po.zero_optimizer(ours, topology, lr=0.1)
+    adamw = torch.optim.AdamW(theirs[stage].parameters(), lr=0.1)
+    for step in range(3):
+        torch.manual_seed(100 * step + topology.rank)
+        x = torch.randn(4, 8)
+        for stages in (ours, theirs):
+            stages[stage](x).square().sum().backward()
+        zero.take_grads()
+        zero.clip_grads(0.5)
+        zero.step()
+        zero.zero_grad()
+        po.average_gradients(theirs, topology)
+        po.clip_grad_norm_(theirs, 0.5, topology)
+        adamw.step()
+        adamw.zero_grad()
+    same = all(torch.equal(a, b)
+               for a, b in zip(ours[stage].parameters(), theirs[stage].parameters()))
+    po.save_checkpoint(f"{root}/own", 3, ours, zero, topology)
+    again = po.zero_optimizer(ours, topology, lr=0.1)
+    po.load_checkpoint(f"{root}/own", ours, again, topology)
+    return same and all(torch.equal(a[0], b[0]) for a, b in zip(zero.params.values(),
+                                                                 again.params.values()))
+
+
+def copy_module(module: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def _cases(rank: int, world: int, root: str, hf: TrainConfig | None) -> dict:
     cpu = torch.device("cpu")
     pipe = mesh_topology(2, 2, 1, cpu, PATIENCE_S)
     out = {"z0": _run(BASE, pipe),
@@ -54,13 +99,54 @@ def _cases(rank: int, world: int, root: str) -> dict:
     tp = dataclasses.replace(BASE, pp=1, tp=2, steps=TP_STEPS, grad_clip=None)
     shards = mesh_topology(1, 2, 2, cpu, PATIENCE_S)
     out["tp"] = [_run(dataclasses.replace(tp, zero=z), shards) for z in (0, 1)]
+    out["own"] = _own_loop(pipe, root)
+    if hf is not None:  # the printed command (zero 1) and the same with zero 0
+        out["hf"] = [_run(dataclasses.replace(hf, zero=z, checkpoint_dir=f"{root}/hf{z}"),
+                          mesh_topology(hf.pp, hf.dp, hf.tp, cpu, PATIENCE_S))
+                     for z in (hf.zero, 0)]
     return out
+
+
+def _planned_llama(root: Path) -> TrainConfig | None:
+    """The command `plan --sharded-optimizer` prints for a tied Llama config on 4 GPUs with
+    pp 2, shrunk to 20 steps on a small text (None without transformers)."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    import transformers
+
+    from pipeoffload.cli.main import main
+    from pipeoffload.cli.train import add_train_parser, config_from_args
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8,
+                                      tie_word_embeddings=True)
+    config.save_pretrained(root / "llama")
+    (root / "text.txt").write_bytes((Path(json.__file__).parent / "decoder.py").read_bytes())
+    plan = root / "plan.json"
+    with open(plan, "w") as out:
+        import contextlib
+
+        with contextlib.redirect_stdout(out):
+            assert main(["plan", "--model", str(root / "llama" / "config.json"), "--gpus", "4",
+                         "--pp", "2", "--tp", "1", "--seq", "32", "--global-batch", "8",
+                         "--sharded-optimizer", "--json", "--quiet"]) == 0
+    command = json.loads(plan.read_text())["best"]["command"]
+    argv = shlex.split(command)
+    assert argv[:2] == ["pipeoffload", "train"] and "--zero 1" in command, command
+    parser = argparse.ArgumentParser(prog="pipeoffload")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    shrunk = [*argv[2:], "--steps", str(STEPS), "--data", str(root / "text.txt"),
+              "--no-baseline", "--p2p-timeout", str(int(PATIENCE_S))]
+    return config_from_args(parser.parse_args(["train", *shrunk]))[0]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict[int, dict], Path]:
     root = tmp_path_factory.mktemp("zero")
-    results = launch(_cases, 4, root, str(root), join_timeout_s=PATIENCE_S)
+    hf = _planned_llama(root)
+    assert hf is None or (hf.zero, hf.pp * hf.dp * hf.tp) == (1, 4)
+    results = launch(_cases, 4, root, str(root), hf, join_timeout_s=PATIENCE_S)
     assert sorted(results) == [0, 1, 2, 3], results
     for outcome in results.values():
         assert "ok" in outcome, outcome.get("trace")
@@ -119,3 +205,29 @@ def test_a_dp2_zero1_checkpoint_resumes_with_dp1(runs, zero: int, tmp_path: Path
     losses = train(config, Topology.local(2)).losses
     expected = results[0]["z0"]["losses"][10:]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) < 1e-6
+
+
+def test_a_loop_of_your_own_gets_the_same_steps_from_zero_optimizer(runs) -> None:
+    results, _ = runs
+    assert all(out["own"] for out in results.values())
+
+
+def test_the_planned_command_trains_a_tied_llama_like_zero0_and_exports(runs) -> None:
+    results, root = runs
+    if "hf" not in results[0]:
+        pytest.skip("transformers is not installed")
+    from pipeoffload.training.hf_run import export_checkpoint
+
+    for out in results.values():
+        zero1, zero0 = out["hf"]
+        assert len(zero1["losses"]) == STEPS and zero1["losses"][-1] < zero1["losses"][0]
+        assert zero1["losses"] == zero0["losses"]  # bitwise, as the reference model
+    exports = []
+    for z in (1, 0):
+        folder, step = export_checkpoint(root / f"hf{z}", root / f"export{z}", "fp32")
+        assert step == STEPS
+        from safetensors.torch import load_file
+
+        exports.append(load_file(str(folder / "model.safetensors")))
+    assert exports[0].keys() == exports[1].keys() and exports[0]
+    assert all(torch.equal(exports[0][k], exports[1][k]) for k in exports[0])

@@ -397,9 +397,9 @@ def load_stage(manifest: Manifest, stage: int, tp_index: int | None,
     name = stage_file(stage, tp_index)
     if name in manifest.files or stage_file(stage, tp_index, 0) not in manifest.files:
         return dict(load_identified(manifest, name, device))
-    dp = manifest.info.get("dp")
-    if not isinstance(dp, int) or dp < 1:
-        raise CheckpointError(f"{manifest.folder / MANIFEST} is corrupt: bad dp {dp!r}")
+    dp = 1
+    while stage_file(stage, tp_index, dp) in manifest.files:
+        dp += 1
     parts = [load_identified(manifest, stage_file(stage, tp_index, d), device)
              for d in range(dp)]
     try:
