@@ -29,6 +29,7 @@ from pipeoffload.parallel import checkpoint as ckpt  # noqa: E402
 from pipeoffload.parallel.topology import Topology, mesh_topology  # noqa: E402
 from pipeoffload.training.data_config import DataConfig  # noqa: E402
 from pipeoffload.training.model_config import model_preset  # noqa: E402
+from pipeoffload.training.run_checks import check_run  # noqa: E402
 from pipeoffload.training.train import TrainConfig  # noqa: E402
 from pipeoffload.training.trainer import train  # noqa: E402
 
@@ -96,7 +97,8 @@ def _cases(rank: int, world: int, root: str, hf: TrainConfig | None) -> dict:
     out["bf16"] = [_run(dataclasses.replace(bf16, zero=z), pipe)["losses"] for z in (0, 1)]
     out["own"] = _own_loop(pipe, root)
     if hf is not None:  # the printed command (zero 1) and the same with zero 0
-        out["hf"] = [_run(dataclasses.replace(hf, zero=z, checkpoint_dir=f"{root}/hf{z}"),
+        out["hf"] = [_run(dataclasses.replace(hf, zero=z, checkpoint_dir=f"{root}/hf{z}",
+                                              export_hf=f"{root}/live{z}", export_dtype="fp32"),
                           mesh_topology(hf.pp, hf.dp, hf.tp, cpu, PATIENCE_S))
                      for z in (hf.zero, 0)]
     return out
@@ -194,6 +196,7 @@ def test_a_dp2_zero1_checkpoint_resumes_with_dp1(runs, zero: int, tmp_path: Path
     config = dataclasses.replace(BASE, dp=1, microbatches=4, zero=zero,
                                  checkpoint_dir=str(tmp_path),
                                  resume=str(root / "z1" / "step_00000010"))
+    check_run(config, processes=1)  # what the command line checks first
     losses = train(config, Topology.local(2)).losses
     expected = results[0]["z0"]["losses"][10:]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) < 1e-6
@@ -214,15 +217,17 @@ def test_the_planned_command_trains_a_tied_llama_like_zero0_and_exports(runs) ->
         zero1, zero0 = out["hf"]
         assert len(zero1["losses"]) == STEPS and zero1["losses"][-1] < zero1["losses"][0]
         assert zero1["losses"] == zero0["losses"]  # bitwise, as the reference model
-    exports = []
+    from safetensors.torch import load_file
+
+    exports = []  # the fp32 master weights: joined from the checkpoint, and gathered live
     for z in (1, 0):
         folder, step = export_checkpoint(root / f"hf{z}", root / f"export{z}", "fp32")
         assert step == STEPS
-        from safetensors.torch import load_file
-
-        exports.append(load_file(str(folder / "model.safetensors")))
-    assert exports[0].keys() == exports[1].keys() and exports[0]
-    assert all(torch.equal(exports[0][k], exports[1][k]) for k in exports[0])
+        for written in (folder, root / f"live{z}"):
+            exports.append({k: v for part in sorted(written.glob("*.safetensors"))
+                            for k, v in load_file(str(part)).items()})
+    assert exports[0] and all(e.keys() == exports[0].keys() for e in exports)
+    assert all(torch.equal(e[k], exports[0][k]) for e in exports for k in e)
 
 
 def _eight(rank: int, world: int) -> dict:

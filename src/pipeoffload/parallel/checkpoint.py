@@ -270,8 +270,10 @@ def load_identified(manifest: Manifest, name: str, device: torch.device | str = 
 
 
 def check_compatible(manifest: Manifest, expected: dict[str, Any]) -> None:
-    """Raise CheckpointError naming every key of ``expected`` that the checkpoint differs in."""
-    expected = json.loads(json.dumps(expected))  # compare as the manifest stores them
+    """Raise CheckpointError naming every key of ``expected`` that the checkpoint differs in,
+    except those a resume re-shards (RESHARDABLE)."""
+    expected = json.loads(json.dumps({k: v for k, v in expected.items()
+                                      if k not in RESHARDABLE}))  # as the manifest stores them
     diffs = [f"{key}: checkpoint {manifest.info.get(key)!r}, now {value!r}"
              for key, value in expected.items() if manifest.info.get(key) != value]
     if diffs:
@@ -445,7 +447,7 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
     """Load this process's part of the checkpoint ``resume`` names into ``state``; returns the
     step it continues from. Raises CheckpointError if it is missing, corrupt or foreign."""
     manifest = read_manifest(find_checkpoint(resume, root), verify_files=False)
-    check_compatible(manifest, {k: v for k, v in identity.items() if k not in RESHARDABLE})
+    check_compatible(manifest, identity)
     tp_index = _tp_index(where)
     for s, module in sorted(state.stages.items()):
         saved = load_stage(manifest, s, tp_index, _device(where))

@@ -69,6 +69,10 @@ class PipelineOptimizer(CheckpointedOptimizer, Protocol):
     def state_bytes(self) -> dict[str, int]:
         """This process's bytes of ``masters`` (what it updates) and ``moments``, measured."""
 
+    def master_weights(self) -> Mapping[int, list[torch.Tensor]]:
+        """Per stage, one master weight per trainable parameter, whole (in the parameter's
+        tensor-parallel layout); a collective over the data-parallel group when sharded."""
+
     def set_lr(self, lr: float) -> None: ...
 
     def step(self) -> None:
@@ -134,6 +138,9 @@ class StageAdamW:
         return clip_gradients([m for s in sorted(self.masters.params)
                                for m in self.masters.params[s]],
                               max_norm, self.topology, self._ties)
+
+    def master_weights(self) -> Mapping[int, list[torch.Tensor]]:
+        return self.masters.params
 
     def state_bytes(self) -> dict[str, int]:
         masters = sum(local_shard(m).numel() * m.element_size()

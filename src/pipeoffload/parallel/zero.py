@@ -32,7 +32,7 @@ from pipeoffload.parallel.gradients import scale_gradients, tie_copies
 from pipeoffload.parallel.optimizer import StageState
 from pipeoffload.parallel.precision import accumulate_in_float32
 from pipeoffload.parallel.topology import Topology
-from pipeoffload.runtime.shards import is_dtensor, local_shard
+from pipeoffload.runtime.shards import ShardLayout, is_dtensor, local_shard
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -186,17 +186,32 @@ class ZeroAdamW:
         """Update the local shards, then all-gather them into the parameters (in their dtype)."""
         for s, st in self._stages.items():
             self._optimizers[s].step()
-            dtype = st.params[0].dtype if st.params else torch.float32
-            shard = st.master.to(dtype)
-            if self._dp > 1:
-                flat = torch.empty(st.layout.shard_numel * self._dp, dtype=dtype,
-                                   device=shard.device)
-                dist.all_gather_single(flat, shard, group=self.topology.dp_group)
-            else:
-                flat = shard
+            flat = self._gather(st, st.params[0].dtype if st.params else torch.float32)
             for p, (begin, end) in zip(st.params, st.layout.spans()):
                 local = local_shard(p)
                 local.copy_(flat[begin:end].view_as(local))
+
+    def _gather(self, st: _Stage, dtype: torch.dtype) -> torch.Tensor:
+        """The stage's whole flat vector of master weights, cast to ``dtype`` first."""
+        shard = st.master.detach().to(dtype)
+        if self._dp == 1:
+            return shard
+        flat = torch.empty(st.layout.shard_numel * self._dp, dtype=dtype, device=shard.device)
+        dist.all_gather_single(flat, shard, group=self.topology.dp_group)
+        return flat
+
+    @torch.no_grad()
+    def master_weights(self) -> Mapping[int, list[torch.Tensor]]:
+        """Per stage, every trainable parameter's float32 master, gathered whole over the
+        data-parallel group (a collective) and in the parameter's tensor-parallel layout."""
+        weights: dict[int, list[torch.Tensor]] = {}
+        for s, st in self._stages.items():
+            flat = self._gather(st, st.master.dtype)
+            weights[s] = [
+                ShardLayout.of(p).rebuild(flat[b:e].view_as(local_shard(p)).clone())
+                if is_dtensor(p) else flat[b:e].view_as(p).clone()
+                for p, (b, e) in zip(st.params, st.layout.spans())]
+        return weights
 
     def zero_grad(self) -> None:
         for st in self._stages.values():

@@ -267,8 +267,8 @@ class Trainer:
         exported = None
         if self.config.export_hf is not None and self.hf is not None and not stopped:
             with self._peer_failures(f"exporting to {self.config.export_hf}"):
-                exported = str(export_run(self.config, self.hf, self.optimizer.params,
-                                          self.topology))
+                exported = str(export_run(self.config, self.hf,
+                                          self.optimizer.master_weights(), self.topology))
         with self._peer_failures("measuring the model state"):
             state = model_state(self.stages, self.optimizer, self.grad_bytes, self.topology,
                                 zero=self.config.zero, dtype=self.config.dtype)
