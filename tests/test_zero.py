@@ -31,7 +31,7 @@ from pipeoffload.training.data_config import DataConfig  # noqa: E402
 from pipeoffload.training.model_config import model_preset  # noqa: E402
 from pipeoffload.training.run_checks import check_run  # noqa: E402
 from pipeoffload.training.train import TrainConfig  # noqa: E402
-from pipeoffload.training.trainer import train  # noqa: E402
+from pipeoffload.training.trainer import Trainer, train  # noqa: E402
 
 STEPS, BF16_STEPS, TP_STEPS = 20, 6, 3
 BASE = TrainConfig(model=model_preset("tiny"),
@@ -55,13 +55,17 @@ def _own_loop(topology: Topology, root: str) -> bool:
     torch.manual_seed(stage)
     ours = {stage: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))}
     theirs = {stage: copy_module(ours[stage])}
-    zero = po.zero_optimizer(ours, topology, lr=0.1)
+    # Buckets of >= 30 elements from the last parameter back: (3 + 24 + 8, padded to 36), (64);
+    # each starts its reduce-scatter in the backward (one microbatch).
+    zero = po.zero_optimizer(ours, topology, lr=0.1, microbatches=1, bucket_numel=30)
     adamw = torch.optim.AdamW(theirs[stage].parameters(), lr=0.1)
+    started = []
     for step in range(3):
         torch.manual_seed(100 * step + topology.rank)
         x = torch.randn(4, 8)
         for stages in (ours, theirs):
             stages[stage](x).square().sum().backward()
+        started.append(zero.in_flight())
         zero.take_grads()
         zero.clip_grads(0.5)
         zero.step()
@@ -73,10 +77,10 @@ def _own_loop(topology: Topology, root: str) -> bool:
     same = all(torch.equal(a, b)
                for a, b in zip(ours[stage].parameters(), theirs[stage].parameters()))
     po.save_checkpoint(f"{root}/own", 3, ours, zero, topology)
-    again = po.zero_optimizer(ours, topology, lr=0.1)
+    again = po.zero_optimizer(ours, topology, lr=0.1, bucket_numel=30)
     po.load_checkpoint(f"{root}/own", ours, again, topology)
-    return same and all(torch.equal(a[0], b[0]) for a, b in zip(zero.params.values(),
-                                                                 again.params.values()))
+    return same and started == [(2, 2)] * 3 and all(
+        torch.equal(a[0], b[0]) for a, b in zip(zero.params.values(), again.params.values()))
 
 
 def copy_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -96,6 +100,11 @@ def _cases(rank: int, world: int, root: str, hf: TrainConfig | None) -> dict:
     bf16 = dataclasses.replace(BASE, dtype="bf16", steps=BF16_STEPS)
     out["bf16"] = [_run(dataclasses.replace(bf16, zero=z), pipe)["losses"] for z in (0, 1)]
     out["own"] = _own_loop(pipe, root)
+    trainer = Trainer.build(dataclasses.replace(BASE, zero=1), pipe)
+    inputs, target = next(trainer.dataset)
+    trainer.pipe.step(inputs, target=target)
+    out["in_flight"] = trainer.optimizer.in_flight()  # type: ignore[attr-defined]
+    trainer.optimizer.zero_grad()
     if hf is not None:  # the printed command (zero 1) and the same with zero 0
         out["hf"] = [_run(dataclasses.replace(hf, zero=z, checkpoint_dir=f"{root}/hf{z}",
                                               export_hf=f"{root}/live{z}", export_dtype="fp32"),
@@ -205,6 +214,11 @@ def test_a_dp2_zero1_checkpoint_resumes_with_dp1(runs, zero: int, tmp_path: Path
 def test_a_loop_of_your_own_gets_the_same_steps_from_zero_optimizer(runs) -> None:
     results, _ = runs
     assert all(out["own"] for out in results.values())
+
+
+def test_train_starts_each_buckets_reduce_scatter_during_the_backward(runs) -> None:
+    results, _ = runs  # the reference model: no ties, one bucket per stage
+    assert all(out["in_flight"] == (1, 1) for out in results.values())
 
 
 def test_the_planned_command_trains_a_tied_llama_like_zero0_and_exports(runs) -> None:

@@ -47,7 +47,7 @@ from pipeoffload.parallel.gradients import (
 )
 from pipeoffload.parallel.optimizer import CheckpointedOptimizer, StageOptimizers
 from pipeoffload.parallel.topology import Topology, connect
-from pipeoffload.parallel.zero import ZeroAdamW
+from pipeoffload.parallel.zero import BUCKET_NUMEL, ZeroAdamW
 from pipeoffload.runtime.tied import TiedSpec
 
 __all__ = ["Topology", "average_gradients", "clip_grad_norm_", "clip_gradients",
@@ -95,15 +95,21 @@ def average_gradients(stages: Mapping[int, nn.Module], topology: Topology | None
 
 def zero_optimizer(stages: Mapping[int, nn.Module], topology: Topology | None, *,
                    lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                   weight_decay: float = 0.01) -> ZeroAdamW:
+                   weight_decay: float = 0.01, microbatches: int | None = None,
+                   bucket_numel: int = BUCKET_NUMEL, tied: TiedSpec | None = None) -> ZeroAdamW:
     """AdamW over the stages' trainable parameters with its float32 master weights and moments
     sharded over ``topology``'s data-parallel replicas (ZeRO-1, parallel/zero.py; bf16
     parameters accumulate gradients in float32). Each step after ``pipe.step``: ``take_grads``
     (reduce-scatter: the average over replicas), ``clip_grads(max_norm)`` (optional; the norm
     over every stage and rank, each shard and tie once), ``set_lr`` (optional), ``step``
     (update the shard, all-gather the parameters), ``zero_grad``. ``topology`` None: one
-    process, nothing sharded. save_checkpoint / load_checkpoint take it as ``optimizers``."""
-    return ZeroAdamW(stages, topology, lr=lr, betas=betas, weight_decay=weight_decay)
+    process, nothing sharded. ``microbatches`` (the Pipeline's): each bucket of about
+    ``bucket_numel`` gradient elements starts its reduce-scatter during the backward, once its
+    last microbatch is in (None: all in take_grads); ``tied``: the ties given to Pipeline
+    (their buckets wait for its tie sum). save_checkpoint / load_checkpoint take it as
+    ``optimizers``."""
+    return ZeroAdamW(stages, topology, lr=lr, betas=betas, weight_decay=weight_decay,
+                     microbatches=microbatches, bucket_numel=bucket_numel, tied=tied)
 
 
 def _checkpointed(optimizers: Mapping[int, torch.optim.Optimizer] | ZeroAdamW,

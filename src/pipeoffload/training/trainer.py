@@ -329,6 +329,7 @@ class Trainer:
             with self._peer_failures("the step without offload"):
                 baseline = measure_without_offload(self.pipe, self.stages, self.dataset,
                                                    self.topology, self.runtime, self.last_rank)
+                self.optimizer.zero_grad()  # what that backward started (ZeRO-1's buckets)
         return simulation, simulate(bare, costs), baseline
 
     def _stop_reason(self, stopped: int) -> str:
@@ -367,7 +368,7 @@ def make_optimizer(config: TrainConfig, stages: Mapping[int, nn.Module],
     whole on every replica (``zero`` 0) or sharded over them (1, parallel/zero.py)."""
     if config.zero == 1:
         return ZeroAdamW(stages, topology, lr=config.lr, betas=config.betas,
-                         weight_decay=config.weight_decay)
+                         weight_decay=config.weight_decay, microbatches=config.num_microbatches)
     return StageAdamW(stages, mixed=config.dtype == "bf16", lr=config.lr, betas=config.betas,
                       weight_decay=config.weight_decay, topology=topology)
 
