@@ -99,6 +99,8 @@ def _cases(rank: int, world: int, root: str, hf: TrainConfig | None) -> dict:
         BASE, zero=1, checkpoint_dir=f"{root}/again", resume=f"{root}/z1/step_00000010"), pipe)
     bf16 = dataclasses.replace(BASE, dtype="bf16", steps=BF16_STEPS)
     out["bf16"] = [_run(dataclasses.replace(bf16, zero=z), pipe)["losses"] for z in (0, 1)]
+    mixed = dataclasses.replace(BASE, schedule="zbv", offload="all", recompute="lgd", steps=3)
+    out["mixed"] = [_run(dataclasses.replace(mixed, zero=z), pipe)["losses"] for z in (0, 1)]
     out["own"] = _own_loop(pipe, root)
     trainer = Trainer.build(dataclasses.replace(BASE, zero=1), pipe)
     inputs, target = next(trainer.dataset)
@@ -170,6 +172,8 @@ def test_zero1_losses_are_bitwise_those_of_zero0(runs) -> None:
         bf0, bf1 = out["bf16"]
         assert max(abs(a - b) / abs(a) for a, b in zip(bf0, bf1)) < 1e-3, (bf0, bf1)
         assert bf1 == bf0  # bf16 with fp32 masters: bitwise too (the casts are elementwise)
+        zero0, zero1 = out["mixed"]  # zbv (split backward), offload all, recompute lgd
+        assert zero1 == zero0 and len(zero0) == 3
         assert bf0[-1] < bf0[0]
 
 
