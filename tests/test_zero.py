@@ -193,7 +193,8 @@ def test_per_rank_optimizer_state_is_half_and_is_the_planners(runs) -> None:
     for out in results.values():
         for key, tolerance in (("z0", 0), ("z1", 1)):
             for row in out[key]["state"]:
-                # ZeRO-1 pads each stage's flat vector to a multiple of dp: < 2 elements of 12 B.
+                # ZeRO-1 pads each bucket (one per stage here) to a multiple of dp: < 2
+                # elements of 12 B.
                 gap = row["optimizer_state"] - row["predicted_optimizer_state"]
                 assert 0 <= gap <= tolerance * 12, (key, row)
         for zero0, zero1 in zip(out["z0"]["state"], out["z1"]["state"]):

@@ -17,11 +17,12 @@ CheckpointError; nothing here ever falls back to a fresh start.
 
 Note: [sharded optimizer checkpoint] A ``sharded`` optimizer (parallel/zero.py ZeroAdamW) is
 saved by every data-parallel replica: ``stage_<s>[_tp<t>]_dp<d>.pt`` holds replica d's shard
-of the float32 masters and AdamW moments with the layout (each parameter's numel and shape),
-and replica 0's also the stage's model state; the manifest, written last, lists them all.
-Loading joins the shards into the whole stage state StageAdamW saves (``load_stage``), which
-either optimizer loads at any dp: a resume may change dp and ``--zero``, and `pipeoffload
-export` reads the joined state. Tensor-parallel shards are not re-sharded (same tp only).
+of the float32 masters and AdamW moments with the layout (each parameter's numel and shape,
+the buckets), and replica 0's also the stage's model state; the manifest, written last, lists
+them all. Loading joins the shards into the whole stage state StageAdamW saves
+(``load_stage``), which either optimizer loads at any dp: a resume may change dp and
+``--zero``, and `pipeoffload export` reads the joined state. Tensor-parallel shards are not
+re-sharded (same tp only).
 """
 
 from __future__ import annotations

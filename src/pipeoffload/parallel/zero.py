@@ -48,8 +48,8 @@ BUCKET_NUMEL = 40_000_000
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Where each parameter of a stage lies in its flat vector, and replica ``index``'s span of
-    it (Note: [zero-1 layout])."""
+    """Where each parameter of a bucket lies in its flat vector, and replica ``index``'s span
+    of it (Note: [zero-1 layout])."""
 
     numels: tuple[int, ...]
     dp: int

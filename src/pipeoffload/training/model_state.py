@@ -2,7 +2,7 @@
 parameters, gradients (as the backward accumulates them), the optimizer's master weights and
 AdamW moments, beside the planner's prediction of the masters and moments for the same run
 (planner/optimizer.py ``optimizer_bytes``; equal on CPU, except the padding ZeRO-1 adds:
-fewer than dp elements per stage, parallel/zero.py Note: [zero-1 layout])."""
+fewer than dp elements per bucket, parallel/zero.py Note: [zero-1 layout])."""
 
 from __future__ import annotations
 
