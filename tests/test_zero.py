@@ -269,3 +269,14 @@ def test_tp2_pp2_dp2_zero1_is_bitwise_zero0(tmp_path: Path) -> None:
         for row0, row1 in zip(zero0["state"], zero1["state"]):
             assert 2 * row1["optimizer_state"] - row0["optimizer_state"] in (0, 12), row1
             assert 0 <= row1["optimizer_state"] - row1["predicted_optimizer_state"] <= 12
+
+
+def test_zero_3_is_refused_in_words_by_train_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeoffload.cli.main import main
+
+    assert main(["train", "--model", "tiny", "--dp", "2", "--zero", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--zero 3" in err and "fully_shard" in err and "use --zero 1" in err
+    assert "Traceback" not in err
+    assert main(["plan", "--model", "gpt3-2.7b", "--gpus", "8", "--zero", "3"]) == 2
+    assert "--zero 3 (FSDP2) is not priced" in capsys.readouterr().err
