@@ -125,6 +125,8 @@ def test_sharded_optimizer_plans_train_with_zero_1(capsys: pytest.CaptureFixture
     for plan in plans:
         assert plan["command_refused"] is None
         assert ("--zero 1" in plan["command"]) == (plan["dp"] > 1), plan["command"]
+    if data["best"]["dp"] > 1:  # what sharding saves, in words
+        assert data["sharding"].startswith("sharding: --zero 1 keeps"), data["sharding"]
 
 
 def test_an_unknown_framework_is_refused_and_the_help_names_every_one(

@@ -41,9 +41,12 @@ BASE = TrainConfig(model=model_preset("tiny"),
 
 
 def _run(config: TrainConfig, topology: Topology) -> dict:
+    from pipeoffload.cli.train_report import summary
+
     result = train(config, topology)
     return {"losses": list(result.losses), "state": list(result.model_state),
-            "checkpoint": result.checkpoint}
+            "checkpoint": result.checkpoint,
+            "json": summary(result, config, None)["optimizer_state_bytes"]}
 
 
 def _own_loop(topology: Topology, root: str) -> bool:
@@ -197,6 +200,9 @@ def test_per_rank_optimizer_state_is_half_and_is_the_planners(runs) -> None:
                 # elements of 12 B.
                 gap = row["optimizer_state"] - row["predicted_optimizer_state"]
                 assert 0 <= gap <= tolerance * 12, (key, row)
+        for key in ("z0", "z1"):  # --json's optimizer_state_bytes, one per process
+            assert out[key]["json"] == [row["optimizer_state"] for row in out[key]["state"]]
+            assert [row["rank"] for row in out[key]["state"]] == [0, 1, 2, 3]
         for zero0, zero1 in zip(out["z0"]["state"], out["z1"]["state"]):
             assert zero1["rank"] == zero0["rank"]
             assert 2 * zero1["optimizer_state"] - zero0["optimizer_state"] in (0, 12), zero1
