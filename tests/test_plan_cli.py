@@ -115,17 +115,18 @@ def test_a_gpt2_config_is_searched_with_tp_and_its_limits_are_notes_with_their_c
     assert any("the search kept to --recompute" in note for note in data["notes"])
 
 
-def test_sharded_optimizer_plans_get_no_unsharded_command(
-        capsys: pytest.CaptureFixture[str]) -> None:
+def test_sharded_optimizer_plans_train_with_zero_1(capsys: pytest.CaptureFixture[str]) -> None:
     code, data = _plan(["--model", "gpt3-2.7b", "--seq", "4096", "--gpus", "8",
                         "--global-batch", "32", "--sharded-optimizer", "--top", "5",
                         "--no-verdict"], capsys)
     assert code == 0 and data["inputs"]["sharded_optimizer"]
-    for plan in [data["best"], *data["candidates"]]:
-        if plan["dp"] > 1:
-            assert plan["command"] is None and "ZeRO-1" in plan["command_refused"]
-        else:
-            assert plan["command"] is not None
+    plans = [data["best"], *data["candidates"]]
+    assert any(plan["dp"] > 1 for plan in plans)
+    for plan in plans:
+        assert plan["command_refused"] is None
+        assert ("--zero 1" in plan["command"]) == (plan["dp"] > 1), plan["command"]
+    if data["best"]["dp"] > 1:  # what sharding saves, in words
+        assert data["sharding"].startswith("sharding: --zero 1 keeps"), data["sharding"]
 
 
 def test_an_unknown_framework_is_refused_and_the_help_names_every_one(

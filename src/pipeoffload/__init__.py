@@ -3,7 +3,8 @@
 Build a schedule, check it, simulate and draw it, plan activation offload into it, and run it
 on PyTorch. Everything but ``Pipeline`` and the training-loop helpers around it
 (``init_distributed``, ``split_blocks``, ``clip_grad_norm_``, ``average_gradients``,
-``save_checkpoint`` / ``load_checkpoint``) is pure Python and imports without torch.
+``zero_optimizer``, ``save_checkpoint`` / ``load_checkpoint``) is pure Python and imports
+without torch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
         init_distributed,
         load_checkpoint,
         save_checkpoint,
+        zero_optimizer,
     )
     from pipeoffload.runtime.blocks import split_blocks
     from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
@@ -59,6 +61,7 @@ __all__ = [
     "split_blocks",
     "validate",
     "write_csv",
+    "zero_optimizer",
 ]
 
 
@@ -70,7 +73,7 @@ _LAZY = {
     "split_blocks": "pipeoffload.runtime.blocks",
     **{name: "pipeoffload.distributed" for name in (
         "init_distributed", "average_gradients", "clip_grad_norm_", "save_checkpoint",
-        "load_checkpoint")},
+        "load_checkpoint", "zero_optimizer")},
 }
 
 

@@ -12,6 +12,18 @@ and per-stage checkpoints.
     optimizer.step()
     pipeoffload.save_checkpoint("ckpt", step, stages, {s: opt for s in stages}, topo)
 
+With data parallelism, ``zero_optimizer`` shards AdamW's float32 master weights and moments
+over the replicas (ZeRO-1) in place of the per-stage optimizers, average_gradients and
+clip_grad_norm_ above:
+
+    optimizer = pipeoffload.zero_optimizer(stages, topo, lr=3e-4)
+    loss = pipe.step(x, target=y)
+    optimizer.take_grads()                                       # reduce-scatter over dp
+    optimizer.clip_grads(1.0)                                    # each shard counted once
+    optimizer.step()                                             # update, all-gather
+    optimizer.zero_grad()
+    pipeoffload.save_checkpoint("ckpt", step, stages, optimizer, topo)  # a file per replica
+
 Without torch.distributed (one process runs every stage) pass ``topology=None``.
 """
 
@@ -34,12 +46,14 @@ from pipeoffload.parallel.gradients import (
     tie_copies,
     unique_params,
 )
-from pipeoffload.parallel.optimizer import StageOptimizers
+from pipeoffload.parallel.optimizer import CheckpointedOptimizer, StageOptimizers
 from pipeoffload.parallel.topology import Topology, connect
+from pipeoffload.parallel.zero import BUCKET_NUMEL, ZeroAdamW
 from pipeoffload.runtime.tied import TiedSpec
 
 __all__ = ["Topology", "average_gradients", "clip_grad_norm_", "clip_gradients",
-           "init_distributed", "load_checkpoint", "save_checkpoint", "tie_copies"]
+           "init_distributed", "load_checkpoint", "save_checkpoint", "tie_copies",
+           "zero_optimizer"]
 
 
 def init_distributed(pp: int, tp: int = 1, dp: int = 1, *, device: str = "auto",
@@ -85,6 +99,32 @@ def average_gradients(stages: Mapping[int, nn.Module], topology: Topology | None
                     for s, m in stages.items()}, topology)
 
 
+def zero_optimizer(stages: Mapping[int, nn.Module], topology: Topology | None, *,
+                   lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                   weight_decay: float = 0.01, microbatches: int | None = None,
+                   bucket_numel: int = BUCKET_NUMEL, tied: TiedSpec | None = None) -> ZeroAdamW:
+    """AdamW over the stages' trainable parameters with its float32 master weights and moments
+    sharded over ``topology``'s data-parallel replicas (ZeRO-1, parallel/zero.py; bf16
+    parameters accumulate gradients in float32). Each step after ``pipe.step``: ``take_grads``
+    (reduce-scatter: the average over replicas), ``clip_grads(max_norm)`` (optional; the norm
+    over every stage and rank, each shard and tie once), ``set_lr`` (optional), ``step``
+    (update the shard, all-gather the parameters), ``zero_grad``. ``topology`` None: one
+    process, nothing sharded. ``microbatches`` (the Pipeline's): each bucket of about
+    ``bucket_numel`` gradient elements starts its reduce-scatter during the backward, once its
+    last microbatch is in (None: all in take_grads); ``tied``: the ties given to Pipeline
+    (their buckets wait for its tie sum). save_checkpoint / load_checkpoint take it as
+    ``optimizers``."""
+    return ZeroAdamW(stages, topology, lr=lr, betas=betas, weight_decay=weight_decay,
+                     microbatches=microbatches, bucket_numel=bucket_numel, tied=tied)
+
+
+def _checkpointed(optimizers: Mapping[int, torch.optim.Optimizer] | ZeroAdamW,
+                  masters: Mapping[int, list[torch.Tensor]] | None) -> CheckpointedOptimizer:
+    if isinstance(optimizers, ZeroAdamW):
+        return optimizers
+    return StageOptimizers(optimizers, masters)
+
+
 class _StepPosition:
     """The data position a checkpoint records: the step (checkpoint.DataPosition)."""
 
@@ -99,12 +139,13 @@ class _StepPosition:
 
 
 def save_checkpoint(root: str | Path, step: int, stages: Mapping[int, nn.Module],
-                    optimizers: Mapping[int, torch.optim.Optimizer],
+                    optimizers: Mapping[int, torch.optim.Optimizer] | ZeroAdamW,
                     topology: Topology | None = None, *, info: dict[str, Any] | None = None,
                     masters: Mapping[int, list[torch.Tensor]] | None = None) -> Path:
     """Write ``root/step_<N>/`` as `pipeoffload train` does (docs/training.md, checkpoints):
     one file per stage (and tensor-parallel rank) with its modules' and optimizer's state,
-    written by data-parallel replica 0, one per process with its RNG states, then a manifest
+    written by data-parallel replica 0 (a zero_optimizer: its shard by every replica), one per
+    process with its RNG states, then a manifest
     with every file's SHA-256 and ``info`` (JSON), which load_checkpoint requires to match
     (``info["run"]``, if given, is the run id every file records). A
     collective: every process calls it. Returns the folder."""
@@ -115,12 +156,12 @@ def save_checkpoint(root: str | Path, step: int, stages: Mapping[int, nn.Module]
     # a digest of ``info``, the same on every process and every save of the run.
     identity.setdefault("run", hashlib.sha256(
         json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12])
-    state = ckpt.TrainingState(stages, StageOptimizers(optimizers, masters), _StepPosition(step))
+    state = ckpt.TrainingState(stages, _checkpointed(optimizers, masters), _StepPosition(step))
     return ckpt.save(state, root, step, identity, _placement(topology, stages))
 
 
 def load_checkpoint(path: str | Path, stages: Mapping[int, nn.Module],
-                    optimizers: Mapping[int, torch.optim.Optimizer],
+                    optimizers: Mapping[int, torch.optim.Optimizer] | ZeroAdamW,
                     topology: Topology | None = None, *, info: dict[str, Any] | None = None,
                     masters: Mapping[int, list[torch.Tensor]] | None = None) -> int:
     """Load this process's part of the checkpoint ``path`` (a step folder, or a root whose
@@ -129,5 +170,5 @@ def load_checkpoint(path: str | Path, stages: Mapping[int, nn.Module],
     number of processes."""
     arguments.stage_optimizers("optimizers", optimizers, arguments.stage_modules("stages", stages))
     position = _StepPosition()
-    state = ckpt.TrainingState(stages, StageOptimizers(optimizers, masters), position)
+    state = ckpt.TrainingState(stages, _checkpointed(optimizers, masters), position)
     return ckpt.restore(state, path, None, dict(info or {}), _placement(topology, stages))

@@ -90,7 +90,11 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                         "megatron-core, llama3-2024 (the published runs' frameworks, "
                         "docs/planner-model.md)")
     p.add_argument("--sharded-optimizer", action="store_true",
-                   help="ZeRO-1: shard fp32 master weights and Adam moments over DP")
+                   help="ZeRO-1: shard fp32 master weights and Adam moments over DP (the "
+                        "command trains with --zero 1)")
+    p.add_argument("--zero", type=int, default=None, choices=(0, 1, 3),
+                   help="train's spelling: 1 is --sharded-optimizer, 0 its absence; 3 (FSDP2) "
+                        "is refused: train does not run it")
     p.add_argument("--reserve", type=number(minimum=0, maximum=1 << 30), default=None,
                    metavar="GiB",
                    help="fixed per-GPU reserve for context, NCCL, workspaces (default 4)")
@@ -183,6 +187,18 @@ def _every_dimension_fixed(args: argparse.Namespace, space: SearchSpace) -> bool
     return "chunks" not in family.options or len(space.chunks) == 1
 
 
+def _zero_level(args: argparse.Namespace) -> bool:
+    """Whether the plan's optimizer state is sharded (``--sharded-optimizer`` or ``--zero``)."""
+    from pipeoffload.errors import ConfigError
+
+    if args.zero == 3:
+        raise ConfigError("--zero 3 (FSDP2) is not priced: pipeoffload train does not run it "
+                          "(docs/training.md, optimizer sharding); use --zero 1")
+    if args.zero == 0 and args.sharded_optimizer:
+        raise ConfigError("--zero 0 and --sharded-optimizer disagree; pass one of them")
+    return bool(args.sharded_optimizer or args.zero == 1)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     # The searches keep ~10^6 objects without cycles in their evaluator's caches until _plan
     # returns (core/collector.py). With the collector paused until then it never scans them:
@@ -197,7 +213,7 @@ def _config(args: argparse.Namespace, preset: FrameworkPreset) -> SearchConfig:
     from pipeoffload.planner.evaluate import Extrapolation
     from pipeoffload.planner.search import SearchConfig
 
-    memory = MemoryConfig(optimizer=preset.with_sharding(args.sharded_optimizer))
+    memory = MemoryConfig(optimizer=preset.with_sharding(_zero_level(args)))
     if args.reserve is not None:
         memory = dataclasses.replace(memory, reserve_bytes=args.reserve * GIB)
     config = SearchConfig(
@@ -282,7 +298,7 @@ def _report(args: argparse.Namespace, result: SearchResult, fixed: bool,
                   "seq": spec.seq_len, "gpus": config.gpus, "hardware": hw.name,
                   "global_batch": config.global_batch, "memory_gib": result.budget_bytes / GIB,
                   "host_memory_gib_per_node": host_budget / GIB,
-                  "sharded_optimizer": args.sharded_optimizer,
+                  "sharded_optimizer": _zero_level(args),
                   "reserve_gib": memory.reserve_bytes / GIB, "framework": preset.name,
                   "flash_attention": spec.flash_attention}
         data = result_json(result, inputs, fixed=fixed, verdict=verdict)

@@ -87,7 +87,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ReportOptio
             resume=args.resume, measure_baseline=not args.no_baseline,
             tp=args.tp, dtype=args.dtype, recompute=args.recompute, keep_last=args.keep_last,
             hf_model=hf_model, eval_every=args.eval_every, eval_batches=args.eval_batches,
-            export_hf=args.export_hf, export_dtype=args.export_dtype)
+            export_hf=args.export_hf, export_dtype=args.export_dtype, zero=args.zero)
     except FieldError as error:
         raise config_error(error) from None
     peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else None

@@ -75,6 +75,10 @@ def _parallelism_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", default="none", choices=("none", "lgd", "full"),
                    help="none (default); lgd: recompute norm and activation-function outputs "
                    "in each layer's backward; full: recompute every stage's forward")
+    g.add_argument("--zero", type=int, default=0, choices=(0, 1, 3),
+                   help="0 (default): the whole optimizer state on every data-parallel replica; "
+                   "1: float32 masters and AdamW moments sharded over the replicas (ZeRO-1); "
+                   "3 (FSDP2) is not implemented and says why")
 
 
 def _model_and_data_options(parser: argparse.ArgumentParser) -> None:

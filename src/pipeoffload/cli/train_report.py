@@ -99,7 +99,23 @@ def render_table(result: TrainResult) -> str:
         notes += ("; FETCH-ed activations are read back tensor by tensor as the backward uses "
                   "them and never held whole, so a rank whose stages are all offloaded can "
                   "measure 0 B")
-    return "\n".join([head, "peak activation per pipeline rank", *lines, notes])
+    return "\n".join([head, "peak activation per pipeline rank", *lines, notes,
+                      *state_lines(result)])
+
+
+def state_lines(result: TrainResult) -> list[str]:
+    """Model state per process: measured from the tensors, and the planner's prediction."""
+    rows: list[tuple[str, ...]] = [("process", "parameters", "gradients", "fp32 masters",
+                                    "moments", "optimizer state", "planner")]
+    for r in result.model_state:
+        rows.append((str(r["rank"]), *(format_bytes(r[k]) for k in (
+            "parameters", "gradients", "masters", "moments", "optimizer_state",
+            "predicted_optimizer_state"))))
+    if len(rows) == 1:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["model state per process (measured; planner: its masters + moments)",
+            *("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)]
 
 
 def summary(result: TrainResult, config: TrainConfig, png: str | None) -> dict[str, Any]:
@@ -130,6 +146,10 @@ def summary(result: TrainResult, config: TrainConfig, png: str | None) -> dict[s
         "stopped_by": signal_name(result.stopped_by) if result.stopped_by else None,
         "eval_losses": [list(pair) for pair in result.eval_losses],
         "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None,
-        "export": result.export, "model": config.hf_model or "reference",
+        "export": result.export, "model": config.hf_model or "reference", "zero": config.zero,
+        "optimizer_state_bytes": [r["optimizer_state"] for r in result.model_state],
+        "predicted_optimizer_state_bytes":
+            [r["predicted_optimizer_state"] for r in result.model_state],
+        "model_state_bytes": list(result.model_state),
     }
 

@@ -14,6 +14,15 @@ fsynced; the manifest is written only after every rank's files are in place. So 
 either a folder without a manifest (ignored: it is not a checkpoint yet) or a complete one. A
 manifest whose files are missing or differ from their recorded SHA-256 is corrupt and raises
 CheckpointError; nothing here ever falls back to a fresh start.
+
+Note: [sharded optimizer checkpoint] A ``sharded`` optimizer (parallel/zero.py ZeroAdamW) is
+saved by every data-parallel replica: ``stage_<s>[_tp<t>]_dp<d>.pt`` holds replica d's shard
+of the float32 masters and AdamW moments with the layout (each parameter's numel and shape,
+the buckets), and replica 0's also the stage's model state; the manifest, written last, lists
+them all. Loading joins the shards into the whole stage state StageAdamW saves
+(``load_stage``), which either optimizer loads at any dp: a resume may change dp and
+``--zero``, and `pipeoffload export` reads the joined state. Tensor-parallel shards are not
+re-sharded (same tp only).
 """
 
 from __future__ import annotations
@@ -49,9 +58,14 @@ from pipeoffload.parallel.checkpoint_files import (
 from pipeoffload.parallel.optimizer import CheckpointedOptimizer
 from pipeoffload.parallel.sharded_state import load_tensors, local_state
 from pipeoffload.parallel.topology import Topology
+from pipeoffload.parallel.zero import join_shards
 from pipeoffload.runtime.groups import collective_device
 
 FORMAT_VERSION = 2  # 2: stage and rank files record the run id and step
+#: Identity keys a resume may change: stage files hold whole stages (or every replica's shard,
+#: joined on loading), so another dp or zero level re-shards (Note: [sharded optimizer
+#: checkpoint]).
+RESHARDABLE = frozenset({"dp", "processes", "zero"})
 
 
 @dataclass(frozen=True)
@@ -77,10 +91,12 @@ def step_folder(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def stage_file(stage: int, tp_index: int | None = None) -> str:
+def stage_file(stage: int, tp_index: int | None = None, dp_index: int | None = None) -> str:
     """Stage ``stage``'s file; with tensor parallelism one per tensor-parallel rank (its
-    shards, parallel/sharded_state.py Note: [sharded checkpoint])."""
-    return f"stage_{stage:03d}.pt" if tp_index is None else f"stage_{stage:03d}_tp{tp_index}.pt"
+    shards, parallel/sharded_state.py Note: [sharded checkpoint]); with a sharded optimizer
+    one per data-parallel replica too (Note: [sharded optimizer checkpoint])."""
+    name = f"stage_{stage:03d}" + ("" if tp_index is None else f"_tp{tp_index}")
+    return name + ("" if dp_index is None else f"_dp{dp_index}") + ".pt"
 
 
 def rank_file(rank: int) -> str:
@@ -257,8 +273,10 @@ def load_identified(manifest: Manifest, name: str, device: torch.device | str = 
 
 
 def check_compatible(manifest: Manifest, expected: dict[str, Any]) -> None:
-    """Raise CheckpointError naming every key of ``expected`` that the checkpoint differs in."""
-    expected = json.loads(json.dumps(expected))  # compare as the manifest stores them
+    """Raise CheckpointError naming every key of ``expected`` that the checkpoint differs in,
+    except those a resume re-shards (RESHARDABLE)."""
+    expected = json.loads(json.dumps({k: v for k, v in expected.items()
+                                      if k not in RESHARDABLE}))  # as the manifest stores them
     diffs = [f"{key}: checkpoint {manifest.info.get(key)!r}, now {value!r}"
              for key, value in expected.items() if manifest.info.get(key) != value]
     if diffs:
@@ -336,18 +354,8 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
         prepare_folder(folder)
     _barrier(where)
     run = str(identity.get("run", ""))
-    records = []
-    if where.dp_index == 0:
-        tp_index = _tp_index(where)
-        for s, module in sorted(state.stages.items()):
-            name = stage_file(s, tp_index)
-            optimizer = state.optimizer.stage_state(s)
-            payload: dict[str, Any] = {
-                "model": module.state_dict(), "optimizer": optimizer.optimizer,
-                "identity": FileIdentity(run, step, name).as_dict()}
-            if optimizer.masters is not None:
-                payload["masters"] = optimizer.masters
-            records.append(save_object(folder, name, local_state(payload)))
+    records = [save_object(folder, name, local_state({**payload, "identity": FileIdentity(
+        run, step, name).as_dict()})) for name, payload in _stage_payloads(state, where)]
     name = rank_file(where.rank)
     records.append(save_object(folder, name, {**rng_state(_device(where)),
                                               "identity": FileIdentity(run, step, name).as_dict()}))
@@ -363,6 +371,48 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
         tidy(root, keep_last, list(extra_files or {}))
     _barrier(where)
     return folder
+
+
+def _stage_payloads(state: TrainingState, where: Topology) -> list[tuple[str, dict[str, Any]]]:
+    """(file name, contents) of the stage files this process writes: replica 0 each stage's
+    model and optimizer state; with a ``sharded`` optimizer every replica its shard, replica 0
+    with the model (Note: [sharded optimizer checkpoint])."""
+    sharded = state.optimizer.sharded
+    if where.dp_index != 0 and not sharded:
+        return []
+    tp_index = _tp_index(where)
+    payloads = []
+    for s, module in sorted(state.stages.items()):
+        optimizer = state.optimizer.stage_state(s)
+        payload: dict[str, Any] = {"optimizer": optimizer.optimizer}
+        if where.dp_index == 0:
+            payload["model"] = module.state_dict()
+        if optimizer.masters is not None:
+            payload["masters"] = optimizer.masters
+        name = stage_file(s, tp_index, where.dp_index if sharded else None)
+        payloads.append((name, payload))
+    return payloads
+
+
+def load_stage(manifest: Manifest, stage: int, tp_index: int | None,
+               device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Stage ``stage``'s file as StageAdamW writes it (``model``, ``optimizer``, ``masters``),
+    the replicas' shards joined when a sharded optimizer wrote it (Note: [sharded optimizer
+    checkpoint])."""
+    name = stage_file(stage, tp_index)
+    if name in manifest.files or stage_file(stage, tp_index, 0) not in manifest.files:
+        return dict(load_identified(manifest, name, device))
+    dp = 1
+    while stage_file(stage, tp_index, dp) in manifest.files:
+        dp += 1
+    parts = [load_identified(manifest, stage_file(stage, tp_index, d), device)
+             for d in range(dp)]
+    try:
+        return {"model": parts[0]["model"],
+                **join_shards([part["optimizer"]["shard"] for part in parts])}
+    except (KeyError, RuntimeError, ValueError, TypeError) as error:
+        raise CheckpointError(f"{manifest.folder}: the optimizer shards of stage {stage} do "
+                              f"not join ({error!r}); resume from another checkpoint") from None
 
 
 def _gather_json(value: Any) -> list[Any]:
@@ -400,24 +450,34 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
     """Load this process's part of the checkpoint ``resume`` names into ``state``; returns the
     step it continues from. Raises CheckpointError if it is missing, corrupt or foreign."""
     manifest = read_manifest(find_checkpoint(resume, root), verify_files=False)
-    check_compatible(manifest, {**identity, "processes": _world(where)})
+    check_compatible(manifest, identity)
     tp_index = _tp_index(where)
     for s, module in sorted(state.stages.items()):
-        name = stage_file(s, tp_index)
-        saved = load_identified(manifest, name, _device(where))
+        saved = load_stage(manifest, s, tp_index, _device(where))
         try:
             load_tensors(module.state_dict(), saved["model"])
             state.optimizer.load_stage_state(s, saved)
         except (KeyError, RuntimeError, ValueError) as error:
-            raise CheckpointError(f"{manifest.folder / name} does not fit stage {s} "
-                                  f"({error}); resume with the model it was saved with") from None
-    set_rng_state(load_identified(manifest, rank_file(where.rank)), _device(where))
+            raise CheckpointError(f"{manifest.folder / stage_file(s, tp_index)} does not fit "
+                                  f"stage {s} ({error}); resume with the model it was saved "
+                                  "with") from None
+    set_rng_state(load_identified(manifest, rank_file(_saved_rank(manifest, where))),
+                  _device(where))
     data = manifest.info.get("data")
     if not isinstance(data, dict) or data.get("step") != manifest.step:
         raise CheckpointError(f"{manifest.folder / MANIFEST} is corrupt: its data position "
                               f"{data!r} does not match step {manifest.step}")
     state.dataset.load_state_dict(data)
     return manifest.step
+
+
+def _saved_rank(manifest: Manifest, where: Topology) -> int:
+    """The rank whose RNG states this process continues with: its own, or after a change of
+    dp the same (pipeline, tensor-parallel) rank of replica ``dp_index % saved dp``."""
+    saved_dp = manifest.info.get("dp", where.dp)
+    if not where.distributed or not isinstance(saved_dp, int) or saved_dp == where.dp:
+        return where.rank
+    return (where.pp_rank * saved_dp + where.dp_index % saved_dp) * where.tp + where.tp_index
 
 
 def _tp_index(where: Topology) -> int | None:

@@ -106,11 +106,17 @@ def clip_gradients(params: Iterable[torch.Tensor], max_norm: float | None,
     if topology is not None and topology.distributed and topology.pp > 1:
         dist.all_reduce(total, group=topology.pp_group)
     norm = total.sqrt().item()
+    scale_gradients(grads, norm, max_norm)
+    return norm
+
+
+def scale_gradients(grads: Iterable[torch.Tensor], norm: float, max_norm: float | None) -> None:
+    """Scale ``grads`` in place so that a global norm of ``norm`` becomes at most ``max_norm``
+    (None: leave them)."""
     scale = 1.0 if max_norm is None else max_norm / (norm + 1e-6)
     if scale < 1:
         for g in grads:
             local_shard(g).mul_(scale)
-    return norm
 
 
 def uncounted_masters(stages: Mapping[int, nn.Module],

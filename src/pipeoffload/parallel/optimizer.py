@@ -1,13 +1,14 @@
 """The optimizer of one process's pipeline stages as one component.
 
 A training step drives it through ``PipelineOptimizer`` only: take the step's gradients onto
-what it updates (``params``, where they are then averaged and clipped), set the learning rate,
-step, zero the gradients; a checkpoint keeps and restores its state per stage
+what it updates (``params``), average them over data-parallel replicas, clip them, set the
+learning rate, step, zero the gradients; a checkpoint keeps and restores its state per stage
 (``stage_state`` / ``load_stage_state``). ``StageAdamW`` is AdamW per stage over master
-weights (parallel/precision.py Note: [mixed precision]); an optimizer that shards its state
-over data-parallel replicas implements the same protocol and replaces it without a change to
-the loop. ``StageOptimizers`` is the checkpoint side alone, over torch optimizers a loop of
-your own made (pipeoffload.distributed's save_checkpoint / load_checkpoint).
+weights (parallel/precision.py Note: [mixed precision]); parallel/zero.py ``ZeroAdamW``, which
+shards its state over data-parallel replicas (``sharded``), implements the same protocol and
+replaces it without a change to the loop. ``StageOptimizers`` is the checkpoint side alone,
+over torch optimizers a loop of your own made (pipeoffload.distributed's save_checkpoint /
+load_checkpoint).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from pipeoffload.parallel.gradients import clip_gradients, sync_gradients, uncounted_masters
 from pipeoffload.parallel.precision import MasterWeights
 from pipeoffload.parallel.sharded_state import load_tensors, shard_optimizer_state
+from pipeoffload.parallel.topology import Topology
+from pipeoffload.runtime.shards import local_shard
 
 
 class StageState(NamedTuple):
@@ -31,7 +35,11 @@ class StageState(NamedTuple):
 
 
 class CheckpointedOptimizer(Protocol):
-    """What parallel/checkpoint.py saves and restores of an optimizer, stage by stage."""
+    """What parallel/checkpoint.py saves and restores of an optimizer, stage by stage:
+    ``sharded`` ones a shard per data-parallel replica, the others once per stage."""
+
+    @property
+    def sharded(self) -> bool: ...
 
     def stage_state(self, stage: int) -> StageState: ...
 
@@ -41,16 +49,29 @@ class CheckpointedOptimizer(Protocol):
 
 
 class PipelineOptimizer(CheckpointedOptimizer, Protocol):
-    """The optimizer a training loop drives each step, in this order: ``take_grads``, average
-    and clip the gradients of ``params`` (parallel/gradients.py), ``set_lr``, ``step``,
-    ``zero_grad``."""
+    """The optimizer a training loop drives each step, in this order: ``take_grads``,
+    ``reduce_grads``, ``clip_grads`` (or not), ``set_lr``, ``step``, ``zero_grad``."""
 
     @property
     def params(self) -> Mapping[int, list[torch.Tensor]]:
-        """Per stage, the tensors it updates (one per trainable parameter, in order)."""
+        """Per stage, the tensors it updates."""
 
     def take_grads(self) -> None:
         """Move the step's gradients from the stages' parameters onto ``params``."""
+
+    def reduce_grads(self) -> None:
+        """Average the gradients over data-parallel replicas."""
+
+    def clip_grads(self, max_norm: float | None) -> float:
+        """Scale the gradients so the global norm (every stage and rank, ties once) is at most
+        ``max_norm`` (None: only measure); returns the norm before clipping."""
+
+    def state_bytes(self) -> dict[str, int]:
+        """This process's bytes of ``masters`` (what it updates) and ``moments``, measured."""
+
+    def master_weights(self) -> Mapping[int, list[torch.Tensor]]:
+        """Per stage, one master weight per trainable parameter, whole (in the parameter's
+        tensor-parallel layout); a collective over the data-parallel group when sharded."""
 
     def set_lr(self, lr: float) -> None: ...
 
@@ -64,6 +85,8 @@ class StageOptimizers:
     """One torch optimizer per stage, as a checkpoint keeps them: each one's state dict and,
     with ``masters`` (per stage, the tensors it updates when they are not the modules'
     parameters), those tensors."""
+
+    sharded = False
 
     def __init__(self, optimizers: Mapping[int, torch.optim.Optimizer],
                  masters: Mapping[int, list[torch.Tensor]] | None = None) -> None:
@@ -85,11 +108,17 @@ class StageOptimizers:
 class StageAdamW:
     """AdamW per stage on the stages' master weights: the parameters themselves, or with
     ``mixed`` (bf16 stages) float32 copies written back after each step. Checkpoints keep the
-    masters beside each AdamW state in either case."""
+    masters beside each AdamW state in either case. Gradients are averaged over ``topology``'s
+    data-parallel replicas (None: one process)."""
+
+    sharded = False
 
     def __init__(self, stages: Mapping[int, nn.Module], *, mixed: bool, lr: float,
-                 betas: tuple[float, float], weight_decay: float) -> None:
+                 betas: tuple[float, float], weight_decay: float,
+                 topology: Topology | None = None) -> None:
+        self.topology = topology
         self.masters = MasterWeights(stages, mixed=mixed)
+        self._ties = uncounted_masters(stages, self.masters.params)
         self._optimizers = {s: torch.optim.AdamW(self.masters.params[s], lr=lr, betas=betas,
                                                  weight_decay=weight_decay)
                             for s in stages}
@@ -101,6 +130,25 @@ class StageAdamW:
 
     def take_grads(self) -> None:
         self.masters.take_grads()
+
+    def reduce_grads(self) -> None:
+        sync_gradients(self.masters.params, self.topology)
+
+    def clip_grads(self, max_norm: float | None) -> float:
+        return clip_gradients([m for s in sorted(self.masters.params)
+                               for m in self.masters.params[s]],
+                              max_norm, self.topology, self._ties)
+
+    def master_weights(self) -> Mapping[int, list[torch.Tensor]]:
+        return self.masters.params
+
+    def state_bytes(self) -> dict[str, int]:
+        masters = sum(local_shard(m).numel() * m.element_size()
+                      for ms in self.masters.params.values() for m in ms)
+        moments = sum(local_shard(v).numel() * v.element_size()
+                      for o in self._optimizers.values() for state in o.state.values()
+                      for k, v in state.items() if k in ("exp_avg", "exp_avg_sq"))
+        return {"masters": masters, "moments": moments}
 
     def set_lr(self, lr: float) -> None:
         for optimizer in self._optimizers.values():

@@ -67,15 +67,19 @@ def state_bytes(
     spec: TransformerSpec, params: float, optimizer: OptimizerSpec, *, dp: int = 1
 ) -> StateBytes:
     """Memory for ``params`` parameters on one GPU (Rajbhandari et al. 2020, ZeRO, s3.1)."""
-    if dp < 1:
-        raise ConfigError(f"dp (data-parallel degree) must be >= 1, got {dp}")
-    per_param_optimizer = optimizer.master_bytes + optimizer.state_bytes
-    shards = dp if optimizer.sharded else 1
     return StateBytes(
         params * spec.param_bytes,
         params * optimizer.grad_bytes,
-        params * per_param_optimizer / shards,
+        optimizer_bytes(params, optimizer, dp=dp),
     )
+
+
+def optimizer_bytes(params: float, optimizer: OptimizerSpec, *, dp: int = 1) -> float:
+    """Master weights and moments of ``params`` parameters on one GPU: 1/dp of them sharded."""
+    if dp < 1:
+        raise ConfigError(f"dp (data-parallel degree) must be >= 1, got {dp}")
+    shards = dp if optimizer.sharded else 1
+    return params * (optimizer.master_bytes + optimizer.state_bytes) / shards
 
 
 @dataclass(frozen=True)

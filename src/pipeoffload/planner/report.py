@@ -75,6 +75,7 @@ def result_json(result: SearchResult, inputs: dict[str, Any], *, fixed: bool = F
         "inputs": inputs,
         "fixed": fixed,
         "verdict": verdict.as_json() if verdict is not None else None,
+        "sharding": sharding_line(best, result.sharded_optimizer),
         "k": result.k.k,
         "k_detail": str(result.k),
         "budget_gib": result.budget_bytes / GIB,
@@ -174,4 +175,24 @@ def render_result(result: SearchResult, inputs_line: str, *, fixed: bool = False
         lines.append(("yours: " if fixed else "nearest: ") + command)
     if verdict is not None:
         lines.append(verdict.line())
+    sharding = sharding_line(best, result.sharded_optimizer)
+    if sharding is not None:
+        lines.append(sharding)
     return "\n".join(lines)
+
+
+def sharding_line(plan: Plan | None, sharded: bool) -> str | None:
+    """What sharding the optimizer over the plan's data-parallel ranks saves per device (ZeRO-1:
+    fp32 master weights and moments / dp), or would save; None without data parallelism."""
+    if plan is None or plan.candidate.dp < 2:
+        return None
+    dp, optimizer = plan.candidate.dp, plan.memory.optimizer
+    whole = optimizer * dp if sharded else optimizer
+    saved = whole * (dp - 1) / dp
+    if sharded:
+        return (f"sharding: --zero 1 keeps {optimizer / GIB:.1f} GiB of fp32 master weights and "
+                f"moments per device instead of {whole / GIB:.1f} GiB, {saved / GIB:.1f} GiB "
+                f"less over dp={dp}")
+    return (f"sharding: --sharded-optimizer (train --zero 1) would keep {whole / dp / GIB:.1f} "
+            f"GiB of fp32 master weights and moments per device instead of {whole / GIB:.1f} "
+            f"GiB, {saved / GIB:.1f} GiB less over dp={dp}")

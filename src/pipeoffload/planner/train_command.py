@@ -14,8 +14,10 @@ printer refuses too:
 - for a Hugging Face model (``spec.train_model``, run as ``--model PATH``): ``--recompute lgd``,
   recompute of a config with dropout, and tensor parallelism of a family train does not shard
   (pipeoffload/hf_families.py);
-- optimizer state sharded over data parallelism (``--sharded-optimizer``, ZeRO-1) with dp > 1:
-  train keeps the whole optimizer state on every rank, so the plan's memory would not hold.
+A plan whose memory counts the optimizer state sharded over data parallelism
+(``--sharded-optimizer``, ZeRO-1; ``MemoryConfig.optimizer.sharded``) gets ``--zero 1`` when
+dp > 1 (train's parallel/zero.py shards it the same way); without it train's default, whole
+optimizer state on every replica, is what the plan's memory counted.
 """
 
 from __future__ import annotations
@@ -53,15 +55,13 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
     ``sharded_optimizer``: the plan's memory counts the optimizer state sharded over DP."""
     c = candidate
     refused = _refusal(c, spec)
-    if refused is None and sharded_optimizer and c.dp > 1:
-        refused = (f"its memory counts the optimizer state sharded over the {c.dp} data-"
-                   "parallel ranks (--sharded-optimizer, ZeRO-1), and train keeps all of it on "
-                   "every rank; search without --sharded-optimizer for a plan train runs")
     if refused is not None:
         return TrainCommand(None, refused)
     parts = ["pipeoffload train", f"--pp {c.pp}", f"--dp {c.dp}"]
     if c.tp > 1:
         parts.append(f"--tp {c.tp}")
+    if sharded_optimizer and c.dp > 1:
+        parts.append("--zero 1")
     preset, family = c.preset, FAMILIES[c.schedule]
     parts.append(f"--schedule {c.display_name}")
     if "chunks" in family.options:

@@ -108,9 +108,10 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
     """``pipeoffload export``: the checkpoint of a Hugging Face model (a step folder, or a
     checkpoint folder's newest) as an export, in one process; returns the folder and the step.
     The model's config comes from the checkpoint's manifest; tensor-parallel shards are joined
-    as integrations/hf_tp_layout.py split them (``join_shards``); a bf16 run exported in
-    fp32 writes its float32 master weights. ``tokenizer`` (a tokenizer.json or its folder)
-    goes with it as ``--export-hf`` writes it."""
+    as integrations/hf_tp_layout.py split them (``join_shards``), a sharded optimizer's
+    data-parallel shards as checkpoint.load_stage joins them; a bf16 run exported in fp32
+    writes its float32 master weights. ``tokenizer`` (a tokenizer.json or its folder) goes
+    with it as ``--export-hf`` writes it."""
     tokenizer = None if tokenizer is None else tokenizer_file(tokenizer)
     manifest = ckpt.read_manifest(ckpt.find_checkpoint(checkpoint, None))
     info = manifest.info
@@ -135,8 +136,7 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path,
     tensors: dict[str, torch.Tensor] = {}
     use_masters = run_dtype == "bf16" and name == "fp32"
     for s, stage in sorted(stages.items()):
-        saved = [ckpt.load_object(manifest, ckpt.stage_file(s, t if tp > 1 else None))
-                 for t in range(tp)]
+        saved = [ckpt.load_stage(manifest, s, t if tp > 1 else None) for t in range(tp)]
         trainable = [n for n, p in stage.named_parameters() if p.requires_grad]
         for local, param in stage.named_parameters():
             full = names[id(param)]

@@ -4,6 +4,7 @@ outcome (``TrainResult``), which the command line prints."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pipeoffload.offload.plan import OffloadPlan
 from pipeoffload.sim.simulator import SimResult
@@ -52,6 +53,7 @@ class TrainResult:
     stop_reason: str = ""
     eval_losses: tuple[tuple[int, float], ...] = ()  # (steps done, held-out loss)
     export: str | None = None
+    model_state: tuple[dict[str, Any], ...] = ()  # per global rank (training/model_state.py)
 
     @property
     def predicted_bytes(self) -> tuple[float, ...] | None:

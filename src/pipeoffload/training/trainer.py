@@ -35,10 +35,10 @@ from pipeoffload.offload.plan import OffloadPlan
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.checkpoint_files import check_root, resolve_resume
 from pipeoffload.parallel.checkpoint_lock import FolderLock
-from pipeoffload.parallel.gradients import clip_gradients, sync_gradients, uncounted_masters
 from pipeoffload.parallel.optimizer import PipelineOptimizer, StageAdamW
 from pipeoffload.parallel.precision import torch_dtype
 from pipeoffload.parallel.topology import Topology
+from pipeoffload.parallel.zero import ZeroAdamW
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
@@ -57,6 +57,7 @@ from pipeoffload.training.hf_run import build_hf, export_run
 from pipeoffload.training.host_reserve import reserve_host_memory
 from pipeoffload.training.measure import measure_without_offload
 from pipeoffload.training.model import Transformer, set_layer_recompute
+from pipeoffload.training.model_state import gradient_bytes, model_state
 from pipeoffload.training.results import StepLog, TrainResult
 from pipeoffload.training.signals import StopRequest, signal_name
 from pipeoffload.training.split import build_stage_modules, lm_loss
@@ -115,13 +116,13 @@ class Trainer:
     hf: HFStages | None
     stages: dict[int, nn.Module]
     optimizer: PipelineOptimizer
-    ties: set[int]  # ids of the optimizer's params left out of the gradient norm
     dataset: TextDataset
     runtime: RuntimeConfig
     meter: ActivationMeter
     pipe: Pipeline
     identity: dict[str, Any]
     lock: FolderLock | None = None  # global rank 0's, on the checkpoint folder, while it runs
+    grad_bytes: int = 0  # the largest gradients a step's backward left (model_state.py)
 
     @classmethod
     def build(cls, config: TrainConfig, topology: Topology, hooks: Hooks | None = None
@@ -137,8 +138,7 @@ class Trainer:
         hf = build_hf(config, schedule.num_stages, mine, topology) if config.hf_model else None
         stages = hf.stages if hf is not None else build_stages(config, schedule.num_stages,
                                                                mine, topology)
-        optimizer = make_optimizer(config, stages)
-        ties = uncounted_masters(stages, optimizer.params)
+        optimizer = make_optimizer(config, stages, topology)
         dataset = TextDataset.from_config(config.data, dp_rank=topology.dp_index,
                                           dp_size=topology.dp)
         runtime = RuntimeConfig(p2p_timeout_s=config.p2p_timeout_s, offload=OffloadConfig(
@@ -148,7 +148,7 @@ class Trainer:
                         device=topology.device, meter=meter,
                         channel_groups=topology.channel_groups)
         _reserve_host_memory(config, topology, pipe, stages, hf)
-        return cls(config, topology, hooks or Hooks(), plan, hf, stages, optimizer, ties, dataset,
+        return cls(config, topology, hooks or Hooks(), plan, hf, stages, optimizer, dataset,
                    runtime, meter, pipe, checkpoint_identity(config, schedule))
 
     @property
@@ -244,13 +244,12 @@ class Trainer:
         """The optimizer's step on the gradients, averaged over replicas and clipped; returns
         the norm before clipping (None without clipping)."""
         optimizer = self.optimizer
+        self.grad_bytes = max(self.grad_bytes, gradient_bytes(self.stages))
         optimizer.take_grads()
-        sync_gradients(optimizer.params, self.topology)
+        optimizer.reduce_grads()
         grad_norm = None
         if self.config.grad_clip is not None:
-            grad_norm = clip_gradients(
-                [m for s in sorted(self.stages) for m in optimizer.params[s]],
-                self.config.grad_clip, self.topology, self.ties)
+            grad_norm = optimizer.clip_grads(self.config.grad_clip)
         optimizer.set_lr(lr)
         optimizer.step()
         optimizer.zero_grad()
@@ -280,15 +279,18 @@ class Trainer:
         exported = None
         if self.config.export_hf is not None and self.hf is not None and not stopped:
             with self._peer_failures(f"exporting to {self.config.export_hf}"):
-                exported = str(export_run(self.config, self.hf, self.optimizer.params,
-                                          self.topology))
+                exported = str(export_run(self.config, self.hf,
+                                          self.optimizer.master_weights(), self.topology))
+        with self._peer_failures("measuring the model state"):
+            state = model_state(self.stages, self.optimizer, self.grad_bytes, self.topology,
+                                zero=self.config.zero, dtype=self.config.dtype)
         tokens = self.config.data.batch_size * self.config.data.seq_len
         return TrainResult(
             self.plan, record.start, record.start + len(record.losses), tuple(record.losses),
             tokens * len(record.losses) / record.busy_s if record.busy_s else 0.0,
             tuple(record.peaks), record.stage_bytes, simulation, baseline_sim, baseline,
             record.saved, self.reporter, stopped, self._stop_reason(stopped),
-            eval_losses=tuple(record.eval_losses), export=exported)
+            eval_losses=tuple(record.eval_losses), export=exported, model_state=state)
 
     def _state(self) -> ckpt.TrainingState:
         return ckpt.TrainingState(self.stages, self.optimizer, self.dataset)
@@ -339,6 +341,7 @@ class Trainer:
             with self._peer_failures("the step without offload"):
                 baseline = measure_without_offload(self.pipe, self.stages, self.dataset,
                                                    self.topology, self.runtime, self.last_rank)
+                self.optimizer.zero_grad()  # what that backward started (ZeRO-1's buckets)
         return simulation, simulate(bare, costs), baseline
 
     def _stop_reason(self, stopped: int) -> str:
@@ -371,10 +374,15 @@ def train(config: TrainConfig, topology: Topology,
     return Trainer.build(config, topology, hooks).run()
 
 
-def make_optimizer(config: TrainConfig, stages: Mapping[int, nn.Module]) -> PipelineOptimizer:
-    """The run's optimizer: AdamW per stage over master weights (float32 ones for bf16)."""
+def make_optimizer(config: TrainConfig, stages: Mapping[int, nn.Module],
+                   topology: Topology) -> PipelineOptimizer:
+    """The run's optimizer: AdamW per stage over master weights (float32 ones for bf16),
+    whole on every replica (``zero`` 0) or sharded over them (1, parallel/zero.py)."""
+    if config.zero == 1:
+        return ZeroAdamW(stages, topology, lr=config.lr, betas=config.betas,
+                         weight_decay=config.weight_decay, microbatches=config.num_microbatches)
     return StageAdamW(stages, mixed=config.dtype == "bf16", lr=config.lr, betas=config.betas,
-                      weight_decay=config.weight_decay)
+                      weight_decay=config.weight_decay, topology=topology)
 
 
 def _reserve_host_memory(config: TrainConfig, topology: Topology, pipe: Pipeline,
@@ -392,10 +400,12 @@ def _reserve_host_memory(config: TrainConfig, topology: Topology, pipe: Pipeline
 def checkpoint_identity(config: TrainConfig, schedule: Schedule) -> dict[str, Any]:
     """What a checkpoint is only valid with (its manifest's ``info``, compared on resume):
     a checkpoint holds each tensor-parallel rank's shards, so another ``tp`` is refused (not
-    resharded), and another ``dtype``, whose weights and optimizer state differ, too."""
+    resharded), and another ``dtype``, whose weights and optimizer state differ, too; another
+    ``dp`` or ``zero`` re-shards (parallel/checkpoint.py RESHARDABLE)."""
     model = (dataclasses.asdict(config.model) if config.hf_model is None
              else {"hf_config": resolve_model(config.hf_model).config})
-    return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "dtype": config.dtype,
+    return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "zero": config.zero,
+            "dtype": config.dtype,
             "schedule": schedule.name, "stage_to_rank": list(schedule.stage_to_rank),
             "model": model}
 

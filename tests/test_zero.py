@@ -1,0 +1,288 @@
+"""ZeRO-1 (parallel/zero.py) in `train`: one launch of 4 gloo processes trains the reference
+model with ``zero`` 0 and 1 in the same processes, pp2 x dp2 in fp32 and bf16,
+checkpoints at step 10 and resumes to 20, runs the command `plan --sharded-optimizer` prints
+for a tied Hugging Face Llama config under both levels, and a loop of its own with
+``pipeoffload.zero_optimizer``; this process then resumes the dp 2 checkpoint with dp 1
+(Pipeline's local mode) under both zero levels and exports the Llama checkpoints. One launch
+of 8 processes runs tp2 x pp2 x dp2 under both levels."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from patience import PATIENCE_S  # noqa: E402
+from test_runtime_support import launch, one_thread  # noqa: E402, F401 - autouse fixture
+
+from pipeoffload.parallel import checkpoint as ckpt  # noqa: E402
+from pipeoffload.parallel.topology import Topology, mesh_topology  # noqa: E402
+from pipeoffload.training.data_config import DataConfig  # noqa: E402
+from pipeoffload.training.model_config import model_preset  # noqa: E402
+from pipeoffload.training.run_checks import check_run  # noqa: E402
+from pipeoffload.training.train import TrainConfig  # noqa: E402
+from pipeoffload.training.trainer import Trainer, train  # noqa: E402
+
+STEPS, BF16_STEPS, TP_STEPS = 20, 6, 3
+BASE = TrainConfig(model=model_preset("tiny"),
+                   data=DataConfig(seq_len=32, batch_size=8, max_bytes=1 << 16, eval_fraction=0),
+                   pp=2, dp=2, schedule="1f1b", microbatches=2, steps=STEPS, warmup_steps=2,
+                   measure_baseline=False, p2p_timeout_s=PATIENCE_S)
+
+
+def _run(config: TrainConfig, topology: Topology) -> dict:
+    from pipeoffload.cli.train_report import summary
+
+    result = train(config, topology)
+    return {"losses": list(result.losses), "state": list(result.model_state),
+            "checkpoint": result.checkpoint,
+            "json": summary(result, config, None)["optimizer_state_bytes"]}
+
+
+def _own_loop(topology: Topology, root: str) -> bool:
+    """pipeoffload.zero_optimizer against per-stage AdamW with average_gradients and
+    clip_grad_norm_ (the same arithmetic at dp = 2: bitwise), and its checkpoint round trip."""
+    import pipeoffload as po
+
+    stage = topology.pp_rank
+    torch.manual_seed(stage)
+    ours = {stage: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))}
+    theirs = {stage: copy_module(ours[stage])}
+    # Buckets of >= 30 elements from the last parameter back: (3 + 24 + 8, padded to 36), (64);
+    # each starts its reduce-scatter in the backward (one microbatch).
+    zero = po.zero_optimizer(ours, topology, lr=0.1, microbatches=1, bucket_numel=30)
+    adamw = torch.optim.AdamW(theirs[stage].parameters(), lr=0.1)
+    started = []
+    for step in range(3):
+        torch.manual_seed(100 * step + topology.rank)
+        x = torch.randn(4, 8)
+        for stages in (ours, theirs):
+            stages[stage](x).square().sum().backward()
+        started.append(zero.in_flight())
+        zero.take_grads()
+        zero.clip_grads(0.5)
+        zero.step()
+        zero.zero_grad()
+        po.average_gradients(theirs, topology)
+        po.clip_grad_norm_(theirs, 0.5, topology)
+        adamw.step()
+        adamw.zero_grad()
+    same = all(torch.equal(a, b)
+               for a, b in zip(ours[stage].parameters(), theirs[stage].parameters()))
+    po.save_checkpoint(f"{root}/own", 3, ours, zero, topology)
+    again = po.zero_optimizer(ours, topology, lr=0.1, bucket_numel=30)
+    po.load_checkpoint(f"{root}/own", ours, again, topology)
+    return same and started == [(2, 2)] * 3 and all(
+        torch.equal(a[0], b[0]) for a, b in zip(zero.params.values(), again.params.values()))
+
+
+def copy_module(module: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def _cases(rank: int, world: int, root: str, hf: TrainConfig | None) -> dict:
+    cpu = torch.device("cpu")
+    pipe = mesh_topology(2, 2, 1, cpu, PATIENCE_S)
+    out = {"z0": _run(BASE, pipe),
+           "z1": _run(dataclasses.replace(BASE, zero=1, checkpoint_dir=f"{root}/z1",
+                                          checkpoint_every=10), pipe)}
+    out["resumed"] = _run(dataclasses.replace(
+        BASE, zero=1, checkpoint_dir=f"{root}/again", resume=f"{root}/z1/step_00000010"), pipe)
+    bf16 = dataclasses.replace(BASE, dtype="bf16", steps=BF16_STEPS)
+    out["bf16"] = [_run(dataclasses.replace(bf16, zero=z), pipe)["losses"] for z in (0, 1)]
+    mixed = dataclasses.replace(BASE, schedule="zbv", offload="all", recompute="lgd", steps=3)
+    out["mixed"] = [_run(dataclasses.replace(mixed, zero=z), pipe)["losses"] for z in (0, 1)]
+    out["own"] = _own_loop(pipe, root)
+    trainer = Trainer.build(dataclasses.replace(BASE, zero=1), pipe)
+    inputs, target = next(trainer.dataset)
+    trainer.pipe.step(inputs, target=target)
+    out["in_flight"] = trainer.optimizer.in_flight()  # type: ignore[attr-defined]
+    trainer.optimizer.zero_grad()
+    if hf is not None:  # the printed command (zero 1) and the same with zero 0
+        out["hf"] = [_run(dataclasses.replace(hf, zero=z, checkpoint_dir=f"{root}/hf{z}",
+                                              export_hf=f"{root}/live{z}", export_dtype="fp32"),
+                          mesh_topology(hf.pp, hf.dp, hf.tp, cpu, PATIENCE_S))
+                     for z in (hf.zero, 0)]
+    return out
+
+
+def _planned_llama(root: Path) -> TrainConfig | None:
+    """The command `plan --sharded-optimizer` prints for a tied Llama config on 4 GPUs with
+    pp 2, shrunk to 20 steps on a small text (None without transformers)."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    import transformers
+
+    from pipeoffload.cli.main import main
+    from pipeoffload.cli.train import add_train_parser, config_from_args
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8,
+                                      tie_word_embeddings=True)
+    config.save_pretrained(root / "llama")
+    (root / "text.txt").write_bytes((Path(json.__file__).parent / "decoder.py").read_bytes())
+    plan = root / "plan.json"
+    with open(plan, "w") as out:
+        import contextlib
+
+        with contextlib.redirect_stdout(out):
+            assert main(["plan", "--model", str(root / "llama" / "config.json"), "--gpus", "4",
+                         "--pp", "2", "--tp", "1", "--seq", "32", "--global-batch", "8",
+                         "--sharded-optimizer", "--json", "--quiet"]) == 0
+    command = json.loads(plan.read_text())["best"]["command"]
+    argv = shlex.split(command)
+    assert argv[:2] == ["pipeoffload", "train"] and "--zero 1" in command, command
+    parser = argparse.ArgumentParser(prog="pipeoffload")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    shrunk = [*argv[2:], "--steps", str(STEPS), "--data", str(root / "text.txt"),
+              "--no-baseline", "--p2p-timeout", str(int(PATIENCE_S))]
+    return config_from_args(parser.parse_args(["train", *shrunk]))[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict[int, dict], Path]:
+    root = tmp_path_factory.mktemp("zero")
+    hf = _planned_llama(root)
+    assert hf is None or (hf.zero, hf.pp * hf.dp * hf.tp) == (1, 4)
+    results = launch(_cases, 4, root, str(root), hf, join_timeout_s=PATIENCE_S)
+    assert sorted(results) == [0, 1, 2, 3], results
+    for outcome in results.values():
+        assert "ok" in outcome, outcome.get("trace")
+    return {r: o["ok"] for r, o in results.items()}, root
+
+
+def test_zero1_losses_are_bitwise_those_of_zero0(runs) -> None:
+    results, _ = runs
+    for rank, out in results.items():
+        # dp = 2: a sum of two values does not depend on the order, so the reduce-scatter is
+        # bitwise the all-reduce; AdamW is elementwise; the clipping norm sums the same float64
+        # squares in another order, which here leaves the float32 scale unchanged.
+        assert out["z1"]["losses"] == out["z0"]["losses"], rank
+        assert len(out["z0"]["losses"]) == STEPS
+        bf0, bf1 = out["bf16"]
+        assert max(abs(a - b) / abs(a) for a, b in zip(bf0, bf1)) < 1e-3, (bf0, bf1)
+        assert bf1 == bf0  # bf16 with fp32 masters: bitwise too (the casts are elementwise)
+        zero0, zero1 = out["mixed"]  # zbv (split backward), offload all, recompute lgd
+        assert zero1 == zero0 and len(zero0) == 3
+        assert bf0[-1] < bf0[0]
+
+
+def test_checkpoint_at_10_resumes_to_20_bitwise_with_one_file_per_replica(runs) -> None:
+    results, root = runs
+    for out in results.values():
+        assert out["resumed"]["losses"] == out["z1"]["losses"][10:]
+    manifest = ckpt.read_manifest(root / "z1" / "step_00000010")
+    stage_files = sorted(n for n in manifest.files if n.startswith("stage_"))
+    assert stage_files == ["stage_000_dp0.pt", "stage_000_dp1.pt", "stage_001_dp0.pt",
+                           "stage_001_dp1.pt"]
+    assert manifest.info["zero"] == 1 and manifest.info["dp"] == 2
+
+
+def test_per_rank_optimizer_state_is_half_and_is_the_planners(runs) -> None:
+    results, _ = runs
+    for out in results.values():
+        for key, tolerance in (("z0", 0), ("z1", 1)):
+            for row in out[key]["state"]:
+                # ZeRO-1 pads each bucket (one per stage here) to a multiple of dp: < 2
+                # elements of 12 B.
+                gap = row["optimizer_state"] - row["predicted_optimizer_state"]
+                assert 0 <= gap <= tolerance * 12, (key, row)
+        for key in ("z0", "z1"):  # --json's optimizer_state_bytes, one per process
+            assert out[key]["json"] == [row["optimizer_state"] for row in out[key]["state"]]
+            assert [row["rank"] for row in out[key]["state"]] == [0, 1, 2, 3]
+        for zero0, zero1 in zip(out["z0"]["state"], out["z1"]["state"]):
+            assert zero1["rank"] == zero0["rank"]
+            assert 2 * zero1["optimizer_state"] - zero0["optimizer_state"] in (0, 12), zero1
+            assert zero1["gradients"] == zero0["gradients"] > 0
+            assert zero1["parameters"] == zero0["parameters"]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_dp2_zero1_checkpoint_resumes_with_dp1(runs, zero: int, tmp_path: Path) -> None:
+    results, root = runs
+    config = dataclasses.replace(BASE, dp=1, microbatches=4, zero=zero,
+                                 checkpoint_dir=str(tmp_path),
+                                 resume=str(root / "z1" / "step_00000010"))
+    check_run(config, processes=1)  # what the command line checks first
+    losses = train(config, Topology.local(2)).losses
+    expected = results[0]["z0"]["losses"][10:]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) < 1e-6
+
+
+def test_a_loop_of_your_own_gets_the_same_steps_from_zero_optimizer(runs) -> None:
+    results, _ = runs
+    assert all(out["own"] for out in results.values())
+
+
+def test_train_starts_each_buckets_reduce_scatter_during_the_backward(runs) -> None:
+    results, _ = runs  # the reference model: no ties, one bucket per stage
+    assert all(out["in_flight"] == (1, 1) for out in results.values())
+
+
+def test_the_planned_command_trains_a_tied_llama_like_zero0_and_exports(runs) -> None:
+    results, root = runs
+    if "hf" not in results[0]:
+        pytest.skip("transformers is not installed")
+    from pipeoffload.training.hf_run import export_checkpoint
+
+    for out in results.values():
+        zero1, zero0 = out["hf"]
+        assert len(zero1["losses"]) == STEPS and zero1["losses"][-1] < zero1["losses"][0]
+        assert zero1["losses"] == zero0["losses"]  # bitwise, as the reference model
+    from safetensors.torch import load_file
+
+    exports = []  # the fp32 master weights: joined from the checkpoint, and gathered live
+    for z in (1, 0):
+        folder, step = export_checkpoint(root / f"hf{z}", root / f"export{z}", "fp32")
+        assert step == STEPS
+        for written in (folder, root / f"live{z}"):
+            exports.append({k: v for part in sorted(written.glob("*.safetensors"))
+                            for k, v in load_file(str(part)).items()})
+    assert exports[0] and all(e.keys() == exports[0].keys() for e in exports)
+    assert all(torch.equal(e[k], exports[0][k]) for e in exports for k in e)
+
+
+def _eight(rank: int, world: int) -> dict:
+    topology = mesh_topology(2, 2, 2, torch.device("cpu"), PATIENCE_S)
+    # Without clipping: ZeRO-1 sums a sharded parameter's squares over the tensor-parallel group
+    # where zero 0 sums its replicated gradient whole, so the float64 norm can differ in its
+    # last bit (measured on tp 2 x dp 2: 4e-8 relative in the losses after one step).
+    config = dataclasses.replace(BASE, tp=2, steps=TP_STEPS, grad_clip=None)
+    return {z: _run(dataclasses.replace(config, zero=z), topology) for z in (0, 1)}
+
+
+def test_tp2_pp2_dp2_zero1_is_bitwise_zero0(tmp_path: Path) -> None:
+    """DTensor shards sharded again over dp: 8 gloo processes, once."""
+    results = launch(_eight, 8, tmp_path, join_timeout_s=PATIENCE_S)
+    assert sorted(results) == list(range(8)), results
+    for outcome in results.values():
+        assert "ok" in outcome, outcome.get("trace")
+        zero0, zero1 = outcome["ok"][0], outcome["ok"][1]
+        assert zero1["losses"] == zero0["losses"] and len(zero0["losses"]) == TP_STEPS
+        for row0, row1 in zip(zero0["state"], zero1["state"]):
+            assert 2 * row1["optimizer_state"] - row0["optimizer_state"] in (0, 12), row1
+            assert 0 <= row1["optimizer_state"] - row1["predicted_optimizer_state"] <= 12
+
+
+def test_zero_3_is_refused_in_words_by_train_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeoffload.cli.main import main
+
+    assert main(["train", "--model", "tiny", "--dp", "2", "--zero", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--zero 3" in err and "fully_shard" in err and "use --zero 1" in err
+    assert "Traceback" not in err
+    assert main(["plan", "--model", "gpt3-2.7b", "--gpus", "8", "--zero", "3"]) == 2
+    assert "--zero 3 (FSDP2) is not priced" in capsys.readouterr().err
