@@ -297,7 +297,9 @@ class TrainingState:
 
 
 def _world(where: Topology) -> int:
-    return dist.get_world_size() if where.distributed else 1
+    """The processes whose state a checkpoint holds: context-parallel ranks hold the same
+    (one writes it), so a run may resume with another cp."""
+    return dist.get_world_size() // where.cp if where.distributed else 1
 
 
 def _barrier(where: Topology) -> None:
@@ -335,7 +337,7 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
     _barrier(where)
     run = str(identity.get("run", ""))
     records = []
-    if where.dp_index == 0:
+    if where.dp_index == 0 and where.cp_index == 0:
         tp_index = _tp_index(where)
         for s, module in sorted(state.stages.items()):
             name = stage_file(s, tp_index)
