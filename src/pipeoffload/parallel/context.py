@@ -15,7 +15,7 @@ attention function replaced through transformers' AttentionInterface).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,19 +36,30 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q [batch, heads, local, head_dim], k and v [batch, kv heads, local, head_dim] (rotary
     embeddings applied at the tokens' global positions); returns [batch, heads, local,
     head_dim]. ``window``: a sliding window (a key at most window - 1 positions back).
+    Each of the rank's two chunks attends to the keys up to its own end, causal aligned to
+    the lower right (``causal_lower_right``: on GPUs the flash kernel, no mask in memory), and
+    K / V stay grouped (``enable_gqa``), so what the attention saves is the gathered K and V
+    once, this rank's queries and output, and on CPU a chunk x prefix mask, made here so that
+    every rank saves the same bytes (chunk lengths (i + 1) + (2 cp - i) prefixes: Note:
+    [causal split]; torch's own would skip the square one).
     """
-    local = q.shape[2]
-    seq = local * split.cp
-    k, v = split.gather(k, 2), split.gather(v, 2)  # [batch, kv heads, seq, head_dim]
-    q_pos = split.positions(seq, q.device)
-    k_pos = split.gathered_positions(seq, q.device)
-    mask = k_pos[None, :] <= q_pos[:, None]  # [local, seq]
-    if window is not None:
-        mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
-    group = q.shape[1] // k.shape[1]
-    if group > 1:  # [batch, kv heads, seq, hd] -> [batch, heads, seq, hd]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    from torch.nn.attention.bias import causal_lower_right
+
+    chunk = q.shape[2] // 2
+    seq = q.shape[2] * split.cp
+    k, v = split.gather(k, 2), split.gather(v, 2)  # [batch, kv heads, seq, hd], in order
+    outs = []
+    for part, c in zip(q.split(chunk, dim=2), split.chunks(), strict=True):
+        end = (c + 1) * chunk
+        mask: Any = causal_lower_right(chunk, end)
+        if q.device.type == "cpu" or (window is not None and window < seq):
+            q_pos = torch.arange(c * chunk, end, device=q.device)
+            back = q_pos[:, None] - torch.arange(end, device=q.device)[None, :]
+            mask = (back >= 0) & (back < (window if window is not None else seq))
+        outs.append(F.scaled_dot_product_attention(part, k[:, :, :end], v[:, :, :end],
+                                                   attn_mask=mask, scale=scale,
+                                                   enable_gqa=True))
+    return torch.cat(outs, dim=2)
 
 
 def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -79,7 +90,7 @@ def apply_context_parallel(stages: dict[int, nn.Module], split: SequenceSplit) -
             continue
         for sub in module.modules():
             if hasattr(sub, "context"):
-                sub.context = split
+                cast(Any, sub).context = split  # a plain attribute, not a submodule
 
 
 def _apply_hf(stage: nn.Module, split: SequenceSplit) -> None:
@@ -91,4 +102,4 @@ def _apply_hf(stage: nn.Module, split: SequenceSplit) -> None:
                           f"families; this model is {config.model_type!r}")
     AttentionInterface.register(HF_ATTENTION, _hf_attention)  # the same function each time
     config._attn_implementation = HF_ATTENTION
-    stage.context = split
+    cast(Any, stage).context = split  # a plain attribute, not a submodule

@@ -6,8 +6,8 @@ holds chunks i and 2 * cp - 1 - i, side by side (Megatron-LM's and Llama 3's loa
 under a causal mask chunk j's queries see j + 1 chunks of keys, so every rank does the same
 attention work ((i + 1) + (2 * cp - i) = 2 * cp + 1 chunk pairs). The sequence length must be
 a multiple of 2 * cp. The all-gather of K and V puts the ranks' local sequences one after the
-other (rank 0's two chunks, then rank 1's, ...); the keys' positions are gathered the same way,
-so the causal mask compares positions and nothing is reordered.
+other (rank 0's two chunks, then rank 1's, ...); ``gather`` puts the chunks back in sequence
+order, so the keys' positions are 0 .. seq - 1.
 """
 
 from __future__ import annotations
@@ -54,10 +54,6 @@ class SequenceSplit:
         return torch.cat([torch.arange(c * size, (c + 1) * size, device=device)
                           for c in self.chunks(rank)])
 
-    def gathered_positions(self, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Positions of the all-gathered keys (every rank's local sequence in rank order)."""
-        return torch.cat([self.positions(seq, device, r) for r in range(self.cp)])
-
     def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of ``tensor`` along ``dim`` (its two chunks, concatenated)."""
         seq = tensor.shape[dim]
@@ -75,12 +71,12 @@ class SequenceSplit:
         return torch.cat([p for p in pieces if p is not None], dim=dim)
 
     def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's ``tensor`` concatenated along ``dim`` in rank order (an all-gather
-        whose backward reduce-scatters the gradient: each rank gets the sum over ranks of its
-        own slice's gradient)."""
+        """The whole sequence along ``dim`` from every rank's ``tensor`` (an all-gather, then
+        ``join``); its backward reduce-scatters the gradient: each rank gets the sum over
+        ranks of its own tokens' gradient."""
         if self.cp == 1:
             return tensor
-        out = _GatherSequence.apply(tensor, dim, self.group, self.cp)
+        out = _GatherSequence.apply(tensor, dim, self)
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -99,21 +95,22 @@ class _GatherSequence(torch.autograd.Function):
     gradient. Gloo has no reduce-scatter: there an all-reduce and this rank's slice."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, dim: int, group: Any, cp: int) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.cp = dim, group, cp
+    def forward(ctx: Any, tensor: torch.Tensor, dim: int, split: SequenceSplit) -> torch.Tensor:
+        ctx.dim, ctx.split = dim, split
         local = tensor.contiguous()
-        parts = [torch.empty_like(local) for _ in range(cp)]
-        dist.all_gather(parts, local, group=group)
-        return torch.cat(parts, dim=dim)
+        parts = [torch.empty_like(local) for _ in range(split.cp)]
+        dist.all_gather(parts, local, group=split.group)
+        return split.join(parts, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        parts = [p.contiguous() for p in grad.chunk(ctx.cp, dim=ctx.dim)]
-        rank = dist.get_rank(ctx.group)
-        if dist.get_backend(ctx.group) == "gloo":
+        split: SequenceSplit = ctx.split
+        if dist.get_backend(split.group) == "gloo":
             whole = grad.contiguous()
-            dist.all_reduce(whole, group=ctx.group)
-            return whole.chunk(ctx.cp, dim=ctx.dim)[rank].contiguous(), None, None, None
-        mine = torch.empty_like(parts[rank])
-        dist.reduce_scatter(mine, parts, group=ctx.group)
-        return mine, None, None, None
+            dist.all_reduce(whole, group=split.group)
+            return split.shard(whole, ctx.dim).contiguous(), None, None
+        parts = [SequenceSplit(split.cp, r).shard(grad, ctx.dim).contiguous()
+                 for r in range(split.cp)]
+        mine = torch.empty_like(parts[split.index])
+        dist.reduce_scatter(mine, parts, group=split.group)
+        return mine, None, None
