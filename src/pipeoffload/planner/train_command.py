@@ -62,6 +62,8 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
     parts = ["pipeoffload train", f"--pp {c.pp}", f"--dp {c.dp}"]
     if c.tp > 1:
         parts.append(f"--tp {c.tp}")
+    if c.cp > 1:
+        parts.append(f"--cp {c.cp}")
     preset, family = c.preset, FAMILIES[c.schedule]
     parts.append(f"--schedule {c.display_name}")
     if "chunks" in family.options:
