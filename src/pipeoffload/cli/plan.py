@@ -91,7 +91,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                    help="whose behaviour prices each plan (planner/frameworks.py): current "
                         "(pipeoffload train, the default), megatron-2021, "
                         "megatron-2021-torch-ddp, megatron-2022, megatron-2022-no-sp, "
-                        "megatron-core, llama3-2024 (the published runs' frameworks, "
+                        "megatron-core, nemo-2025, llama3-2024 (the published runs' frameworks, "
                         "docs/planner-model.md)")
     p.add_argument("--sharded-optimizer", action="store_true",
                    help="ZeRO-1: shard fp32 master weights and Adam moments over DP")
