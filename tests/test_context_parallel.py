@@ -1,9 +1,10 @@
 """Context parallelism (`train --cp`, ``Pipeline(context=)``, parallel/context.py): the causal
 split and rank order as data, then one launch of 4 gloo processes that trains three runs with
-cp = 2 (the reference model on pp 2, a Hugging Face Llama on pp 2, the reference model on
-tp 2 in float64), each against a cp = 1 run in this process (Pipeline's local mode):
+cp = 2 (the reference model on pp 2 with offload, a Hugging Face Llama on pp 2, the reference
+model on tp 2 in float64), each against a cp = 1 run in this process (Pipeline's local mode):
 losses within 1e-5 relative (attention sums in another order), peaks per rank 0.45-0.6 of
-cp = 1's and equal to the simulator's; and a cp = 4 run whose checkpoint resumes with cp = 1."""
+cp = 1's (with offload, and measured without it) and equal to the simulator's; and a cp = 4
+run whose checkpoint resumes with cp = 1."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from pipeoffload.training.trainer import train  # noqa: E402
 
 STEPS = 20
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--microbatches", "4",
-        "--schedule", "1f1b", "--steps", str(STEPS), "--p2p-timeout", PATIENCE,
-        "--no-baseline"]
+        "--schedule", "1f1b", "--steps", str(STEPS), "--p2p-timeout", PATIENCE]
+#: the reference model's runs: po-f offloads, and measures a step without offload at the end
+OFFLOADED = [*TINY, "--pp", "2", "--schedule", "po-f"]
 
 
 def config(*argv: str) -> TrainConfig:
@@ -96,7 +98,8 @@ def _train_runs(rank: int, world: int, configs: list[TrainConfig]) -> list[dict]
         topology = mesh_topology(c.pp, c.dp, c.tp, torch.device("cpu"), PATIENCE_S, cp=c.cp)
         result = train(c, topology)
         out.append({"losses": result.losses, "peaks": result.peak_bytes,
-                    "predicted": result.predicted_bytes, "eval": result.eval_losses})
+                    "predicted": result.predicted_bytes, "eval": result.eval_losses,
+                    "bare": result.baseline_bytes})
     return out
 
 
@@ -117,17 +120,17 @@ def test_cp2_trains_as_cp1_with_about_half_the_activation_and_resumes_with_cp1(w
     ckpt = tmp_path / "ckpt"
     hf = ["--model", str(workdir / "llama" / "config.json"), "--data",
           str(workdir / "text.txt"), *TINY[2:]]
-    runs = {"reference": config(*TINY, "--pp", "2", "--cp", "2"),
-            "llama": config(*hf, "--pp", "2", "--cp", "2"),
+    runs = {"reference": config(*OFFLOADED, "--cp", "2"),
+            "llama": config(*hf, "--pp", "2", "--cp", "2", "--no-baseline"),
             "tp": config(*TINY, "--pp", "1", "--tp", "2", "--cp", "2", "--steps", "5",
-                         "--dtype", "fp64"),
+                         "--dtype", "fp64", "--no-baseline"),
             "cp4": config(*TINY, "--pp", "1", "--cp", "4", "--steps", "6", "--checkpoint-dir",
-                          str(ckpt), "--checkpoint-every", "3")}
+                          str(ckpt), "--checkpoint-every", "3", "--no-baseline")}
     outcomes = launch(_train_runs, 4, tmp_path, list(runs.values()))
     assert all("ok" in outcomes.get(r, {}) for r in range(4)), outcomes
     got = dict(zip(runs, outcomes[0]["ok"], strict=True))
     assert all(outcomes[r]["ok"] == outcomes[0]["ok"] for r in range(4))  # gathered: the same
-    references = {"reference": config(*TINY, "--pp", "2"), "llama": config(*hf, "--pp", "2")}
+    references = {"reference": config(*OFFLOADED), "llama": config(*hf, "--pp", "2")}
     for name, reference in references.items():
         expected = train(reference, Topology.local(2))
         run = got[name]
@@ -137,6 +140,10 @@ def test_cp2_trains_as_cp1_with_about_half_the_activation_and_resumes_with_cp1(w
         ratios = [a / b for a, b in zip(run["peaks"], expected.peak_bytes, strict=True)]
         assert all(0.45 <= r <= 0.6 for r in ratios), (name, ratios)
         assert run["predicted"] == tuple(float(b) for b in run["peaks"]), name  # sim == meter
+        if name == "reference":  # offloaded, and measured once without offload
+            assert expected.baseline_bytes is not None and run["bare"] is not None
+            bare = [a / b for a, b in zip(run["bare"], expected.baseline_bytes, strict=True)]
+            assert all(0.45 <= r <= 0.6 for r in bare), bare
     # tp 2 x cp 2 in float64. tp 2 alone is 4.3e-8 off by step 5 (its reduce-scatters sum in
     # another order and AdamW's first steps amplify it); cp 2 alone 1e-15.
     expected = train(config(*TINY, "--pp", "1", "--steps", "5", "--dtype", "fp64"),
