@@ -120,3 +120,20 @@ def test_plan_reports_the_cp_configuration_of_issue_35(capsys):
             best["microbatches"]) == (4, 4, 5, 2, 2, 64)
     command = train_command(Candidate("interleaved-1f1b", 2, 4, 4, 5, 1, 64, cp=2)).argv
     assert command is not None and " --tp 4 --cp 2 " in command
+
+
+def test_docs_cp_table_rows_are_what_the_benchmark_prints():
+    """docs/planner.md's table (issue 35, item 4) is benchmarks/planner_cp_table.py's output:
+    two of its rows, recomputed."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("planner_cp_table",
+                                                  root / "benchmarks" / "planner_cp_table.py")
+    assert spec is not None and spec.loader is not None
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    docs = (root / "docs" / "planner.md").read_text()
+    for gpus, seq, kind in ((64, 8192, "TP + CP"), (256, 8192, "TP only")):
+        assert table.row(gpus, seq, kind) in docs, (gpus, seq, kind)
