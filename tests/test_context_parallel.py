@@ -1,7 +1,8 @@
 """Context parallelism (`train --cp`, ``Pipeline(context=)``, parallel/context.py): the causal
-split and rank order as data, then one launch of 4 gloo processes that trains three runs with
-cp = 2 (the reference model on pp 2 with offload, a Hugging Face Llama on pp 2, the reference
-model on tp 2 in float64), each against a cp = 1 run in this process (Pipeline's local mode):
+split and rank order as data, then one launch of 4 gloo processes that trains runs with
+cp = 2 (the reference model on pp 2 with offload, Hugging Face Llama, Qwen3 and Mistral (a
+sliding window shorter than the sequence) on pp 2, the reference model on tp 2 in float64),
+each against a cp = 1 run in this process (Pipeline's local mode):
 losses within 1e-5 relative (attention sums in another order), peaks per rank 0.45-0.6 of
 cp = 1's (with offload, and measured without it) and equal to the simulator's; and a cp = 4
 run whose checkpoint resumes with cp = 1."""
@@ -90,7 +91,15 @@ def test_cp_is_checked_where_it_enters():
         config(*[a if a != "32" else "30" for a in TINY], "--cp", "2")
 
 
-# -- one launch: three cp = 2 runs against cp = 1 in this process ----------------------------
+# -- one launch: cp = 2 runs against cp = 1 in this process ----------------------------------
+
+FAMILIES = ("qwen3", "mistral")  # besides Llama: Qwen3's norms on Q and K, Mistral's window
+
+
+def _hf(workdir: Path, family: str) -> list[str]:
+    return ["--model", str(workdir / family / "config.json"), "--data",
+            str(workdir / "text.txt"), *TINY[2:]]
+
 
 def _train_runs(rank: int, world: int, configs: list[TrainConfig]) -> list[dict]:
     out = []
@@ -112,18 +121,25 @@ def workdir(tmp_path_factory) -> Path:
                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
                              head_dim=8, max_position_embeddings=64,
                              tie_word_embeddings=True).save_pretrained(root / "llama")
+    small = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                 max_position_embeddings=64)
+    transformers.Qwen3Config(**small).save_pretrained(root / "qwen3")
+    # a window shorter than the sequence: the context-parallel mask applies it
+    transformers.MistralConfig(**small, sliding_window=8).save_pretrained(root / "mistral")
     return root
 
 
 def test_cp2_trains_as_cp1_with_about_half_the_activation_and_resumes_with_cp1(workdir,
                                                                               tmp_path):
     ckpt = tmp_path / "ckpt"
-    hf = ["--model", str(workdir / "llama" / "config.json"), "--data",
-          str(workdir / "text.txt"), *TINY[2:]]
+    hf = _hf(workdir, "llama")
     runs = {"reference": config(*OFFLOADED, "--cp", "2"),
             "llama": config(*hf, "--pp", "2", "--cp", "2", "--no-baseline"),
             "tp": config(*TINY, "--pp", "1", "--tp", "2", "--cp", "2", "--steps", "5",
                          "--dtype", "fp64", "--no-baseline"),
+            **{family: config(*_hf(workdir, family), "--pp", "2", "--cp", "2", "--steps", "3",
+                              "--no-baseline") for family in FAMILIES},
             "cp4": config(*TINY, "--pp", "1", "--cp", "4", "--steps", "6", "--checkpoint-dir",
                           str(ckpt), "--checkpoint-every", "3", "--no-baseline")}
     outcomes = launch(_train_runs, 4, tmp_path, list(runs.values()))
@@ -150,6 +166,10 @@ def test_cp2_trains_as_cp1_with_about_half_the_activation_and_resumes_with_cp1(w
                      Topology.local(1))
     assert got["tp"]["losses"][0] == pytest.approx(expected.losses[0], rel=1e-14, abs=0)
     assert relative_gap(got["tp"]["losses"], expected.losses) < 1e-6
+    for family in FAMILIES:  # the other Hugging Face families, 3 steps
+        expected = train(config(*_hf(workdir, family), "--pp", "2", "--steps", "3",
+                                "--no-baseline"), Topology.local(2))
+        assert relative_gap(got[family]["losses"], expected.losses) < 1e-5, family
     # a cp = 4 checkpoint (one process's state) resumed with cp = 1 in one process
     resumed = train(config(*TINY, "--pp", "1", "--steps", "6", "--resume",
                            str(ckpt / "step_00000003")), Topology.local(1))
