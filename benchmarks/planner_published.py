@@ -9,7 +9,7 @@ run goes; (4) with ``--ablation``, every run's error with each term of rounds 2 
 (the A100 constant refitted without it, as calibrate_hbm_efficiency fits it; docs/planner-model.md
 gives each round's own numbers); (5) with ``--hopper``, the fit of the two Hopper efficiencies
 from (1, 1) and how far the Megatron-LM README rows move with the microbatch size and
-interleaving their source does not publish.
+interleaving their source does not publish; (2b) always: issue 35's context-parallel rows.
 
     python benchmarks/planner_published.py              # (1) and (2), about 8 s of CPU
     python benchmarks/planner_published.py --terms      # and (3)
@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
+from pipeoffload.planner.frameworks import CUDNN_ATTENTION_SPEEDUP
 from pipeoffload.planner.hardware import (
     HBM_EFFICIENCY,
     HOPPER_ATTENTION_EFFICIENCY,
@@ -39,6 +40,12 @@ from pipeoffload.planner.published import (
     calibrate_hbm_efficiency,
     layer_prediction,
     predict,
+)
+from pipeoffload.planner.published_cp import (
+    DGXC_CP,
+    STEP_TIME_TOLERANCE,
+    calibrate_cudnn_attention,
+    step_seconds,
 )
 from pipeoffload.planner.published_hopper import HOPPER_FIT_ROWS, calibrate_hopper
 
@@ -98,6 +105,27 @@ def runs() -> str:
         lines.extend(f"|  | note: {note} |  |  |  |  |  |  |  |  |" for note in run.notes)
     lines.append(f"\nheld-out mean error {sum(held) / len(held):+.1f} points, largest "
                  f"{max(held, key=abs):+.1f}")
+    return "\n".join(lines)
+
+
+def context_rows() -> str:
+    """Issue 35's rows: dgxc-benchmarking's Llama 3 runs with context parallelism, step time
+    against the planner's, and the fit of cuDNN attention's speedup on them."""
+    lines = [f"(2b) Context parallelism: dgxc Llama 3 rows (issue 35's bar: step time within "
+             f"{STEP_TIME_TOLERANCE:.0%}); cuDNN attention speedup fitted on them: "
+             f"{calibrate_cudnn_attention():.2f} (frameworks.CUDNN_ATTENTION_SPEEDUP = "
+             f"{CUDNN_ATTENTION_SPEEDUP:.2f})", "",
+             "| run | layout | measured s | planner s | error | measured MFU | planner MFU | "
+             "citation |", "|---|---|---|---|---|---|---|---|"]
+    for run in DGXC_CP:
+        plan = predict(run)
+        c = plan.candidate
+        layout = (f"TP{c.tp} PP{c.pp} DP{c.dp} CP{c.cp}"
+                  + (f" v{c.chunks}" if c.chunks > 1 else "") + f" m{c.microbatches}")
+        measured = step_seconds(run)
+        lines.append(f"| {run.row} | {layout} | {measured:.2f} | {plan.step_time:.2f} | "
+                     f"{plan.step_time / measured - 1:+.1%} | {run.measured_mfu:.1%} | "
+                     f"{plan.mfu:.1%} | {run.citation} |")
     return "\n".join(lines)
 
 
@@ -227,6 +255,8 @@ def main() -> None:
     args = parser.parse_args()
     print(table4(), end="\n\n")
     print(runs())
+    print()
+    print(context_rows())
     if args.terms:
         print()
         print(terms())

@@ -44,6 +44,7 @@ def _published_argv(run: PublishedRun, model: str) -> list[str]:
             "--framework", run.framework_name, "--memory", "1000000", "--host-memory", "0"]
     if run.chunks > 1:
         argv += ["--chunks", str(run.chunks)]
+    argv += ["--cp", str(run.cp)]
     if run.optimizer.sharded:
         argv.append("--sharded-optimizer")
     return argv
@@ -60,8 +61,8 @@ def test_framework_reproduces_every_published_row_from_the_cli(
     assert code == 0 and data["fixed"]
     assert data["inputs"]["framework"] == run.framework_name
     best, expected = data["best"], predict(run)
-    assert (best["tp"], best["pp"], best["dp"], best["microbatches"]) == (
-        run.tp, run.pp, run.dp, run.microbatches)
+    assert (best["tp"], best["pp"], best["dp"], best["cp"], best["microbatches"]) == (
+        run.tp, run.pp, run.dp, run.cp, run.microbatches)
     assert best["step_time"] == pytest.approx(expected.step_time, rel=1e-12)
     assert best["mfu_megatron"] == pytest.approx(expected.mfu, rel=1e-12)
     assert any(preset.name in note for note in data["notes"]) == (preset.name != "current")

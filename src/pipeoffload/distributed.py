@@ -47,6 +47,7 @@ from pipeoffload.parallel.gradients import (
     unique_params,
 )
 from pipeoffload.parallel.optimizer import CheckpointedOptimizer, StageOptimizers
+from pipeoffload.parallel.rank_order import parse_order
 from pipeoffload.parallel.topology import Topology, connect
 from pipeoffload.parallel.zero import BUCKET_NUMEL, ZeroAdamW
 from pipeoffload.runtime.tied import TiedSpec
@@ -57,18 +58,23 @@ __all__ = ["Topology", "average_gradients", "clip_grad_norm_", "clip_gradients",
 
 
 def init_distributed(pp: int, tp: int = 1, dp: int = 1, *, device: str = "auto",
-                     timeout_s: float = 300.0) -> Topology:
+                     timeout_s: float = 300.0, cp: int = 1,
+                     rank_order: str | tuple[str, ...] | None = None) -> Topology:
     """Join the job torchrun started (env:// variables RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT; WORLD_SIZE must be pp * dp * tp): the default process group (NCCL on CUDA,
-    bound to this process's GPU; gloo on CPU; ``timeout_s`` for every collective), the
-    (pp, dp, tp) device mesh and its groups (docs/training.md, rank layout), and one process
+    MASTER_PORT; WORLD_SIZE must be pp * dp * tp * cp): the default process group (NCCL on
+    CUDA, bound to this process's GPU; gloo on CPU; ``timeout_s`` for every collective), the
+    (pp, dp, cp, tp) device mesh in ``rank_order`` (outermost first, e.g. "pp,dp,cp,tp", the
+    default; parallel/rank_order.py) and its groups (docs/training.md, rank layout), and one process
     group per P2P channel of this process's pipeline, which NCCL needs for V-shaped and
     interleaved schedules (docs/runtime.md). ``Pipeline(..., **topology.pipeline_options())``
-    takes them; ``topology.tp_mesh`` is the mesh to shard a stage over with torch DTensor."""
-    for name, value in (("pp", pp), ("tp", tp), ("dp", dp)):
+    takes them; ``topology.tp_mesh`` is the mesh to shard a stage over with torch DTensor;
+    with ``cp`` > 1 ``Pipeline(..., context=topology_context(topology))`` cuts each sequence
+    over ``topology.cp_group`` (parallel/context.py)."""
+    for name, value in (("pp", pp), ("tp", tp), ("dp", dp), ("cp", cp)):
         if arguments.step_number(name, value) < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    return connect(pp, dp, device, arguments.positive_number("timeout_s", timeout_s), tp=tp)
+    return connect(pp, dp, device, arguments.positive_number("timeout_s", timeout_s), tp=tp,
+                   cp=cp, order=parse_order(rank_order))
 
 
 def _placement(topology: Topology | None, stages: Mapping[int, nn.Module]) -> Topology:

@@ -56,7 +56,8 @@ CASES: dict[str, tuple[TransformerSpec, str, SearchConfig, SearchSpace]] = {
 def plan_record(plan: Plan) -> dict[str, Any]:
     """A plan's dimensions and figures (floats as repr: exact)."""
     c = plan.candidate
-    return {"schedule": c.schedule, "dp": c.dp, "tp": c.tp, "pp": c.pp, "chunks": c.chunks,
+    return {"schedule": c.schedule, "dp": c.dp, "tp": c.tp, "cp": c.cp, "pp": c.pp,
+            "chunks": c.chunks,
             "group_size": c.group_size, "micro_batch": c.micro_batch,
             "microbatches": c.microbatches, "recompute": c.recompute.value,
             "offload": c.offload, "step_time": repr(plan.step_time),

@@ -71,6 +71,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                    help="only these TP degrees")
     p.add_argument("--pp", type=counts(1, MAX_RANKS), default=None, metavar="P[,P]",
                    help="only these PP degrees")
+    p.add_argument("--cp", type=counts(1, MAX_RANKS), default=None, metavar="C[,C]",
+                   help="only these context-parallel degrees (each GPU holds 1/C of every "
+                        "sequence; default: 1 and, from 8192 tokens, the powers of two that "
+                        "leave each GPU at least 4096 tokens within a node with its TP group)")
     p.add_argument("--chunks", type=counts(1, 1 << 10), default=None, metavar="V[,V]",
                    help="only these chunks (stages) per rank for interleaved schedules "
                         "(default 2,4; V-shaped schedules always run 2, the others 1)")
@@ -87,7 +91,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                    help="whose behaviour prices each plan (planner/frameworks.py): current "
                         "(pipeoffload train, the default), megatron-2021, "
                         "megatron-2021-torch-ddp, megatron-2022, megatron-2022-no-sp, "
-                        "megatron-core, llama3-2024 (the published runs' frameworks, "
+                        "megatron-core, nemo-2025, llama3-2024 (the published runs' frameworks, "
                         "docs/planner-model.md)")
     p.add_argument("--sharded-optimizer", action="store_true",
                    help="ZeRO-1: shard fp32 master weights and Adam moments over DP (the "
@@ -144,7 +148,7 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         options.update(_schedule_options(args.schedules, args.offload))
     if args.recompute:
         options["recompute"] = (args.recompute,)
-    for field in ("tp", "pp", "offload", "group_sizes", "micro_batch_sizes", "chunks"):
+    for field in ("tp", "pp", "cp", "offload", "group_sizes", "micro_batch_sizes", "chunks"):
         if getattr(args, field):
             options[field] = getattr(args, field)
     return SearchSpace(**options)
@@ -173,13 +177,17 @@ def _schedule_options(schedules: tuple[str, ...], offload: tuple[str, ...] | Non
     return options
 
 
-def _every_dimension_fixed(args: argparse.Namespace, space: SearchSpace) -> bool:
-    """Whether the user gave one value for each of tp, pp, chunks (where the schedule takes
-    them), group size (likewise), microbatch size, schedule, recompute and offload: then the
-    report shows that configuration whether or not it fits."""
+def _every_dimension_fixed(args: argparse.Namespace, space: SearchSpace, seq_len: int) -> bool:
+    """Whether the user gave one value for each of tp, pp, cp (or the sequence is too short for
+    the search to try cp > 1), chunks (where the schedule takes them), group size (likewise),
+    microbatch size, schedule, recompute and offload: then the report shows that
+    configuration whether or not it fits."""
     single = [space.tp, space.pp, args.micro_batch_sizes, space.schedules, space.recompute,
               space.offload if (args.offload or args.schedules) else None]
     if any(value is None or len(value) != 1 for value in single):
+        return False
+    if (len(space.cp) != 1 if space.cp is not None
+            else seq_len >= 2 * space.min_cp_tokens):
         return False
     family = space.registry.family(space.schedules[0])
     if "group_size" in family.options and len(space.group_sizes) != 1:
@@ -243,7 +251,7 @@ def _plan(args: argparse.Namespace) -> int:
     config, space = _config(args, preset), _space(args)
     limits = train_limits(spec, {f for f in ("recompute", "tp") if getattr(args, f)})
     searched = limited(space, limits)
-    fixed = _every_dimension_fixed(args, searched)
+    fixed = _every_dimension_fixed(args, searched, spec.seq_len)
     if fixed:
         config = dataclasses.replace(config, nearest_tries=max(config.nearest_tries, 8))
     result = search(spec, hw, config, searched, None if args.quiet else _progress)

@@ -198,14 +198,16 @@ def local_process_limit() -> int:
     return LOCAL_PROCESSES_PER_CPU * max(cores, 1)
 
 
-def check_local_processes(pp: int, dp: int, tp: int) -> None:
+def check_local_processes(pp: int, dp: int, tp: int, cp: int = 1) -> None:
     """Refuse to start more local processes than ``local_process_limit``."""
     limit = local_process_limit()
-    if pp * dp * tp > limit:
+    if pp * dp * tp * cp > limit:
+        product = f"--pp {pp} x --dp {dp} x --tp {tp}" + (f" x --cp {cp}" if cp > 1 else "")
         raise ConfigError(
-            f"--pp {pp} x --dp {dp} x --tp {tp} = {pp * dp * tp} processes, more than train "
+            f"{product} = {pp * dp * tp * cp} processes, more than train "
             f"starts on one machine ({limit}: {LOCAL_PROCESSES_PER_CPU} per CPU core); run it "
-            "across machines with torchrun (docs/training.md), or lower --pp / --dp / --tp")
+            "across machines with torchrun (docs/training.md), or lower --pp / --dp / --tp"
+            " / --cp")
 
 
 def flag_name(dest: str) -> str:

@@ -39,7 +39,7 @@ def format_duration(seconds: float) -> str:
 def metrics_config(config: TrainConfig, report: ReportOptions, topology: Topology
                    ) -> MetricsConfig:
     """FLOPs per step, devices and the peak MFU is measured against, for this run."""
-    processes = config.pp * config.dp * config.tp if topology.distributed else 1
+    processes = config.processes if topology.distributed else 1
     peak = report.peak_flops_per_s
     if peak is None and topology.device is not None and topology.device.type == "cuda":
         import torch

@@ -2,9 +2,10 @@
 
 - Under torchrun (env:// variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT present) this
   process is one rank of the job (NCCL on GPUs, gloo on CPU).
-- Otherwise, with pp * dp * tp > 1 and no ``--inline``, it starts pp * dp * tp local processes
-  with cli/launch.py (each re-enters here with ``--worker-config``); with pp * dp * tp == 1 or
-  ``--inline`` it runs every pipeline rank in this process (Pipeline's local mode).
+- Otherwise, with pp * dp * tp * cp > 1 and no ``--inline``, it starts pp * dp * tp * cp
+  local processes with cli/launch.py (each re-enters here with ``--worker-config``); with
+  pp * dp * tp * cp == 1 or ``--inline`` it runs every pipeline rank in this process
+  (Pipeline's local mode).
 The reporting process (the last stage's rank of replica 0, which has the loss) prints a
 progress line per ``--log-every`` steps and, at the end, the peak-activation table, or with
 ``--json`` one JSON line on stdout (progress then goes to stderr).
@@ -55,8 +56,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         "included); self-launches local processes, or runs under torchrun",
         description="Train the reference transformer with a pipeline schedule, activation "
         "offload included, and report the peak activation per rank: measured, and predicted by "
-        "the simulator. Without torchrun it starts pp * dp * tp local processes; under torchrun "
-        "it is one rank of the job. See docs/training.md.")
+        "the simulator. Without torchrun it starts pp * dp * tp * cp local processes; under "
+        "torchrun it is one rank of the job. See docs/training.md.")
     add_train_options(p)
     p.set_defaults(handler=cmd_train, on_interrupt=interrupt_note)
     return p
@@ -87,7 +88,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ReportOptio
             resume=args.resume, measure_baseline=not args.no_baseline,
             tp=args.tp, dtype=args.dtype, recompute=args.recompute, keep_last=args.keep_last,
             hf_model=hf_model, eval_every=args.eval_every, eval_batches=args.eval_batches,
-            export_hf=args.export_hf, export_dtype=args.export_dtype, zero=args.zero)
+            export_hf=args.export_hf, export_dtype=args.export_dtype, zero=args.zero,
+            cp=args.cp)
     except FieldError as error:
         raise config_error(error) from None
     peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else None
@@ -214,9 +216,9 @@ def _configure(args: argparse.Namespace, torchrun: bool) -> tuple[TrainConfig, R
         config, report = _first_rank_reports(lambda: config_from_args(args))
     else:
         config, report = config_from_args(args)
-    if not torchrun and args.inline and (config.dp > 1 or config.tp > 1):
-        raise ConfigError("--inline runs one pipeline replica in one process; use --dp 1 "
-                          "and --tp 1, or drop --inline")
+    if not torchrun and args.inline and (config.dp > 1 or config.tp > 1 or config.cp > 1):
+        raise ConfigError("--inline runs one pipeline replica in one process; use --dp 1, "
+                          "--tp 1 and --cp 1, or drop --inline")
     if report.png is not None and not preflight.have_matplotlib():
         preflight.note("train", preflight.MATPLOTLIB_MISSING.format(what=report.png))
         report = dataclasses.replace(report, png=None)
@@ -236,7 +238,7 @@ def _run_under_torchrun(config: TrainConfig, report: ReportOptions, settings: st
     train as that rank."""
     from pipeoffload.training.run_checks import check_run
 
-    _first_rank_reports(lambda: check_run(config, config.pp * config.dp * config.tp))
+    _first_rank_reports(lambda: check_run(config, config.processes))
     if os.environ.get("RANK") == "0":
         print(f"pipeoffload train: settings: {changed or '(all defaults)'}", file=out,
               flush=True)
@@ -248,7 +250,7 @@ def _run_under_torchrun(config: TrainConfig, report: ReportOptions, settings: st
 def _run_here(config: TrainConfig, report: ReportOptions, settings: str, changed: str,
               out: IO[str], *, inline: bool) -> int:
     """Check everything up front, say what will run, then run it in this process (one
-    process, or ``--inline``) or on pp * dp * tp local processes."""
+    process, or ``--inline``) or on pp * dp * tp * cp local processes."""
     from pipeoffload.training.run_checks import check_run
 
     if config.hf_model is not None:
@@ -265,8 +267,8 @@ def _run_here(config: TrainConfig, report: ReportOptions, settings: str, changed
                               "pass --device cpu (or auto)")
     preflight.check_work(config.pp, config.chunks or 2, config.num_microbatches)
     if not inline:
-        preflight.check_local_processes(config.pp, config.dp, config.tp)
-    processes = 1 if inline else config.pp * config.dp * config.tp
+        preflight.check_local_processes(config.pp, config.dp, config.tp, config.cp)
+    processes = 1 if inline else config.processes
     plan = check_run(config, processes=processes)
     preflight.offload_notes("train", plan.report, config.fetch_on_use)
     print(startup_line(config, report, processes, plan.schedule.name), file=out, flush=True)
@@ -294,9 +296,10 @@ def _self_launch(config: TrainConfig, report: ReportOptions, plan: OffloadPlan,
                  settings: str) -> int:
     from pipeoffload.cli.launch import LaunchConfig, launch
 
-    processes = config.pp * config.dp * config.tp
+    processes = config.processes
     last = plan.schedule.rank_of(plan.schedule.num_stages - 1)
-    reporter = Topology(pp=config.pp, dp=config.dp, tp=config.tp).global_rank(last, 0)
+    reporter = Topology(pp=config.pp, dp=config.dp, tp=config.tp,
+                        cp=config.cp).global_rank(last, 0)
     payload = json.dumps({"config": config.to_dict(), "report": dataclasses.asdict(report),
                           "settings": settings})
     # --no-png: the payload says what to write; the worker's own defaults must not be checked.
@@ -350,7 +353,7 @@ def _join(config: TrainConfig, distributed: bool) -> Topology:
 
     if distributed:
         return connect(config.pp, config.dp, config.device, config.p2p_timeout_s,
-                       tp=config.tp, agree={"options": config.to_dict()})
+                       tp=config.tp, agree={"options": config.to_dict()}, cp=config.cp)
     return Topology.local(config.pp, resolve_device(config.device))
 
 

@@ -69,6 +69,10 @@ def _parallelism_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=count(1, MAX_RANKS), default=1,
                    help="tensor-parallel ranks per stage (torch DTensor; default 1); "
                    "pp * dp * tp processes")
+    g.add_argument("--cp", type=count(1, MAX_RANKS), default=1,
+                   help="context-parallel ranks: each holds 1/cp of every sequence (chunks i "
+                   "and 2cp-1-i), attention all-gathers K and V (default 1); pp * dp * tp * cp "
+                   "processes")
     g.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp64"),
                    help="fp32 (default); bf16: bf16 weights and activations, fp32 master "
                    "weights and AdamW state; fp64 for exactness checks")

@@ -128,7 +128,7 @@ def summary(result: TrainResult, config: TrainConfig, png: str | None) -> dict[s
     as_list = (lambda v: None if v is None else list(v))  # noqa: E731
     return {
         "schedule": schedule.name, "pp": config.pp, "dp": config.dp, "tp": config.tp,
-        "dtype": config.dtype, "recompute": config.recompute,
+        "cp": config.cp, "dtype": config.dtype, "recompute": config.recompute,
         "stages": schedule.num_stages, "microbatches": schedule.microbatches,
         "start_step": result.start_step, "steps": result.end_step,
         "first_loss": result.losses[0] if result.losses else None,

@@ -81,6 +81,9 @@ class CausalLMStage(nn.Module):
         self.lm_head = head
         self.tied_parameters: dict[str, dict[int, str]] = {}  # Note: [tied parameters]
         self.document_eos: int | None = None  # set on every stage: see the class docstring
+        # A runtime/sequence.py SequenceSplit under context parallelism (parallel/context.py
+        # apply_context_parallel): the hidden states are this rank's tokens.
+        self.context: Any = None
 
     def forward(self, hidden: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, *,
@@ -94,6 +97,8 @@ class CausalLMStage(nn.Module):
         if hidden is None:
             raise TypeError("CausalLMStage.forward: give the hidden states (token ids, or "
                             "input_ids=, on the first stage)")
+        if self.context is not None:
+            return self._forward_context(hidden, attention_mask)
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         padding = attention_mask
         if self.document_eos is not None and attention_mask is not None:
@@ -116,6 +121,25 @@ class CausalLMStage(nn.Module):
         if self.lm_head is not None and self.norm is not None:  # the last stage has both
             return self.lm_head(self.norm(hidden))
         return hidden if attention_mask is None else (hidden, attention_mask)
+
+    def _forward_context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None
+                         ) -> torch.Tensor:
+        """The layers on this rank's tokens at their global positions; the causal (or
+        sliding-window) mask is the context-parallel attention's own (parallel/context.py)."""
+        if attention_mask is not None or self.rotary_emb is None:
+            raise ConfigError("context parallelism runs rotary-embedding models on whole "
+                              "sequences without a padding mask")
+        seq = hidden.shape[1] * self.context.cp
+        positions = self.context.positions(seq, hidden.device).unsqueeze(0)
+        extra = {"position_ids": positions, "context": self.context,
+                 "position_embeddings": self.rotary_emb(hidden, position_ids=positions)}
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=None, **extra)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        if self.lm_head is not None and self.norm is not None:
+            return self.lm_head(self.norm(hidden))
+        return hidden
 
 
 def _layer_type(config: Any, index: int) -> str:

@@ -317,7 +317,9 @@ class TrainingState:
 
 
 def _world(where: Topology) -> int:
-    return dist.get_world_size() if where.distributed else 1
+    """The processes whose state a checkpoint holds: context-parallel ranks hold the same
+    (one writes it), so a run may resume with another cp."""
+    return dist.get_world_size() // where.cp if where.distributed else 1
 
 
 def _barrier(where: Topology) -> None:
@@ -378,8 +380,8 @@ def _stage_payloads(state: TrainingState, where: Topology) -> list[tuple[str, di
     model and optimizer state; with a ``sharded`` optimizer every replica its shard, replica 0
     with the model (Note: [sharded optimizer checkpoint])."""
     sharded = state.optimizer.sharded
-    if where.dp_index != 0 and not sharded:
-        return []
+    if where.cp_index != 0 or (where.dp_index != 0 and not sharded):
+        return []  # context-parallel ranks hold the same parameters and optimizer state
     tp_index = _tp_index(where)
     payloads = []
     for s, module in sorted(state.stages.items()):

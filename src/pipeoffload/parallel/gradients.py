@@ -55,20 +55,24 @@ def unique_params(stages: Mapping[int, nn.Module]) -> list[torch.Tensor]:
 
 
 def sync_gradients(params: Mapping[int, list[torch.Tensor]], topology: Topology | None) -> None:
-    """Average gradients over data-parallel replicas (one all-reduce per stage).
+    """Average gradients over data-parallel replicas and context-parallel ranks (one
+    all-reduce per stage over ``topology.grad_group``): each context-parallel rank holds the
+    gradient of its share of the whole-sequence mean loss's terms, so their mean is the
+    gradient of that loss (parallel/context.py).
 
     Gradients of DTensor parameters are this rank's shards: the all-reduce moves shards.
     Clipping is clip_gradients, after this.
     """
-    if topology is None or not topology.distributed or topology.dp == 1:
+    if topology is None or not topology.distributed or topology.grad_replicas == 1:
         return
+    replicas = topology.grad_group if topology.grad_group is not None else topology.dp_group
     for group in ([p.grad for p in ps if p.grad is not None] for ps in params.values()):
         if not group:  # the same on every replica of this pipeline rank
             continue
         locals_ = [local_shard(g) for g in group]
         flat = torch.cat([g.reshape(-1) for g in locals_])
-        dist.all_reduce(flat, group=topology.dp_group)
-        flat /= topology.dp
+        dist.all_reduce(flat, group=replicas)
+        flat /= topology.grad_replicas
         offset = 0
         for g in locals_:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))

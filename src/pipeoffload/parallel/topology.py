@@ -1,4 +1,4 @@
-"""Where each process of a job sits: the (pp, dp, tp) device mesh, its process groups and
+"""Where each process of a job sits: the (pp, dp, cp, tp) device mesh, its process groups and
 this process's device (``Topology``), and joining a job torchrun (or `pipeoffload train`'s own
 launcher, cli/launch.py) started (``connect``).
 
@@ -10,6 +10,11 @@ one pipeline rank (the gradient all-reduce), so with torchrun's node-major numbe
 inside a node where they can and the pipeline's point-to-point hops (light) cross nodes. Each
 (replica, tensor-parallel rank) has its own pipeline group, each (pipeline rank,
 tensor-parallel rank) its own data-parallel group; with tp = 1, g = pp_rank * dp + replica.
+With context parallelism (cp > 1) the mesh has a fourth dimension, "cp", and its order is
+data: parallel/rank_order.py Note: [rank order] (default pp, dp, cp, tp: the layout above with
+each tensor-parallel group's context-parallel peers next to it). Gradients are averaged over
+the data- and context-parallel ranks together (``grad_group``), as each context-parallel rank
+holds the gradient of its part of every sequence.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.parallel.rank_order import DEFAULT_ORDER, RankOrder
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +47,10 @@ class Topology:
     channel_groups: Any = None  # {lowering.Channel: group}, see Pipeline(channel_groups=)
     tp: int = 1
     tp_mesh: Any = None  # the 1-D DeviceMesh of this process's tensor-parallel group (tp > 1)
+    cp: int = 1
+    cp_group: Any = None  # this process's context-parallel group (cp > 1)
+    grad_group: Any = None  # the data- x context-parallel group gradients are averaged over
+    order: tuple[str, ...] = DEFAULT_ORDER  # Note: [rank order]
 
     @classmethod
     def local(cls, pp: int, device: torch.device | str = "cpu") -> Topology:
@@ -49,24 +59,39 @@ class Topology:
         return cls(pp=pp, dp=1, device=torch.device(device))
 
     @property
+    def rank_order(self) -> RankOrder:
+        return RankOrder({"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp},
+                         self.order)
+
+    @property
     def pp_rank(self) -> int:
-        return self.rank // (self.dp * self.tp)
+        return self.rank_order.index(self.rank, "pp")
 
     @property
     def dp_index(self) -> int:
-        return (self.rank // self.tp) % self.dp
+        return self.rank_order.index(self.rank, "dp")
 
     @property
     def tp_index(self) -> int:
-        return self.rank % self.tp
+        return self.rank_order.index(self.rank, "tp")
+
+    @property
+    def cp_index(self) -> int:
+        return self.rank_order.index(self.rank, "cp")
+
+    @property
+    def grad_replicas(self) -> int:
+        """How many ranks hold a part of each parameter's gradient: dp * cp."""
+        return self.dp * self.cp
 
     @property
     def pipeline_ranks(self) -> tuple[int, ...]:
         """The pipeline ranks this process runs."""
         return (self.pp_rank,) if self.distributed else tuple(range(self.pp))
 
-    def global_rank(self, pp_rank: int, dp_index: int, tp_index: int = 0) -> int:
-        return (pp_rank * self.dp + dp_index) * self.tp + tp_index
+    def global_rank(self, pp_rank: int, dp_index: int, tp_index: int = 0,
+                    cp_index: int = 0) -> int:
+        return self.rank_order.rank(pp=pp_rank, dp=dp_index, tp=tp_index, cp=cp_index)
 
     def stages_of(self, schedule: Any) -> list[int]:
         """The stages of ``schedule`` this process holds (every stage in local mode)."""
@@ -95,27 +120,32 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
             env: Mapping[str, str] = os.environ, tp: int = 1,
-            agree: Mapping[str, Any] | None = None) -> Topology:
+            agree: Mapping[str, Any] | None = None, cp: int = 1,
+            order: tuple[str, ...] = DEFAULT_ORDER) -> Topology:
     """Join the job torchrun (or ``launch``) started: init the default group from env://
     (NCCL on GPUs, gloo on CPU; ``timeout_s`` for every collective, and on NCCL the bound for a
-    hung receive: runtime/p2p.py Note: [NCCL posting]), build the (pp, dp, tp) device mesh and
-    take the pipeline, data-parallel and tensor-parallel groups from it (see Note: [rank
-    layout]). On CUDA the group is bound to this process's device (``device_id``: eager NCCL
-    init, new groups split from it), and each pipeline gets one communicator per
-    lowering.Channel (Note: [NCCL channels]). The environment is checked and the ranks meet
-    through parallel/job.py first, so a bad variable, a port in use or ranks that disagree on
-    WORLD_SIZE or on ``agree`` (e.g. the training options) are named, not a timeout."""
+    hung receive: runtime/p2p.py Note: [NCCL posting]), build the (pp, dp, cp, tp) device mesh
+    in ``order`` and take the pipeline, data-parallel, context-parallel and tensor-parallel
+    groups from it (see Note: [rank layout]). On CUDA the group is bound to this process's
+    device (``device_id``: eager NCCL init, new groups split from it), and each pipeline gets
+    one communicator per lowering.Channel (Note: [NCCL channels]). The environment is checked
+    and the ranks meet through parallel/job.py first, so a bad variable, a port in use or ranks
+    that disagree on WORLD_SIZE or on ``agree`` (e.g. the training options) are named, not a
+    timeout."""
     import torch
     import torch.distributed as dist
 
     from pipeoffload.parallel.job import join_store, read_job_env
 
+    layout = RankOrder({"pp": pp, "dp": dp, "cp": cp, "tp": tp}, tuple(order))
     job = read_job_env(env)
-    store = join_store(job, timeout_s, {"pp": pp, "dp": dp, "tp": tp, **(agree or {})})
+    store = join_store(job, timeout_s, {"pp": pp, "dp": dp, "tp": tp, "cp": cp,
+                                        "order": list(order), **(agree or {})})
     world = job.world_size
-    if world != pp * dp * tp:
+    if world != layout.world_size:
         raise ConfigError(f"the job has WORLD_SIZE={world} processes but --pp {pp} x --dp {dp} "
-                          f"x --tp {tp} = {pp * dp * tp}; start pp*dp*tp processes")
+                          f"x --tp {tp} x --cp {cp} = {layout.world_size}; start "
+                          "pp*dp*tp*cp processes")
     where = resolve_device(device, job.local_rank)
     backend = "nccl" if where.type == "cuda" else "gloo"
     if where.type == "cuda":
@@ -124,13 +154,14 @@ def connect(pp: int, dp: int, device: str = "auto", timeout_s: float = 300.0,
     bound: dict[str, Any] = {"device_id": where} if where.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=job.rank, world_size=world,
                             timeout=timeout, **bound)
-    return mesh_topology(pp, dp, tp, where, timeout_s)
+    return mesh_topology(pp, dp, tp, where, timeout_s, cp=cp, order=tuple(order))
 
 
 def mesh_topology(pp: int, dp: int, tp: int, where: torch.device,
-                  timeout_s: float = 300.0) -> Topology:
-    """In a process whose default group (of pp * dp * tp ranks) is initialised: build the
-    (pp, dp, tp) device mesh and this process's Topology (Note: [rank layout])."""
+                  timeout_s: float = 300.0, *, cp: int = 1,
+                  order: tuple[str, ...] = DEFAULT_ORDER) -> Topology:
+    """In a process whose default group (of pp * dp * cp * tp ranks) is initialised: build
+    the device mesh in ``order`` and this process's Topology (Note: [rank layout])."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -138,19 +169,24 @@ def mesh_topology(pp: int, dp: int, tp: int, where: torch.device,
 
     rank, backend = dist.get_rank(), backend_for(None, where.type) or dist.get_backend()
     timeout = datetime.timedelta(seconds=timeout_s)
-    names = ("pp", "dp", "tp")
-    mesh = init_device_mesh(where.type, (pp, dp, tp), mesh_dim_names=names,
+    layout = RankOrder({"pp": pp, "dp": dp, "cp": cp, "tp": tp}, order)
+    mesh = init_device_mesh(where.type, layout.shape, mesh_dim_names=layout.dims,
                             backend_override={n: (backend, _options(backend, timeout))
-                                              for n in names})
+                                              for n in layout.dims})
     topo = Topology(pp=pp, dp=dp, tp=tp, rank=rank, distributed=True, device=where,
                     pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
-                    tp_mesh=mesh["tp"] if tp > 1 else None)
+                    tp_mesh=mesh["tp"] if tp > 1 else None, cp=cp,
+                    cp_group=mesh.get_group("cp") if cp > 1 else None, order=layout.dims)
+    grad_group = topo.dp_group if cp == 1 else topo.cp_group
+    if cp > 1 and dp > 1:  # every process makes every group, in one order
+        grad_group, _ = dist.new_subgroups_by_enumeration(
+            layout.all_groups("dp", "cp"), timeout=timeout, backend=backend,
+            pg_options=_options(backend, timeout))
     # One communicator per channel and pipeline: NCCL runs each one's P2P in posting order, and
     # on gloo separate sockets per direction make sends faster (groups.channel_groups).
-    pipelines = [[topo.global_rank(p, d, t) for p in range(pp)]
-                 for d in range(dp) for t in range(tp)] if pp > 1 else []  # one stage: no P2P
+    pipelines = layout.all_groups("pp") if pp > 1 else []  # one stage: no P2P
     channels = channel_groups(pipelines, rank, timeout) if pipelines else None
-    return dataclasses.replace(topo, channel_groups=channels)
+    return dataclasses.replace(topo, channel_groups=channels, grad_group=grad_group)
 
 
 def _options(backend: str, timeout: datetime.timedelta) -> Any:

@@ -20,7 +20,8 @@ from pipeoffload.planner.transformer import Recompute
 class Candidate:
     """Everything the planner chooses. ``schedule`` is a canonical registry name and
     ``chunks`` its stages per rank; ``group_size`` is set for a family with that option only;
-    ``offload`` is an offload target spec."""
+    ``offload`` is an offload target spec; ``cp`` the context-parallel degree
+    (planner/context.py)."""
 
     schedule: str
     dp: int
@@ -32,6 +33,11 @@ class Candidate:
     recompute: Recompute = Recompute.LGD
     offload: str = "none"
     group_size: int | None = None
+    cp: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def layout(self) -> Layout:
@@ -43,7 +49,7 @@ class Candidate:
         ``family``: its schedule's declaration (default: the library registry's)."""
         family = family if family is not None else REGISTRY.family(self.schedule)
         run = framework.run(self.micro_batch, self.tp, self.recompute,
-                            w_deferred=family.w_deferred)
+                            w_deferred=family.w_deferred, cp=self.cp)
         return Layout(self.dp, self.tp, self.pp, self.chunks, run)
 
     @property

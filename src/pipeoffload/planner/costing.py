@@ -8,9 +8,12 @@ recompute option. This module turns it into
 - per-rank model-state memory (weights, gradients, optimizer) and the DP exchange time;
 - the model FLOPs of a step and the peak FLOP/s that MFU is quoted against.
 
-Note [rank order]: GPUs are numbered TP fastest, then PP, then DP (global rank
-= tp_rank + tp * (pp_rank + pp * dp_rank)). So a TP group sits inside a node, neighbouring
-pipeline ranks are ``tp`` GPUs apart, and a DP group is ``tp * pp`` apart. GPUs that share a
+Note [rank order]: GPUs are numbered TP fastest, then CP, then PP, then DP (global rank
+= tp_rank + tp * (cp_rank + cp * (pp_rank + pp * dp_rank))). So a TP group sits inside a
+node, then its context-parallel peers (``tp`` GPUs apart; context.py), neighbouring pipeline
+ranks are ``tp * cp`` GPUs apart, and a DP group is ``tp * cp * pp`` apart. This is the
+planner's choice for ``pipeoffload train --rank-order`` (parallel/rank_order.py, outermost
+first: dp, pp, cp, tp); with cp = 1 it is the order TP, PP, DP. GPUs that share a
 host link (``Hardware.gpus_per_host_link``, two A100s on one PCIe switch) are neighbours: with
 tp >= that count they are in one TP group and copy their shards at the same moments, so each
 gets 1/share of the link; with tp below it, ``share / tp`` pipeline ranks share one link and
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from pipeoffload.checks import check_number
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.comm_bytes import ring_collective_bytes
+from pipeoffload.planner.context import context_spec
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.layer_time import CAUSAL_FRACTION, collective_s
 from pipeoffload.planner.layer_work import NormKernel
@@ -60,8 +64,9 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Layout:
-    """How the job is split: ``dp`` x ``tp`` x ``pp`` GPUs, ``chunks`` stages per pipeline
-    rank, ``micro_batch`` sequences per microbatch, and what the layers recompute."""
+    """How the job is split: ``dp`` x ``tp`` x ``pp`` x ``cp`` GPUs (``cp``: ``run.cp``,
+    context.py), ``chunks`` stages per pipeline rank, ``micro_batch`` sequences per
+    microbatch, and what the layers recompute."""
 
     dp: int
     tp: int
@@ -70,8 +75,18 @@ class Layout:
     run: RunConfig = RunConfig()
 
     @property
+    def cp(self) -> int:
+        return self.run.cp
+
+    @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def grad_replicas(self) -> int:
+        """The ranks that average each gradient (and share a distributed optimizer's state):
+        data-parallel x context-parallel (Megatron-LM's data-parallel group with CP)."""
+        return self.dp * self.cp
 
     @property
     def stages(self) -> int:
@@ -89,7 +104,9 @@ class Framework:
     ``p2p_blocking``: stages wait for their pipeline transfers (Note [blocking P2P]).
     ``norm_kernel``: the LayerNorm kernels (layer_work.py, Note [norm kernels]).
     ``userbuffers``: Transformer Engine overlaps every TP collective with a matmul
-    (layer_time.py, Note [userbuffer overlap])."""
+    (layer_time.py, Note [userbuffer overlap]). ``attention_speedup``: the framework's flash
+    attention kernel's rate over the hardware preset's (FlashAttention-2's, calibrated;
+    frameworks.py ``CUDNN_ATTENTION_SPEEDUP``)."""
 
     sequence_parallel: bool = True
     tp_overlap: bool = True
@@ -97,15 +114,17 @@ class Framework:
     p2p_blocking: bool = False
     norm_kernel: NormKernel = NormKernel.PERSISTENT
     userbuffers: bool = False
+    attention_speedup: float = 1.0
 
     def run(self, micro_batch: int, tp: int, recompute: Recompute, *,
-            w_deferred: bool = False) -> RunConfig:
+            w_deferred: bool = False, cp: int = 1) -> RunConfig:
         """The RunConfig of one layout under this framework."""
-        return RunConfig(micro_batch=micro_batch, tp=tp, recompute=recompute,
+        return RunConfig(micro_batch=micro_batch, tp=tp, recompute=recompute, cp=cp,
                          sequence_parallel=self.sequence_parallel, tp_overlap=self.tp_overlap,
                          w_deferred=w_deferred, p2p_blocking=self.p2p_blocking,
                          grad_accumulation_bytes=self.grad_accumulation_bytes,
-                         norm_kernel=self.norm_kernel, userbuffers=self.userbuffers)
+                         norm_kernel=self.norm_kernel, userbuffers=self.userbuffers,
+                         attention_speedup=self.attention_speedup)
 
 
 #: What ``pipeoffload train`` and current Megatron do (Framework's defaults).
@@ -195,9 +214,9 @@ def blocking_p2p_s(spec: TransformerSpec, hw: Hardware, layout: Layout) -> float
     the transfer's latency to each cross-rank dependency instead."""
     if not layout.run.p2p_blocking or layout.pp == 1:
         return 0.0
-    cross = _cross_node(hw, layout.tp * layout.pp)
+    cross = _cross_node(hw, layout.tp * layout.cp * layout.pp)
     gather = 0.0 if layout.run.sequence_parallel else \
-        collective_s(spec, hw, layout.run.micro_batch, layout.tp)
+        collective_s(context_spec(spec, layout.cp), hw, layout.run.micro_batch, layout.tp)
     return p2p_s(spec, hw, layout.run, cross_node=cross) + gather
 
 
@@ -229,7 +248,7 @@ def cost_model(pieces: tuple[PieceCost, ...], spec: TransformerSpec, hw: Hardwar
         i_time=reference.i_s,
         w_time=reference.w_s,
         p2p_time=0.0 if layout.run.p2p_blocking else p2p_s(
-            spec, hw, layout.run, cross_node=_cross_node(hw, layout.tp * layout.pp)),
+            spec, hw, layout.run, cross_node=_cross_node(hw, layout.tp * layout.cp * layout.pp)),
         stage_activation_bytes=tuple(piece.activation_bytes for piece in pieces),
         stage_time_scale=tuple(piece.chunk_s / reference.chunk_s for piece in pieces),
         d2h_bytes_per_s=hw.d2h_bytes_per_s * fraction,
@@ -250,7 +269,7 @@ def rank_state(spec: TransformerSpec, pieces: tuple[PieceCost, ...],
                stage_to_rank: tuple[int, ...], layout: Layout,
                memory: MemoryConfig) -> list[StateBytes]:
     """Weights, gradients and optimizer state per pipeline rank."""
-    return [state_bytes(spec, n, memory.optimizer, dp=layout.dp)
+    return [state_bytes(spec, n, memory.optimizer, dp=layout.grad_replicas)
             for n in rank_params(pieces, stage_to_rank)]
 
 
@@ -260,18 +279,21 @@ def dp_seconds(spec: TransformerSpec, hw: Hardware, pieces: tuple[PieceCost, ...
     the pipeline]): all of it after the pipeline drains, or with ``overlap_grad_reduce`` what
     sticks out of one microbatch's backward through the rank's stages. DP groups are ``tp x
     pp`` GPUs apart (Note [rank order]); those of a group in one node share its NICs. With tied
-    embeddings the all-reduce of their gradient follows (``embedding_sync_s``)."""
-    if layout.dp == 1:
+    embeddings the all-reduce of their gradient follows (``embedding_sync_s``). With context
+    parallelism the group is dp x cp (``Layout.grad_replicas``): cp ranks ``tp`` apart, dp
+    ``tp * cp * pp`` apart."""
+    if layout.grad_replicas == 1:
         return embedding_sync_s(spec, hw, stage_to_rank, layout, memory.optimizer)
-    stride = layout.tp * layout.pp
     cross = _cross_node(hw, layout.gpus)
-    per_node = min(layout.dp, max(1, hw.gpus_per_node // stride))
+    node = hw.gpus_per_node
+    per_node = (min(layout.cp, max(1, node // layout.tp))
+                * min(layout.dp, max(1, node // (layout.tp * layout.cp * layout.pp))))
     backward = [0.0] * (max(stage_to_rank) + 1)
     for stage, piece in enumerate(pieces):
         backward[stage_to_rank[stage]] += piece.i_s + piece.w_s
     exposed = 0.0
     for rank, params in enumerate(rank_params(pieces, stage_to_rank)):
-        seconds = dp_s(dp_traffic(spec, params, memory.optimizer, dp=layout.dp), hw,
+        seconds = dp_s(dp_traffic(spec, params, memory.optimizer, dp=layout.grad_replicas), hw,
                        cross_node=cross, gpus_per_node=per_node)
         if memory.optimizer.overlap_grad_reduce:
             seconds = max(0.0, seconds - backward[rank])
@@ -296,7 +318,7 @@ def embedding_sync_s(spec: TransformerSpec, hw: Hardware, stage_to_rank: tuple[i
         return 0.0
     nbytes = 2 * ring_collective_bytes(tied_embedding_params(spec, layout.tp), 2,
                                        optimizer.grad_bytes)
-    cross = _cross_node(hw, layout.tp * layout.pp)
+    cross = _cross_node(hw, layout.tp * layout.cp * layout.pp)
     return nbytes / hw.achieved_bytes_per_s(cross_node=cross, one_gpu_per_node=True)
 
 
@@ -304,7 +326,7 @@ def optimizer_seconds(hw: Hardware, pieces: tuple[PieceCost, ...],
                       stage_to_rank: tuple[int, ...], layout: Layout,
                       memory: MemoryConfig) -> float:
     """The optimizer step of the rank with the most parameters (memory-bound; optimizer.py)."""
-    return max(optimizer_step_s(params, memory.optimizer, hw, dp=layout.dp)
+    return max(optimizer_step_s(params, memory.optimizer, hw, dp=layout.grad_replicas)
                for params in rank_params(pieces, stage_to_rank))
 
 

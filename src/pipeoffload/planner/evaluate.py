@@ -162,7 +162,8 @@ class Evaluator:
         """What ``Candidate.layout_under`` reads of a candidate (one framework per Evaluator);
         hashes faster than a Layout."""
         return (candidate.dp, candidate.tp, candidate.pp, candidate.chunks,
-                candidate.micro_batch, candidate.recompute, self.family(candidate).w_deferred)
+                candidate.micro_batch, candidate.recompute, self.family(candidate).w_deferred,
+                candidate.cp)
 
     def layout(self, candidate: Candidate) -> Layout:
         key = self._layout_key(candidate)
@@ -350,7 +351,7 @@ class Evaluator:
             optimizer_time=optimizer_time,
             mfu_causal=mfu_causal,
             host_bytes=max(run.host_bytes),
-            host_node_bytes=node_host_bytes(run.host_bytes, candidate.tp, candidate.pp,
-                                            self.hw.gpus_per_node),
+            host_node_bytes=node_host_bytes(run.host_bytes, candidate.tp * candidate.cp,
+                                            candidate.pp, self.hw.gpus_per_node),
             host_budget_bytes=self.host_budget_bytes,
         )

@@ -20,6 +20,12 @@ behind the published runs (docs/planner-model.md, "Checked against published run
   parallelism, every TP collective pipelined with the matmul beside it (``--tp-comm-overlap``),
   pipeline transfers overlapped, the distributed optimizer reducing gradients during the last
   backward (``--overlap-grad-reduce --overlap-param-gather``), flash attention.
+- ``nemo-2025``: NeMo 25.02 (Megatron-Core with Transformer Engine; NVIDIA's dgxc-benchmarking
+  v25.02 Llama 3 runs, the planner's context-parallel rows): ``megatron-core`` with Transformer
+  Engine's cuDNN fused attention, which it prefers over the flash-attn package on Hopper
+  (NeMo's docs, memory_optimizations.rst, NVIDIA/NeMo PR #9188: "Transformer Engine prefers
+  cuDNN flash attention on Hopper+ architectures"), at ``CUDNN_ATTENTION_SPEEDUP`` times the
+  calibrated FlashAttention-2 rate.
 - ``llama3-2024``: Meta's framework for Llama 3 (Dubey et al. 2024), whose details are not
   published: the planner's defaults with fp32 gradients reduced during the last backward
   (their FSDP) [assumption].
@@ -61,6 +67,16 @@ class FrameworkPreset:
         return dataclasses.replace(self.optimizer, sharded=sharded)
 
 
+#: cuDNN fused attention's rate over the Hopper presets' FlashAttention-2 rate (hardware.py,
+#: Note [Hopper calibration]), **fitted** (published_cp.calibrate_cudnn_attention) on the four
+#: dgxc-benchmarking v25.02 / v24.11.1 Llama 3 rows that use context parallelism. The kernels'
+#: own benchmark puts it near 1.62 (FlashAttention-3 paper, Shah et al. 2024, figure 5, H100
+#: SXM5, BF16, head dim 128, sequence 8k: cuDNN 600 against FlashAttention-2's 370 TFLOP/s);
+#: the fit lands higher because the FlashAttention-2 rate it scales was fitted on runs with
+#: attention dropout, which the Llama runs do not have (docs/planner-model.md, "Context
+#: parallelism").
+CUDNN_ATTENTION_SPEEDUP = 2.0
+
 _MEGATRON_2021 = Framework(sequence_parallel=False, tp_overlap=False, p2p_blocking=True,
                            norm_kernel=NormKernel.APEX)
 _MEGATRON_2022 = Framework(sequence_parallel=True, p2p_blocking=True)
@@ -98,6 +114,11 @@ FRAMEWORKS: dict[str, FrameworkPreset] = {preset.name: preset for preset in (
         "parallelism, every TP collective overlapped with a matmul (--tp-comm-overlap), "
         "transfers posted ahead, fp32 gradients reduced during the last backward",
         Framework(userbuffers=True), OptimizerSpec(grad_bytes=4, overlap_grad_reduce=True)),
+    FrameworkPreset(
+        "nemo-2025", "NeMo 25.02 (Megatron-Core, Transformer Engine): megatron-core with "
+        "cuDNN fused attention", Framework(userbuffers=True,
+                                           attention_speedup=CUDNN_ATTENTION_SPEEDUP),
+        OptimizerSpec(grad_bytes=4, overlap_grad_reduce=True)),
     FrameworkPreset(
         "llama3-2024", "Meta's Llama 3 framework as assumed: the planner's defaults with fp32 "
         "gradients reduced during the last backward", Framework(),

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.comm_bytes import ring_collective_bytes
+from pipeoffload.planner.context import context_spec, kv_gather_s
 from pipeoffload.planner.gemm import Gemm, head_gemm, layer_gemms
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.layer_work import (
@@ -109,6 +110,10 @@ class RunConfig:
     fusion (the GEMM reads and writes an fp32 sum instead of writing 16 bits: 4 + 4 - 2).
     ``norm_kernel``: which LayerNorm kernels run (layer_work.py, Note [norm kernels]).
     ``userbuffers``: Transformer Engine's userbuffer overlap (Note [userbuffer overlap]).
+    ``cp``: context-parallel degree, each GPU holding 1/cp of every sequence (context.py, Note
+    [context parallelism]); the functions here take the whole model and price one CP rank.
+    ``attention_speedup``: the framework's flash-attention kernel against the one the
+    hardware's ``attention_flops_per_s`` describes (Note [attention core]).
     """
 
     micro_batch: int = 1
@@ -122,12 +127,14 @@ class RunConfig:
     grad_accumulation_bytes: float = 6.0
     norm_kernel: NormKernel = NormKernel.PERSISTENT
     userbuffers: bool = False
+    cp: int = 1
+    attention_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", as_recompute(self.recompute))
         object.__setattr__(self, "norm_kernel", as_norm_kernel(self.norm_kernel))
         object.__setattr__(self, "flop_count", as_flop_count(self.flop_count))
-        for field in ("micro_batch", "tp"):
+        for field in ("micro_batch", "tp", "cp"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"RunConfig.{field} must be a positive integer, got {value!r}")
@@ -139,6 +146,9 @@ class RunConfig:
         value = self.grad_accumulation_bytes
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ConfigError(f"RunConfig.grad_accumulation_bytes must be >= 0, got {value!r}")
+        value = self.attention_speedup
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"RunConfig.attention_speedup must be > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -173,9 +183,9 @@ def _memory(hw: Hardware, work: PassWork) -> PassSeconds:
 
 
 def attention_core_s(spec: TransformerSpec, hw: Hardware, micro_batch: int, tp: int,
-                     count: FlopCount | str) -> PassSeconds:
+                     count: FlopCount | str, speedup: float = 1.0) -> PassSeconds:
     """Q K^T and P V with their backward (Note [attention core]); their kernel launches
-    included."""
+    included. ``speedup``: a flash kernel's rate over ``hw.attention_flops_per_s``."""
     launch = hw.kernel_launch_s if hw.hbm_bytes_per_s else 0.0
     s, d = spec.seq_len, spec.head_dim
     if not spec.flash_attention:
@@ -186,12 +196,13 @@ def attention_core_s(spec: TransformerSpec, hw: Hardware, micro_batch: int, tp: 
                            hw.gemm_s(scores) + 3 * hw.gemm_s(context) + 4 * launch, 0.0)
     core = 4 * micro_batch * s * s * spec.hidden / tp  # forward FLOPs, full square
     rerun = 0.5 if as_flop_count(count) is FlopCount.HARDWARE else 0.0
-    return PassSeconds(hw.attention_s(CAUSAL_FRACTION * core) + launch,
-                       hw.attention_s(CAUSAL_FRACTION * core * (2 + rerun)) + launch, 0.0)
+    return PassSeconds(hw.attention_s(CAUSAL_FRACTION * core) / speedup + launch,
+                       hw.attention_s(CAUSAL_FRACTION * core * (2 + rerun)) / speedup + launch,
+                       0.0)
 
 
 def layer_compute_s(spec: TransformerSpec, hw: Hardware, micro_batch: int, tp: int,
-                    count: FlopCount | str) -> PassSeconds:
+                    count: FlopCount | str, attention_speedup: float = 1.0) -> PassSeconds:
     """Matmul seconds of one layer: the linear layers by the shape each pass runs (F: Y = X W,
     I: dX = dY W^T, W: dW = X^T dY) and the attention core."""
     gemms = layer_gemms(spec, micro_batch, tp).all()
@@ -206,7 +217,7 @@ def layer_compute_s(spec: TransformerSpec, hw: Hardware, micro_batch: int, tp: i
         return linear + PassSeconds(hw.compute_s(max(0.0, flops.f - linear_flops)),
                                     hw.compute_s(max(0.0, flops.i - linear_flops)), 0.0)
     launches = LINEAR_KERNELS * hw.kernel_launch_s if hw.hbm_bytes_per_s else 0.0
-    return linear + attention_core_s(spec, hw, micro_batch, tp, count) \
+    return linear + attention_core_s(spec, hw, micro_batch, tp, count, attention_speedup) \
         + PassSeconds(launches, launches, launches)
 
 
@@ -239,22 +250,41 @@ def _tp_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSeco
     return PassSeconds(4 * one, 0.0, reduces)
 
 
+def context_seconds(local: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSeconds:
+    """What context parallelism adds to a layer of ``local`` (s / cp tokens; context.py, Note
+    [context parallelism]): the attention core's other cp - 1 shares (the rank's queries
+    against the whole sequence's keys) and the exposed part of the K/V all-gather in F and of
+    the dK/dV reduce-scatter in I, each overlapped with that pass's attention."""
+    cp = run.cp
+    core = attention_core_s(local, hw, run.micro_batch, run.tp, run.flop_count,
+                            run.attention_speedup)
+    launch = hw.kernel_launch_s if hw.hbm_bytes_per_s else 0.0
+    extra = PassSeconds((core.f_s - launch) * (cp - 1), (core.i_s - launch) * (cp - 1), 0.0)
+    comm = kv_gather_s(local, hw, run.micro_batch, run.tp, cp)
+    return extra + PassSeconds(_exposed(hw, comm, core.f_s + extra.f_s),
+                               _exposed(hw, comm, core.i_s + extra.i_s), 0.0)
+
+
 def layer_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSeconds:
-    """F / I / W seconds of one layer: matmuls, attention core, memory-bound work and exposed
-    TP collectives; under full recompute I re-runs the whole forward (HARDWARE count)."""
+    """F / I / W seconds of one layer on one GPU: matmuls, attention core, memory-bound work
+    and exposed TP collectives, with context parallelism's share and K/V exchange; under full
+    recompute I re-runs the whole forward (HARDWARE count)."""
+    spec = context_spec(spec, run.cp)
     b, tp = run.micro_batch, run.tp
-    compute = layer_compute_s(spec, hw, b, tp, run.flop_count)
+    compute = layer_compute_s(spec, hw, b, tp, run.flop_count, run.attention_speedup)
     hardware = run.flop_count is FlopCount.HARDWARE
     recompute = run.recompute if hardware else Recompute.NONE
     memory = _memory(hw, layer_memory_work(spec, b, tp, sequence_parallel=run.sequence_parallel,
                                            recompute=recompute, norm_kernel=run.norm_kernel))
     comm = _tp_seconds(spec, hw, run)
+    if run.cp > 1:  # with the attention: full recompute re-runs its F part too
+        compute = compute + context_seconds(spec, hw, run)
     seconds = compute + memory + comm
     if recompute is Recompute.FULL:
         # The re-run forward: its matmuls and collectives (its memory-bound work is in memory).
         seconds = seconds + PassSeconds(0.0, compute.f_s + comm.f_s, 0.0)
     elif recompute is Recompute.SELECTIVE and not spec.flash_attention:
-        core = attention_core_s(spec, hw, b, tp, run.flop_count)
+        core = attention_core_s(spec, hw, b, tp, run.flop_count, run.attention_speedup)
         seconds = seconds + PassSeconds(0.0, core.f_s, 0.0)
     if run.grad_accumulation_bytes and hw.hbm_bytes_per_s:
         params = layer_params(spec, tp=tp).sharded
@@ -266,6 +296,7 @@ def layer_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSe
 def embedding_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSeconds:
     """No matmul: its lookup, dropout and gradient scatter (memory-bound), and its RS in F and
     AG in I (one all-reduce in F without sequence parallelism)."""
+    spec = context_spec(spec, run.cp)
     one = collective_s(spec, hw, run.micro_batch, run.tp)
     work = embedding_memory_work(spec, run.micro_batch, run.tp,
                                  sequence_parallel=run.sequence_parallel)
@@ -278,6 +309,7 @@ def head_seconds(spec: TransformerSpec, hw: Hardware, run: RunConfig) -> PassSec
     its F all-gather exposed, its backward collectives behind its own matmuls, or blocking in I
     without ``tp_overlap`` (Megatron 2021's ``copy_to_tensor_model_parallel_region`` before
     ``parallel_lm_logits``: a synchronous all-reduce of the input gradient)."""
+    spec = context_spec(spec, run.cp)
     one = collective_s(spec, hw, run.micro_batch, run.tp)
     gemm = head_gemm(spec, run.micro_batch, run.tp)
     f, i, w = (hw.gemm_s(g) for g in (gemm, gemm.input_gradient(), gemm.weight_gradient()))

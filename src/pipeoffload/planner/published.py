@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pipeoffload.planner.hardware import A100_HBM_BYTES_PER_S, Hardware, hardware_preset
 from pipeoffload.planner.layer_time import RunConfig, layer_seconds
+from pipeoffload.planner.published_cp import DGXC_CP
 from pipeoffload.planner.published_hopper import DGXC_2024, LLAMA3_2024, MEGATRON_CORE_2024
 from pipeoffload.planner.published_run import (
     MEGATRON_VOCAB,
@@ -27,7 +28,7 @@ from pipeoffload.planner.published_run import (
 from pipeoffload.planner.transformer import Recompute
 
 __all__ = ["DGXC_2024", "KORTHIKANTI_2022", "LLAMA3_2024", "MEGATRON_CORE_2024",
-           "MEGATRON_VOCAB", "NARAYANAN_2021", "PUBLISHED", "TABLE4", "LayerTime",
+           "MEGATRON_VOCAB", "NARAYANAN_2021", "PUBLISHED", "DGXC_CP", "TABLE4", "LayerTime",
            "PublishedRun", "calibrate_hbm_efficiency", "layer_prediction", "megatron_gpt",
            "narayanan_mfu", "predict", "priced_as"]
 
@@ -109,7 +110,7 @@ KORTHIKANTI_2022: tuple[PublishedRun, ...] = (
 )
 
 PUBLISHED: tuple[PublishedRun, ...] = (NARAYANAN_2021 + KORTHIKANTI_2022 + DGXC_2024
-                                       + MEGATRON_CORE_2024 + LLAMA3_2024)
+                                       + MEGATRON_CORE_2024 + LLAMA3_2024 + DGXC_CP)
 
 
 @dataclass(frozen=True)

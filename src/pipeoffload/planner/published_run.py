@@ -92,10 +92,11 @@ class PublishedRun:
     framework_name: str = "current"
     held_out: bool = False
     notes: tuple[str, ...] = field(default=())
+    cp: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def microbatches(self) -> int:
@@ -107,7 +108,7 @@ class PublishedRun:
 
     def candidate(self) -> Candidate:
         return Candidate(self.schedule, self.dp, self.tp, self.pp, self.chunks, self.micro_batch,
-                         self.microbatches, recompute=self.recompute)
+                         self.microbatches, recompute=self.recompute, cp=self.cp)
 
 
 def predict(run: PublishedRun, hw: Hardware | None = None,

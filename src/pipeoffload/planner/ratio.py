@@ -20,6 +20,7 @@ from pipeoffload.planner.comm_bytes import (
     layer_tp_comm_bytes,
     p2p_bytes,
 )
+from pipeoffload.planner.context import context_spec, gathered_kv_bytes
 from pipeoffload.planner.hardware import Hardware, hardware_preset
 from pipeoffload.planner.layer_time import (
     PassSeconds,
@@ -125,17 +126,20 @@ def layer_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN
     """One transformer layer: matmuls by shape, exposed TP collectives (layer_time.py, Note
     [exposed TP communication]). Under full recompute (HARDWARE count) the backward also re-runs
     the forward and its collectives."""
-    b, tp, sp = run.micro_batch, run.tp, run.sequence_parallel
-    recomputed = recompute_flops(spec, b, run.recompute, tp=tp, count=run.flop_count)
-    comm = layer_tp_comm_bytes(spec, b, tp=tp, sequence_parallel=sp)
+    b, tp, sp, cp = run.micro_batch, run.tp, run.sequence_parallel, run.cp
+    local = context_spec(spec, cp)  # one CP rank's tokens (context.py)
+    # FLOPs scale with the tokens and the balanced causal square alike: 1/cp of the whole
+    recomputed = recompute_flops(spec, b, run.recompute, tp=tp, count=run.flop_count) / cp
+    comm = layer_tp_comm_bytes(local, b, tp=tp, sequence_parallel=sp)
     if run.recompute is Recompute.FULL and run.flop_count is FlopCount.HARDWARE:
         comm = CommBytes(comm.forward, comm.backward + comm.forward)
     return _piece(
         layer_seconds(spec, hw, run),
-        layer_flops(spec, b, tp=tp, count=run.flop_count),
+        layer_flops(spec, b, tp=tp, count=run.flop_count).scaled(1 / cp),
         recomputed,
         comm,
-        layer_activation_bytes(spec, b, run.recompute, tp=tp, sequence_parallel=sp),
+        layer_activation_bytes(local, b, run.recompute, tp=tp, sequence_parallel=sp)
+        + gathered_kv_bytes(local, b, tp, cp, run.recompute),
         layer_params(spec, tp=tp),
     )
 
@@ -143,8 +147,9 @@ def layer_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN
 def embedding_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN) -> PieceCost:
     """The input embedding (no matmul FLOPs: its time is its TP collectives only)."""
     b, tp = run.micro_batch, run.tp
+    seconds, spec = embedding_seconds(spec, hw, run), context_spec(spec, run.cp)
     return _piece(
-        embedding_seconds(spec, hw, run),
+        seconds,
         embedding_flops(spec, b, tp=tp),
         0.0,
         end_tp_comm_bytes(spec, b, tp=tp),
@@ -156,8 +161,9 @@ def embedding_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT
 def head_cost(spec: TransformerSpec, hw: Hardware, run: RunConfig = DEFAULT_RUN) -> PieceCost:
     """Final norm, output projection and loss."""
     b, tp = run.micro_batch, run.tp
+    seconds, spec = head_seconds(spec, hw, run), context_spec(spec, run.cp)
     return _piece(
-        head_seconds(spec, hw, run),
+        seconds,
         head_flops(spec, b, tp=tp),
         0.0,
         head_tp_comm_bytes(spec, b, tp=tp),
@@ -196,7 +202,7 @@ def p2p_s(
     """Seconds to send one microbatch's boundary activation (or its gradient) to the next stage
     (across nodes, one GPU of each node talks to one of the other)."""
     link = hw.achieved_bytes_per_s(cross_node=cross_node, one_gpu_per_node=True)
-    return p2p_bytes(spec, run.micro_batch, tp=run.tp) / link
+    return p2p_bytes(context_spec(spec, run.cp), run.micro_batch, tp=run.tp) / link
 
 
 @dataclass(frozen=True)

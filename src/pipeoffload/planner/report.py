@@ -29,6 +29,7 @@ def plan_json(plan: Plan, spec: TransformerSpec | None = None, *,
         "pp": c.pp,
         "tp": c.tp,
         "dp": c.dp,
+        "cp": c.cp,
         "schedule": c.display_name,
         "chunks": c.chunks,
         "group_size": c.group_size,
@@ -101,7 +102,7 @@ def result_json(result: SearchResult, inputs: dict[str, Any], *, fixed: bool = F
     }
 
 
-_HEADER = ("#", "schedule", "pp", "tp", "dp", "v", "g", "b", "m", "recompute", "offload",
+_HEADER = ("#", "schedule", "pp", "tp", "dp", "cp", "v", "g", "b", "m", "recompute", "offload",
            "step s", "MFU Megatron", "MFU causal", "params+grads", "optimizer", "activations",
            "total GiB", "host GiB/GPU", "fits")
 
@@ -109,7 +110,7 @@ _HEADER = ("#", "schedule", "pp", "tp", "dp", "v", "g", "b", "m", "recompute", "
 def _row(rank: int, plan: Plan) -> tuple[str, ...]:
     c, memory = plan.candidate, plan.memory
     return (
-        str(rank), c.display_name, str(c.pp), str(c.tp), str(c.dp), str(c.chunks),
+        str(rank), c.display_name, str(c.pp), str(c.tp), str(c.dp), str(c.cp), str(c.chunks),
         str(c.group_size) if c.group_size is not None else "-", str(c.micro_batch),
         str(c.microbatches), c.recompute.value, c.offload,
         f"{'~' if plan.extrapolated else ''}{plan.step_time:.3f}",

@@ -36,7 +36,11 @@ class SearchSpace:
     """What the search may choose. ``schedules``: names in ``registry`` (any accepted spelling;
     kept as canonical names). ``tp`` / ``pp`` None: every divisor that fits (TP dividing a
     node's GPUs and the heads). ``group_sizes``: for families with a group size, "min"
-    (ceil(p/2)), "max" (p) or both."""
+    (ceil(p/2)), "max" (p) or both. ``cp`` None: the context-parallel degrees the search
+    tries by itself (``context_degrees``), else only these (each must cut the sequence into
+    2 cp chunks); ``min_cp_tokens``: the fewest tokens per CP rank it tries by itself, the
+    published runs' smallest share (dgxc's Llama 3 at CP2 and 8192 tokens: 4096 per rank;
+    Llama 3's long-context stage, Dubey et al. 2024, section 3.3.2: CP16 at 131072, 8192)."""
 
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     chunks: tuple[int, ...] = (2, 4)
@@ -47,6 +51,8 @@ class SearchSpace:
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     registry: Registry = REGISTRY
+    cp: tuple[int, ...] | None = None
+    min_cp_tokens: int = 4096
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", tuple(as_recompute(r) for r in self.recompute))
@@ -66,7 +72,7 @@ class SearchSpace:
             raise ConfigError(f"SearchSpace.group_sizes: {sizes or 'none'}; give some of "
                               f"{', '.join(g.value for g in GroupSize)}")
         object.__setattr__(self, "group_sizes", tuple(GroupSize(g) for g in self.group_sizes))
-        for name in ("chunks", "micro_batch_sizes", "tp", "pp"):
+        for name in ("chunks", "micro_batch_sizes", "tp", "pp", "cp"):
             for value in getattr(self, name) or ():
                 check_number(f"SearchSpace.{name}", value, minimum=1, integer=True)
 
@@ -118,18 +124,36 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def context_degrees(spec: TransformerSpec, hw: Hardware, tp: int, space: SearchSpace
+                    ) -> list[int]:
+    """The CP degrees tried with ``tp``: ``space.cp``, or by default 1 and the powers of two
+    that cut the sequence into 2 cp chunks of at least ``space.min_cp_tokens`` / 2 tokens and
+    keep tp x cp GPUs in one node (planner/context.py; Note [rank order] in costing.py)."""
+    if space.cp is not None:
+        return [cp for cp in space.cp if spec.seq_len % (2 * cp) == 0]
+    degrees, cp = [1], 2
+    while (spec.seq_len % (2 * cp) == 0 and spec.seq_len // cp >= space.min_cp_tokens
+           and tp * cp <= hw.gpus_per_node):
+        degrees.append(cp)
+        cp *= 2
+    return degrees
+
+
 def _layouts(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
-             space: SearchSpace) -> Iterator[tuple[int, int, int]]:
+             space: SearchSpace) -> Iterator[tuple[int, int, int, int]]:
     for tp in _divisors(config.gpus):
         # TP inside one node: a group that straddles nodes would run at the network's rate
         if hw.gpus_per_node % tp or spec.heads % tp or (space.tp and tp not in space.tp):
             continue
-        for pp in _divisors(config.gpus // tp):
-            if pp > spec.num_layers or (space.pp and pp not in space.pp):
+        for cp in context_degrees(spec, hw, tp, space):
+            if (config.gpus // tp) % cp:
                 continue
-            dp = config.gpus // (tp * pp)
-            if config.global_batch % dp == 0:
-                yield dp, tp, pp
+            for pp in _divisors(config.gpus // (tp * cp)):
+                if pp > spec.num_layers or (space.pp and pp not in space.pp):
+                    continue
+                dp = config.gpus // (tp * pp * cp)
+                if config.global_batch % dp == 0:
+                    yield dp, tp, pp, cp
 
 
 def _shapes(family: FamilySpec, pp: int, space: SearchSpace) -> Iterator[tuple[int, int | None]]:
@@ -159,7 +183,7 @@ def configurations(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
         return layer_costs[run]
 
     families = [space.registry.family(name) for name in space.schedules]
-    for dp, tp, pp in _layouts(spec, hw, config, space):
+    for dp, tp, pp, cp in _layouts(spec, hw, config, space):
         per_replica = config.global_batch // dp
         for family in families:
             if pp == 1 and not family.planner.at_one_rank:
@@ -171,7 +195,7 @@ def configurations(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                     if per_replica % b or not family.planner.microbatches(pp, per_replica // b):
                         continue
                     base = Candidate(family.name, dp, tp, pp, chunks, b, per_replica // b,
-                                     group_size=group)
+                                     group_size=group, cp=cp)
                     variants = _variants(priced, base, space)
                     if variants:
                         out.append(variants)
@@ -182,7 +206,7 @@ def _variants(priced: Callable[[RunConfig], PieceCost], base: Candidate,
               space: SearchSpace) -> list[Candidate]:
     keyed = []
     for r in space.recompute:
-        cost = priced(RunConfig(base.micro_batch, base.tp, r))
+        cost = priced(RunConfig(base.micro_batch, base.tp, r, cp=base.cp))
         keyed.append(((cost.chunk_s, cost.activation_bytes), r))
     keyed.sort(key=lambda item: item[0])
     kept: list[Recompute] = []
@@ -194,5 +218,5 @@ def _variants(priced: Callable[[RunConfig], PieceCost], base: Candidate,
     if base.chunks < 2:
         offloads = [o for o in offloads if o not in ("chunks:1", RECOMPUTE_AND_OFFLOAD)]
     return [Candidate(base.schedule, base.dp, base.tp, base.pp, base.chunks, base.micro_batch,
-                      base.microbatches, r, o, base.group_size)
+                      base.microbatches, r, o, base.group_size, base.cp)
             for r in kept for o in offloads]

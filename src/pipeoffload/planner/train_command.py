@@ -60,6 +60,8 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
     parts = ["pipeoffload train", f"--pp {c.pp}", f"--dp {c.dp}"]
     if c.tp > 1:
         parts.append(f"--tp {c.tp}")
+    if c.cp > 1:
+        parts.append(f"--cp {c.cp}")
     if sharded_optimizer and c.dp > 1:
         parts.append("--zero 1")
     preset, family = c.preset, FAMILIES[c.schedule]

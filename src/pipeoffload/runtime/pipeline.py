@@ -37,6 +37,7 @@ from pipeoffload.runtime.microbatch import as_tuple, check_same, signature, spli
 from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.p2p import DistTransport, LocalTransport
 from pipeoffload.runtime.pool import HostBufferPool, plan_need
+from pipeoffload.runtime.sequence import SequenceSplit
 from pipeoffload.runtime.stage import StageRunner
 from pipeoffload.runtime.tied import TiedGradients, TiedSpec, merge_ties
 
@@ -104,6 +105,11 @@ class Pipeline:
     - ``tied``: ``{tie: {stage: parameter name}}`` over all stages, one parameter used by several
       stages, whose gradients are summed (Note: [tied parameters], runtime/tied.py); a stage
       module's ``tied_parameters`` attribute in the same form counts too.
+    - ``context``: this process's share of every sequence under context parallelism
+      (runtime/sequence.py Note: [causal split]): ``step`` takes whole sequences and keeps
+      this rank's tokens of every input and target with a sequence dimension (dim 1), and
+      returns the mean loss over the context-parallel ranks (the whole sequence's). The stages
+      must attend over the group (parallel/context.py), and gradients be averaged over it.
     - torch's UNSHARD / RESHARD / REDUCE_GRAD markers in the schedule are skipped (no FSDP here).
     - Before the first step: ``connect_peers()`` sets up every P2P connection (the first
       ``step`` calls it), and ``reserve_host_memory(stage_bytes)`` allocates the offloader's
@@ -125,8 +131,10 @@ class Pipeline:
         channel_groups: Mapping[Channel, dist.ProcessGroup] | None = None,
         stage_kwargs: Mapping[int, Mapping[str, Any]] | None = None,
         tied: TiedSpec | None = None,
+        context: SequenceSplit | None = None,
     ) -> None:
         self.config = config or RuntimeConfig()
+        self.context = context
         self.schedule = validate(schedule)
         schedule = schedule.without(*MARKER_KINDS)  # itself when it has none
         self.meter = meter
@@ -312,8 +320,8 @@ class Pipeline:
         m = self.schedule.microbatches
         names, inputs = positional(inputs)
         check_form(target, "target")
-        batch = as_tuple(inputs, "inputs")
-        targets = as_tuple(target, "target")
+        batch = self._local_tokens(as_tuple(inputs, "inputs"))
+        targets = self._local_tokens(as_tuple(target, "target"))
         if has_first and not batch:
             raise ConfigError("this process holds a first stage, so step() needs inputs")
         if batch and targets and batch[0].dim() and targets[0].dim() and \
@@ -338,14 +346,21 @@ class Pipeline:
                     runner.module.names = names
         return StepData(list(micro_inputs), list(micro_targets))
 
+    def _local_tokens(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Under context parallelism this rank's tokens of each [batch, seq, ...] tensor."""
+        if self.context is None or self.context.cp == 1:
+            return tensors
+        return tuple(self.context.shard(t) if t.dim() >= 2 else t for t in tensors)
+
     def _mean_loss(self, data: StepData) -> torch.Tensor | None:
         if not any(runner.is_last for runner in self._runners.values()):
             return None
         m = self.schedule.microbatches
         if len(data.losses) < m:  # the last stage of some routes only: this rank's share
-            return torch.stack([data.losses[i] for i in sorted(data.losses)]).sum() / m
-        losses = [data.losses[i] for i in range(m)]
-        return torch.stack(losses).mean()
+            loss = torch.stack([data.losses[i] for i in sorted(data.losses)]).sum() / m
+        else:
+            loss = torch.stack([data.losses[i] for i in range(m)]).mean()
+        return loss if self.context is None else self.context.mean_over_ranks(loss)
 
     def step(self, inputs: Tensors | Mapping[str, torch.Tensor] | None = None,
              target: Tensors | None = None) -> torch.Tensor | None:

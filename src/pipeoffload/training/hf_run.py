@@ -61,10 +61,10 @@ _BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp64": 32}
 def run_memory(config: TrainConfig) -> tuple[int, int, str]:
     """What the whole run needs per parameter (every data-parallel replica holds the model),
     and the memory it has: the GPUs' (one per process) or this machine's."""
-    per_param = _BYTES_PER_PARAM[config.dtype] * config.dp
+    per_param = _BYTES_PER_PARAM[config.dtype] * config.dp * config.cp
     gpus = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if gpus:
-        processes = config.pp * config.dp * config.tp
+        processes = config.processes
         total = torch.cuda.get_device_properties(0).total_memory * processes
         return per_param, total, f"the memory of {processes} GPU(s)"
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -24,7 +24,7 @@ def measure_without_offload(pipe: Pipeline, stages: Mapping[int, nn.Module],
     meter = ActivationMeter()
     bare = Pipeline(stages, pipe.schedule.without(*OFFLOAD_KINDS), lm_loss,
                     group=topology.pp_group, config=runtime, device=topology.device,
-                    meter=meter, channel_groups=topology.channel_groups)
+                    meter=meter, channel_groups=topology.channel_groups, context=pipe.context)
     inputs, target = dataset.batch_at(dataset.step)
     loss = bare.step(inputs, target=target)
     for module in stages.values():

@@ -21,7 +21,9 @@ from torch import Tensor, nn
 from torch.nn.utils import skip_init
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.parallel.context import context_attention
 from pipeoffload.runtime.inputs import document_segments
+from pipeoffload.runtime.sequence import SequenceSplit
 from pipeoffload.training.layer_recompute import recomputed
 from pipeoffload.training.model_config import RECOMPUTE_MODES, ModelConfig
 
@@ -93,7 +95,10 @@ def _linear(in_features: int, out_features: int) -> nn.Linear:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings."""
+    """Causal grouped-query self-attention with rotary embeddings; under context parallelism
+    (``context``, set by parallel/context.py) over the whole sequence's K and V."""
+
+    context: SequenceSplit | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -121,6 +126,9 @@ class Attention(nn.Module):
         k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.context is not None:
+            out = context_attention(q, k, v, self.context)
+            return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
         group = q.shape[1] // k.shape[1]
         if group > 1:  # [batch, kv heads, seq, hd] -> [batch, heads, seq, hd]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -225,6 +233,9 @@ class Transformer(nn.Module):
     #: Sequence-parallel degree: hidden states are [batch, seq / sequence_shards, dim] shards
     #: (set by training/tensor_parallel.py); rotary positions count the whole sequence.
     sequence_shards: int = 1
+    #: Context parallelism (parallel/context.py): the hidden states are this rank's tokens of
+    #: each sequence (runtime/sequence.py Note: [causal split]), at their global positions.
+    context: SequenceSplit | None = None
 
     def __init__(
         self, config: ModelConfig, layer_ids: Iterable[int], *, embedding: bool, head: bool
@@ -268,13 +279,16 @@ class Transformer(nn.Module):
                 f"[batch, seq, {self.config.dim}], got {list(x.shape)}"
             )
         seq = x.shape[1] * self.sequence_shards  # x is a sequence shard under TP (+ SP)
+        cp = self.context.cp if self.context is not None else 1
+        seq *= cp  # and this rank's 1/cp of it under context parallelism
         if seq > self.config.max_seq_len:
             raise ConfigError(
                 f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}; "
                 "use shorter sequences or a config with a larger max_seq_len"
             )
         if self.layers:
-            positions = torch.arange(seq, device=x.device)
+            positions = (torch.arange(seq, device=x.device) if self.context is None
+                         else self.context.positions(seq, x.device))
             cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
             mask = None if segments is None else document_mask(segments)
             for layer in self.layers.values():

@@ -18,7 +18,8 @@ from pipeoffload.training.trainer import checkpoint_identity
 
 def check_run(config: TrainConfig, processes: int) -> OffloadPlan:
     """Check what every rank would otherwise fail on in unison (``processes``: how many will
-    run); returns the plan the run will use."""
+    run; a checkpoint counts them without context parallelism, whose ranks hold the same
+    state, so a run resumes with another ``cp``); returns the plan the run will use."""
     plan = build_plan(config)
     if plan.schedule.routes:
         raise ConfigError(f"--schedule {config.schedule}: its microbatches take several routes "
@@ -38,7 +39,7 @@ def check_run(config: TrainConfig, processes: int) -> OffloadPlan:
     if resume is not None:
         manifest = ckpt.read_manifest(ckpt.find_checkpoint(resume, config.checkpoint_dir))
         ckpt.check_compatible(manifest, {**checkpoint_identity(config, plan.schedule),
-                                         "processes": processes})
+                                         "processes": processes // config.cp})
         ckpt.check_resume_step(manifest.step, manifest.folder, config.steps)
         saved = manifest.info.get("data")
         if isinstance(saved, dict):

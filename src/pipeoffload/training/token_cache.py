@@ -84,20 +84,20 @@ def cached_store(config: DataConfig, progress: Progress | None = None) -> TokenS
 def tokenized_documents(config: DataConfig, progress: Progress | None = None
                         ) -> tuple[Iterator[list[int]], int | None, int, str]:
     """(each document's ids, the EOS id, the vocabulary, where from) for the configured text."""
-    assert config.tokenizer is not None
-    tokenizer = load_tokenizer(config.tokenizer)
+    path = config.tokenizer
+    assert path is not None
+    tokenizer = load_tokenizer(path)
     corpus = read_corpus(config)
     documents = corpus.documents()
 
     def encoded() -> Iterator[list[int]]:
         for first in range(0, len(documents), ENCODE_BATCH):
-            yield from encode_documents(tokenizer, documents[first: first + ENCODE_BATCH],
-                                        config.tokenizer)
+            yield from encode_documents(tokenizer, documents[first: first + ENCODE_BATCH], path)
             if progress is not None:
                 progress(min(first + ENCODE_BATCH, len(documents)), len(documents))
 
     vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
-    return encoded(), eos_token_id(tokenizer, config.tokenizer), vocab, corpus.origin
+    return encoded(), eos_token_id(tokenizer, path), vocab, corpus.origin
 
 
 def write_tokens(config: DataConfig, folder: Path, progress: Progress | None = None) -> Path:

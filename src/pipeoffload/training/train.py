@@ -106,6 +106,12 @@ class TrainConfig:
     export_hf: str | None = None
     export_dtype: str | None = None
     zero: int = 0
+    cp: int = 1
+
+    @property
+    def processes(self) -> int:
+        """How many processes the run takes: pp * dp * tp * cp."""
+        return self.pp * self.dp * self.tp * self.cp
 
     def __post_init__(self) -> None:
         self._check_model_and_outputs()
@@ -117,8 +123,12 @@ class TrainConfig:
         if self.dtype not in DTYPE_NAMES:
             raise _refuse("{dtype} {got}: choose one of {choices}", got=repr(self.dtype),
                           choices=", ".join(DTYPE_NAMES))
+        if not isinstance(self.cp, int) or self.cp < 1 or self.data.seq_len % (2 * self.cp):
+            raise _refuse("{cp} {cp_value}: context parallelism cuts each sequence into 2 * cp "
+                          "chunks, so {data.seq_len} {seq} must be a multiple of {twice}",
+                          cp_value=self.cp, seq=self.data.seq_len, twice=2 * self.cp)
         if self.hf_model is None:
-            check_tensor_parallel(self.model, self.tp, self.data.seq_len)
+            check_tensor_parallel(self.model, self.tp, self.data.seq_len // self.cp)
         train_offload(self.offload)
         if self.eval_every < 0 or self.eval_batches < 1:
             raise _refuse("{eval_every} must be >= 0 and {eval_batches} >= 1, got {every} and "
@@ -160,6 +170,11 @@ class TrainConfig:
         if self.zero not in (0, 1):
             raise _refuse("{zero} {got}: choose 0 (whole optimizer state on every replica) or 1 "
                           "(sharded over the data-parallel replicas)", got=self.zero)
+        if self.zero == 1 and self.cp > 1:
+            raise _refuse("{zero} 1 with {cp} {got} is not implemented yet: the sharded "
+                          "optimizer reduce-scatters over the data-parallel replicas only, and "
+                          "context-parallel ranks hold parts of the same gradients; use {zero} 0",
+                          got=self.cp)
 
     def _check_checkpoints(self) -> None:
         if self.checkpoint_every < 0:

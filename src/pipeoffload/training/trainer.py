@@ -1,9 +1,10 @@
 """The training loop of `pipeoffload train`: the reference transformer (or a Hugging Face
 model), cut into the stages of a (planned) schedule, trained with AdamW on text, PP x DP x TP
-over torch.distributed (tensor parallelism inside each stage with torch DTensor,
-training/tensor_parallel.py), in fp32, fp64 or bf16 with float32 master weights
-(parallel/precision.py Note: [mixed precision]), with recompute none, lgd or full inside each
-layer (training/model.py, training/layer_recompute.py).
+x CP over torch.distributed (tensor parallelism inside each stage with torch DTensor,
+training/tensor_parallel.py; context parallelism over each sequence, parallel/context.py),
+in fp32, fp64 or bf16 with float32 master weights (parallel/precision.py Note: [mixed
+precision]), with recompute none, lgd or full inside each layer (training/model.py,
+training/layer_recompute.py).
 
 Processes and groups: parallel/topology.py Note: [rank layout]. Without torch.distributed
 (``Topology.local``) one process runs every pipeline rank (Pipeline's local mode); that is the
@@ -35,6 +36,7 @@ from pipeoffload.offload.plan import OffloadPlan
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.checkpoint_files import check_root, resolve_resume
 from pipeoffload.parallel.checkpoint_lock import FolderLock
+from pipeoffload.parallel.context import apply_context_parallel
 from pipeoffload.parallel.optimizer import PipelineOptimizer, StageAdamW
 from pipeoffload.parallel.precision import torch_dtype
 from pipeoffload.parallel.topology import Topology
@@ -42,6 +44,7 @@ from pipeoffload.parallel.zero import ZeroAdamW
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
+from pipeoffload.runtime.sequence import SequenceSplit
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, simulate
 from pipeoffload.training.data import TextDataset
@@ -132,12 +135,17 @@ class Trainer:
             raise ConfigError(f"--tp {config.tp} runs one process per tensor-parallel rank, but "
                               f"this topology has tp={topology.tp}; start pp*dp*tp processes "
                               "(drop --inline)")
+        if topology.cp != config.cp:
+            raise ConfigError(f"--cp {config.cp} runs one process per context-parallel rank, but "
+                              f"this topology has cp={topology.cp}; start pp*dp*tp*cp processes")
         plan = build_plan(config)
         schedule = plan.schedule
         mine = topology.stages_of(schedule)
         hf = build_hf(config, schedule.num_stages, mine, topology) if config.hf_model else None
         stages = hf.stages if hf is not None else build_stages(config, schedule.num_stages,
                                                                mine, topology)
+        context = SequenceSplit(config.cp, topology.cp_index, topology.cp_group)
+        apply_context_parallel(stages, context)
         optimizer = make_optimizer(config, stages, topology)
         dataset = TextDataset.from_config(config.data, dp_rank=topology.dp_index,
                                           dp_size=topology.dp)
@@ -146,7 +154,7 @@ class Trainer:
         meter = ActivationMeter()
         pipe = Pipeline(stages, schedule, lm_loss, group=topology.pp_group, config=runtime,
                         device=topology.device, meter=meter,
-                        channel_groups=topology.channel_groups)
+                        channel_groups=topology.channel_groups, context=context)
         _reserve_host_memory(config, topology, pipe, stages, hf)
         return cls(config, topology, hooks or Hooks(), plan, hf, stages, optimizer, dataset,
                    runtime, meter, pipe, checkpoint_identity(config, schedule))
@@ -389,7 +397,7 @@ def _reserve_host_memory(config: TrainConfig, topology: Topology, pipe: Pipeline
                          stages: Mapping[int, nn.Module], hf: HFStages | None) -> None:
     """Allocate the offload's pinned memory now, not inside a step (training/host_reserve.py)."""
     microbatch = config.data.batch_size // config.dp // config.num_microbatches
-    seq = config.data.seq_len
+    seq = config.data.seq_len // config.cp  # this rank's tokens under context parallelism
     hf_config: Any = None if hf is None else hf.model.config
     hidden = ((microbatch, seq, hf_config.hidden_size) if hf_config is not None  # whole on TP
               else (microbatch, seq // config.tp, config.model.dim))  # sequence shards
