@@ -173,6 +173,7 @@ class _Planner:
             self.spans.by_rank
         self._reload_time = [costs.transfer_time(s, Kind.RELOAD)
                              for s in range(schedule.num_stages)]
+        self._moved = {item: share[0] for item, share in schedule.class_shares.items()}
 
     @functools.cached_property
     def base_timing(self) -> Timing:
@@ -194,7 +195,7 @@ class _Planner:
         (placement.place_reloads)."""
         return place_reloads(self.compute_index, items, timing, self._reload_time,
                              self.policy.reload_margin, self.policy.stall_tolerance,
-                             self.keep_stalling, skipped, out_ends)
+                             self.keep_stalling, skipped, out_ends, self._moved)
 
     def passes(self, item: Item) -> list[Action]:
         """The backward passes that read the item's activation: B, or I and W."""
@@ -203,7 +204,7 @@ class _Planner:
 
     def reads_hide(self, item: Item) -> bool:
         """Whether each backward pass of ``item`` lasts at least as long as its FETCH read."""
-        read = self.costs.transfer_time(item[0], Kind.RELOAD)
+        read = self.costs.transfer_time(item[0], Kind.RELOAD) * self._moved.get(item, 1.0)
         return all(read <= self.costs.compute_time(p) + self.policy.stall_tolerance
                    for p in self.passes(item))
 
