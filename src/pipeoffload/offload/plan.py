@@ -125,7 +125,8 @@ def _add_offload(schedule: Schedule, costs: CostModel | None,
     policy = policy or OffloadPolicy()
     target = parse_target(target)
     bare = schedule.without(*OFFLOAD_KINDS)
-    if base is None or base.costs != costs or base.schedule.ranks != bare.ranks:
+    if (base is None or base.costs != costs or base.schedule.ranks != bare.ranks
+            or base.schedule.classes != bare.classes):
         base = simulate(bare, costs)
     if target.kind is TargetKind.RECOMPUTE_CHUNKS_THEN_ALL:
         return _recompute_then_offload(bare, costs, target, policy, base)

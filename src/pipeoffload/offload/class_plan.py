@@ -1,0 +1,209 @@
+"""Offload below the chunk: choose, per tensor class, keep / offload / recompute, and plan the
+transfers (the ``budget:X`` and ``classes:...`` offload targets).
+
+A plan's choice is a ``ClassChoice`` per (stage, microbatch) (core/classes.py); the transfers
+are placed by the chunk planner (``add_offload`` with ``all``), which reads each item's moved
+share for its copy times and drops the items whose copies cannot hide. The search:
+
+1. Recompute sets: the classes whose recompute re-runs the least forward, cheapest first (a set
+   costs its most expensive member, Note: [class accounting]), so each size of set is the
+   cheapest of that size: ``max_recompute + 1`` candidates, from none.
+2. For each, offload sets over the remaining classes: every distinct moved share a subset
+   reaches (for the simulator two subsets of one share are the same plan), of which
+   ``share_probes`` spread over the range are planned, then the shares between the best and
+   its neighbours.
+3. Per microbatch: the items the best plan could not hide (skipped by the chunk planner) get
+   the next smaller share that was planned, and the plan is made again; kept if better.
+
+The objective: with a budget (M_a units per rank, or bytes), the fastest plan whose every rank
+peaks within it (ties: the lower peak); without one, the lowest peak among plans within
+``slack`` of the plain schedule's makespan. The search is bounded, not exact: it plans the
+candidates it lists, each a whole plan simulated, and nothing proves that a choice outside them
+(another share per microbatch, another recompute set) is not better; each reported number is
+the simulated plan's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pipeoffload.checks import check_number, check_optional
+from pipeoffload.core.actions import OFFLOAD_KINDS
+from pipeoffload.core.classes import ClassChoice, TensorClass
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
+from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.simulator import SimResult, simulate
+
+Item = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ClassSearch:
+    """What the class search looks for, and how widely.
+
+    ``budget``: each rank's peak activation must stay within it (M_a units, or bytes when
+    ``in_bytes``); None: the lowest peak within ``slack`` of the plain makespan.
+    ``max_recompute``: the most recompute sets tried beyond none; ``share_probes``: the moved
+    shares planned per recompute set before refining around the best."""
+
+    budget: float | None = None
+    in_bytes: bool = False
+    slack: float = 0.02
+    max_recompute: int = 3
+    share_probes: int = 6
+    per_microbatch: bool = True
+
+    def __post_init__(self) -> None:
+        check_optional("ClassSearch.budget", self.budget, minimum=0)
+        check_number("ClassSearch.slack", self.slack, minimum=0)
+        check_number("ClassSearch.max_recompute", self.max_recompute, minimum=0, integer=True)
+        check_number("ClassSearch.share_probes", self.share_probes, minimum=1, integer=True)
+
+
+@dataclass(frozen=True)
+class ClassPlan:
+    """The plan chosen, its simulation, and what the search tried: (offloaded, recomputed
+    class names, per-item or not, makespan, peak) per candidate."""
+
+    plan: OffloadPlan
+    result: SimResult
+    choice: ClassChoice
+    met: bool
+    tried: tuple[tuple[tuple[str, ...], tuple[str, ...], bool, float, float], ...] = field(
+        repr=False, default=())
+
+    @property
+    def peak(self) -> float:
+        return peak_of(self.result, False)
+
+
+def peak_of(result: SimResult, in_bytes: bool) -> float:
+    """The largest per-rank peak of a simulation, in M_a units or bytes."""
+    peaks = result.peak_bytes if in_bytes else result.peak_activation
+    if peaks is None:
+        raise ValueError("a byte budget needs activation sizes in the cost model")
+    return max(peaks)
+
+
+def uniform(schedule: Schedule, choice: ClassChoice) -> dict[Item, ClassChoice]:
+    """``choice`` for every (stage, microbatch) of ``schedule``."""
+    return {(s, m): choice for s in range(schedule.num_stages)
+            for m in range(schedule.microbatches)}
+
+
+def recompute_sets(classes: Sequence[TensorClass], most: int) -> list[tuple[TensorClass, ...]]:
+    """None, then the k cheapest recomputable classes for k = 1..``most``."""
+    able = sorted((c for c in classes if c.recompute_time is not None and c.share > 0),
+                  key=lambda c: (c.recompute_time, -c.share))
+    return [tuple(able[:k]) for k in range(min(most, len(able)) + 1)]
+
+
+def offload_sets(classes: Sequence[TensorClass]) -> list[tuple[TensorClass, ...]]:
+    """One subset per distinct moved share (largest members first), by share ascending."""
+    by_share: dict[float, tuple[TensorClass, ...]] = {}
+    live = [c for c in classes if c.share > 0]
+    for mask in range(1, 1 << len(live)):
+        subset = tuple(c for i, c in enumerate(live) if mask >> i & 1)
+        by_share.setdefault(round(sum(c.share for c in subset), 9), subset)
+    return [by_share[share] for share in sorted(by_share)]
+
+
+class _Search:
+    """One search: the schedule without transfers, its costs and what counts as better."""
+
+    def __init__(self, schedule: Schedule, costs: CostModel, search: ClassSearch,
+                 policy: OffloadPolicy | None) -> None:
+        self.bare, self.costs, self.search, self.policy = schedule, costs, search, policy
+        self.limit = simulate(schedule.with_classes({}), costs).makespan * (1 + search.slack)
+        self.best: tuple[tuple[float, float], OffloadPlan, ClassChoice] | None = None
+        self.tried: list[tuple[tuple[str, ...], tuple[str, ...], bool, float, float]] = []
+
+    def score(self, result: SimResult) -> tuple[float, float]:
+        """Lower is better: (0 if the goal is met else 1 + miss, then the other measure)."""
+        peak = peak_of(result, self.search.in_bytes)
+        if self.search.budget is not None:
+            miss = peak - self.search.budget
+            return (0.0 if miss <= 1e-9 else 1.0 + miss, result.makespan)
+        miss = result.makespan - self.limit
+        return (0.0 if miss <= 1e-9 * self.limit else 1.0 + miss, peak)
+
+    def plan(self, choices: dict[Item, ClassChoice], shown: ClassChoice,
+             mixed: bool = False) -> tuple[tuple[float, float], OffloadPlan]:
+        schedule = self.bare.with_classes(choices)
+        plan = add_offload(schedule, self.costs, "all", self.policy)
+        score = self.score(plan.result)
+        names = shown.names
+        self.tried.append((names[0], names[1], mixed, plan.result.makespan,
+                           peak_of(plan.result, self.search.in_bytes)))
+        if self.best is None or score < self.best[0]:
+            self.best = (score, plan, shown)
+        return score, plan
+
+
+def plan_classes(schedule: Schedule, costs: CostModel, classes: Sequence[TensorClass],
+                 search: ClassSearch | None = None, policy: OffloadPolicy | None = None
+                 ) -> ClassPlan:
+    """The best class plan the search finds for ``schedule`` (its transfers are replaced;
+    see the module docstring). ``classes``: one chunk's classes, shares adding up to 1."""
+    search = search or ClassSearch()
+    run = _Search(schedule.without(*OFFLOAD_KINDS), costs, search, policy)
+    run.plan({}, ClassChoice())  # the chunk planner's own plan: whole chunks
+    for recomputed in recompute_sets(classes, search.max_recompute):
+        rest = [c for c in classes if c not in recomputed]
+        sets = [()] + offload_sets(rest)
+        _shares(run, sets, recomputed)
+    assert run.best is not None
+    if search.per_microbatch:
+        _per_microbatch(run, classes)
+    score, plan, choice = run.best
+    return ClassPlan(plan, plan.result, choice, score[0] == 0.0, tuple(run.tried))
+
+
+def _shares(run: _Search, sets: list[tuple[TensorClass, ...]],
+            recomputed: tuple[TensorClass, ...]) -> None:
+    """Plan ``share_probes`` of the offload sets spread over their range (the largest among
+    them), then those between the best of them and its neighbours."""
+    probes = run.search.share_probes
+    picks = sorted({round(i * (len(sets) - 1) / max(probes - 1, 1)) for i in range(probes)})
+    scores: dict[int, tuple[float, float]] = {}
+
+    def probe(i: int) -> None:
+        if i not in scores:
+            choice = ClassChoice(sets[i], recomputed)
+            scores[i] = run.plan(uniform(run.bare, choice), choice)[0]
+
+    for i in picks:
+        probe(i)
+    best = min(scores, key=scores.__getitem__)
+    for lo, hi in ((best - 1, best), (best, best + 1)):
+        low = max((p for p in scores if p <= lo), default=None)
+        high = min((p for p in scores if p >= hi), default=None)
+        if low is None or high is None:
+            continue
+        for i in range(low + 1, high):
+            if high - low <= 4 or (i - low) % max((high - low) // 3, 1) == 0:
+                probe(i)
+
+
+def _per_microbatch(run: _Search, classes: Sequence[TensorClass]) -> None:
+    """Give the items the best plan could not hide the next smaller moved share (Note in the
+    module docstring, step 3), twice at most."""
+    for _ in range(2):
+        assert run.best is not None
+        _, plan, choice = run.best
+        skipped = {(s.stage, s.microbatch) for s in plan.report.skipped}
+        if not skipped or not choice.offloaded:
+            return
+        rest = [c for c in classes if c not in choice.recomputed]
+        sets = [s for s in offload_sets(rest) if sum(c.share for c in s) < choice.moved - 1e-9]
+        if not sets:
+            return
+        smaller = ClassChoice(sets[len(sets) * 2 // 3], choice.recomputed)
+        choices = uniform(run.bare, choice)
+        choices.update({item: smaller for item in skipped})
+        before = run.best[0]
+        run.plan(choices, choice, mixed=True)
+        if run.best[0] == before:
+            return
