@@ -15,10 +15,10 @@ module, runtime/offloader.py), in forward order:
 | layer_input | the attention norm's input | e b s h w / t |
 | attn_norm | its output (the QKV input) | e b s h w / t |
 | qkv | Q, K, V (the attention core's inputs) | e b s (h + 2 h_kv) / t |
-| attn_out | the attention output (the projection's input) and its softmax statistics | e b s h / t + 4 b a s / t |
+| attn_out | attention output (projection input), softmax statistics | e b s h / t + 4 b a s / t |
 | mlp_input | the MLP norm's input (the residual) | e b s h w / t |
 | mlp_norm | its output (the first MLP matmul's input) | e b s h w / t |
-| mlp_hidden | the first matmul's outputs (GeLU input; SwiGLU's gate and up) | e b s f / t (x2 SwiGLU) |
+| mlp_hidden | first matmul outputs (GeLU input; SwiGLU gate, up) | e b s f / t (x2 SwiGLU) |
 | mlp_act | the activation's output (the last matmul's input) | e b s f / t (x2 SwiGLU) |
 | masks | the two residual-dropout masks (with dropout only) | 2 b s h w / t |
 
