@@ -117,20 +117,22 @@ class _Search:
                  policy: OffloadPolicy | None) -> None:
         self.bare, self.costs, self.search, self.policy = schedule, costs, search, policy
         self.limit = simulate(schedule.with_classes({}), costs).makespan * (1 + search.slack)
-        self.best: tuple[tuple[float, float], OffloadPlan, ClassChoice] | None = None
+        self.best: tuple[tuple[float, float, float], OffloadPlan, ClassChoice] | None = None
         self.tried: list[tuple[tuple[str, ...], tuple[str, ...], bool, float, float]] = []
 
-    def score(self, result: SimResult) -> tuple[float, float]:
-        """Lower is better: (0 if the goal is met else 1 + miss, then the other measure)."""
+    def score(self, result: SimResult) -> tuple[float, float, float]:
+        """Lower is better: (0 if the goal is met else 1 + miss, then the measure minimised,
+        then the other one)."""
         peak = peak_of(result, self.search.in_bytes)
+        peak = round(peak, 9 - len(str(int(peak))))  # float noise is no gain
         if self.search.budget is not None:
             miss = peak - self.search.budget
-            return (0.0 if miss <= 1e-9 else 1.0 + miss, result.makespan)
+            return (0.0 if miss <= 1e-9 else 1.0 + miss, result.makespan, peak)
         miss = result.makespan - self.limit
-        return (0.0 if miss <= 1e-9 * self.limit else 1.0 + miss, peak)
+        return (0.0 if miss <= 1e-9 * self.limit else 1.0 + miss, peak, result.makespan)
 
     def plan(self, choices: dict[Item, ClassChoice], shown: ClassChoice,
-             mixed: bool = False) -> tuple[tuple[float, float], OffloadPlan]:
+             mixed: bool = False) -> tuple[tuple[float, float, float], OffloadPlan]:
         schedule = self.bare.with_classes(choices)
         plan = add_offload(schedule, self.costs, "all", self.policy)
         score = self.score(plan.result)
@@ -167,7 +169,7 @@ def _shares(run: _Search, sets: list[tuple[TensorClass, ...]],
     them), then those between the best of them and its neighbours."""
     probes = run.search.share_probes
     picks = sorted({round(i * (len(sets) - 1) / max(probes - 1, 1)) for i in range(probes)})
-    scores: dict[int, tuple[float, float]] = {}
+    scores: dict[int, tuple[float, float, float]] = {}
 
     def probe(i: int) -> None:
         if i not in scores:
