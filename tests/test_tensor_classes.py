@@ -3,6 +3,8 @@ Megatron-Core's policy as a baseline. Pure Python, a few seconds."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeoffload import build_schedule
@@ -115,3 +117,24 @@ def test_megatron_rules() -> None:
                                     MegatronPolicy(("attn_norm", "core_attn")), layers=4)
     assert planned.has_kind(Kind.RELOAD)
     assert max(result.peak_activation) < max(simulate(schedule).peak_activation)
+
+
+def test_cli_spellings(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeoffload.cli.main import main
+
+    def peaks(spec: str) -> list[float]:
+        argv = ["simulate", "--schedule", "interleaved-1f1b", "--chunks", "2", "--pp", "4",
+                "--microbatches", "8", "--offload-ratio", "1.0", "--offload", spec, "--json"]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)["peak_activation"]
+
+    assert max(peaks("budget:1.5")) <= 1.5
+    explicit = peaks("classes:qkv+mlp_hidden/recompute:attn_norm")
+    megatron = peaks("megatron:core_attn+attn_proj,fraction=0.5,inflight=1")
+    assert max(explicit) < max(peaks("none")) and max(megatron) < max(peaks("none"))
+    for bad, says in (("classes:bogus", "unknown tensor class 'bogus'"),
+                      ("megatron:foo", "unknown module 'foo'"),
+                      ("megatron:core_attn,speed=2", "'speed=2' is not a knob")):
+        assert main(["simulate", "--offload", bad]) != 0
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err

@@ -7,7 +7,8 @@ share for its copy times and drops the items whose copies cannot hide. The searc
 
 1. Recompute sets: the classes whose recompute re-runs the least forward, cheapest first (a set
    costs its most expensive member, Note: [class accounting]), so each size of set is the
-   cheapest of that size: ``max_recompute + 1`` candidates, from none.
+   cheapest of that size: ``max_recompute + 1`` candidates, from none, and larger ones while
+   a budget is not met.
 2. For each, offload sets over the remaining classes: every distinct moved share a subset
    reaches (for the simulator two subsets of one share are the same plan), of which
    ``share_probes`` spread over the range are planned, then the shares between the best and
@@ -32,6 +33,7 @@ from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS
 from pipeoffload.core.classes import ClassChoice, TensorClass
 from pipeoffload.core.schedule import Schedule
+from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy, add_offload
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, simulate
@@ -45,7 +47,8 @@ class ClassSearch:
 
     ``budget``: each rank's peak activation must stay within it (M_a units, or bytes when
     ``in_bytes``); None: the lowest peak within ``slack`` of the plain makespan.
-    ``max_recompute``: the most recompute sets tried beyond none; ``share_probes``: the moved
+    ``max_recompute``: the most recompute sets tried beyond none (with a budget not met by
+    them, larger ones follow until it is); ``share_probes``: the moved
     shares planned per recompute set before refining around the best."""
 
     budget: float | None = None
@@ -83,7 +86,8 @@ def peak_of(result: SimResult, in_bytes: bool) -> float:
     """The largest per-rank peak of a simulation, in M_a units or bytes."""
     peaks = result.peak_bytes if in_bytes else result.peak_activation
     if peaks is None:
-        raise ValueError("a byte budget needs activation sizes in the cost model")
+        raise ConfigError("a byte budget needs activation sizes: give the cost model "
+                          "activation_bytes (CLI: --activation-bytes)")
     return max(peaks)
 
 
@@ -120,6 +124,10 @@ class _Search:
         self.best: tuple[tuple[float, float, float], OffloadPlan, ClassChoice] | None = None
         self.tried: list[tuple[tuple[str, ...], tuple[str, ...], bool, float, float]] = []
 
+    def met(self) -> bool:
+        """Whether the best plan so far meets the goal."""
+        return self.best is not None and self.best[0][0] == 0.0
+
     def score(self, result: SimResult) -> tuple[float, float, float]:
         """Lower is better: (0 if the goal is met else 1 + miss, then the measure minimised,
         then the other one)."""
@@ -152,7 +160,10 @@ def plan_classes(schedule: Schedule, costs: CostModel, classes: Sequence[TensorC
     search = search or ClassSearch()
     run = _Search(schedule.without(*OFFLOAD_KINDS), costs, search, policy)
     run.plan({}, ClassChoice())  # the chunk planner's own plan: whole chunks
-    for recomputed in recompute_sets(classes, search.max_recompute):
+    every = recompute_sets(classes, len(classes))
+    for k, recomputed in enumerate(every):
+        if k > search.max_recompute and (search.budget is None or run.met()):
+            break  # more recompute only for a budget not yet met
         rest = [c for c in classes if c not in recomputed]
         sets = [()] + offload_sets(rest)
         _shares(run, sets, recomputed)
