@@ -18,6 +18,7 @@ from pipeoffload.core.classes import ClassChoice, TensorClass
 from pipeoffload.core.registry import build_schedule
 from pipeoffload.errors import ConfigError
 from pipeoffload.hf import causal_lm_loss, split_causal_lm
+from pipeoffload.offload.class_plan import ClassSearch, plan_classes
 from pipeoffload.offload.plan import add_offload
 from pipeoffload.runtime.classes import OTHER
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
@@ -115,3 +116,30 @@ def test_recomputed_classes_are_refused_by_the_runtime() -> None:
     choice = ClassChoice((), (TensorClass("attn_norm", 0.1, 0.01),))
     with pytest.raises(ConfigError, match="recomputes tensor classes"):
         step(reference_model, schedule.with_classes({(0, 0): choice}))
+
+
+def test_budget_plan_meets_its_budget_in_the_measured_peak() -> None:
+    """A byte budget between whole-chunk offload's peak and none's, at a copy ratio where whole
+    chunks cannot hide: the class plan meets it in the simulator and in the meter."""
+    offloaded = po.build_schedule("1f1b", pp=2, microbatches=MICROBATCHES, offload="all")
+    bare = offloaded.without(*OFFLOAD_KINDS)
+    _, pipe = step(reference_model, offloaded)
+    measured = {stage: tags for (stage, mb), tags in pipe.offloader.class_bytes.items()
+                if mb == 0}
+    classes = {stage: [TensorClass(t, n / sum(tags.values())) for t, n in sorted(tags.items())]
+               for stage, tags in measured.items()}
+    meter = ActivationMeter()
+    expected, _ = step(reference_model, bare, meter)
+    sizes = meter.stage_activation_bytes(bare.num_stages)
+    costs = CostModel(stage_activation_bytes=sizes, offload_ratio=0.4)
+    none = simulate(bare, costs).peak_bytes
+    free = add_offload(bare, CostModel(stage_activation_bytes=sizes), "all").result.peak_bytes
+    assert max(add_offload(bare, costs, "all").result.peak_bytes) == max(none)  # none hides
+    budget = max((none[0] + free[0]) / 2, *none[1:])  # the last rank offloads nothing
+    found = plan_classes(bare, costs, classes, ClassSearch(budget=budget, in_bytes=True,
+                                                            recompute=False))
+    assert found.met and found.plan.schedule.classes
+    meter = ActivationMeter()
+    grads, _ = step(reference_model, found.plan.schedule, meter)
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+    assert max(meter.peak_bytes(r) for r in range(bare.num_ranks)) <= budget

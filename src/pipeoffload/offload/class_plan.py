@@ -26,8 +26,9 @@ the simulated plan's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from pipeoffload.checks import check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS
@@ -57,6 +58,8 @@ class ClassSearch:
     max_recompute: int = 3
     share_probes: int = 6
     per_microbatch: bool = True
+    recompute: bool = True
+    """False: offload only (the runtime moves classes but does not recompute them)."""
 
     def __post_init__(self) -> None:
         check_optional("ClassSearch.budget", self.budget, minimum=0)
@@ -118,8 +121,11 @@ class _Search:
     """One search: the schedule without transfers, its costs and what counts as better."""
 
     def __init__(self, schedule: Schedule, costs: CostModel, search: ClassSearch,
-                 policy: OffloadPolicy | None) -> None:
+                 policy: OffloadPolicy | None,
+                 per_stage: Mapping[int, Sequence[TensorClass]] | None = None) -> None:
         self.bare, self.costs, self.search, self.policy = schedule, costs, search, policy
+        self.per_stage = ({s: {c.name: c for c in classes} for s, classes in per_stage.items()}
+                          if per_stage is not None else None)
         self.limit = simulate(schedule.with_classes({}), costs).makespan * (1 + search.slack)
         self.best: tuple[tuple[float, float, float], OffloadPlan, ClassChoice] | None = None
         self.tried: list[tuple[tuple[str, ...], tuple[str, ...], bool, float, float]] = []
@@ -139,9 +145,19 @@ class _Search:
         miss = result.makespan - self.limit
         return (0.0 if miss <= 1e-9 * self.limit else 1.0 + miss, peak, result.makespan)
 
+    def spread(self, choices: dict[Item, ClassChoice]) -> dict[Item, ClassChoice]:
+        """``choices`` by class name, each item's classes its own stage's (per-stage sizes)."""
+        if self.per_stage is None:
+            return choices
+        table = self.per_stage
+        return {(s, m): ClassChoice(
+            tuple(table[s][c.name] for c in choice.offloaded if c.name in table.get(s, {})),
+            tuple(table[s][c.name] for c in choice.recomputed if c.name in table.get(s, {})))
+            for (s, m), choice in choices.items()}
+
     def plan(self, choices: dict[Item, ClassChoice], shown: ClassChoice,
              mixed: bool = False) -> tuple[tuple[float, float, float], OffloadPlan]:
-        schedule = self.bare.with_classes(choices)
+        schedule = self.bare.with_classes(self.spread(choices))
         plan = add_offload(schedule, self.costs, "all", self.policy)
         score = self.score(plan.result)
         names = shown.names
@@ -152,24 +168,30 @@ class _Search:
         return score, plan
 
 
-def plan_classes(schedule: Schedule, costs: CostModel, classes: Sequence[TensorClass],
+def plan_classes(schedule: Schedule, costs: CostModel,
+                 classes: Sequence[TensorClass] | Mapping[int, Sequence[TensorClass]],
                  search: ClassSearch | None = None, policy: OffloadPolicy | None = None
                  ) -> ClassPlan:
     """The best class plan the search finds for ``schedule`` (its transfers are replaced;
-    see the module docstring). ``classes``: one chunk's classes, shares adding up to 1."""
+    see the module docstring). ``classes``: one chunk's classes, shares adding up to 1, or
+    per stage (stages of one model differ: the embedding, the head); the search enumerates
+    the first stage's and applies each choice by class name."""
     search = search or ClassSearch()
-    run = _Search(schedule.without(*OFFLOAD_KINDS), costs, search, policy)
+    per_stage = classes if isinstance(classes, Mapping) else None
+    reference: Sequence[TensorClass] = (per_stage[min(per_stage)] if per_stage is not None
+                                        else cast(Sequence[TensorClass], classes))
+    run = _Search(schedule.without(*OFFLOAD_KINDS), costs, search, policy, per_stage)
     run.plan({}, ClassChoice())  # the chunk planner's own plan: whole chunks
-    every = recompute_sets(classes, len(classes))
+    every = recompute_sets(reference, len(reference) if search.recompute else 0)
     for k, recomputed in enumerate(every):
         if k > search.max_recompute and (search.budget is None or run.met()):
             break  # more recompute only for a budget not yet met
-        rest = [c for c in classes if c not in recomputed]
-        sets = [()] + offload_sets(rest)
+        rest = [c for c in reference if c not in recomputed]
+        sets: list[tuple[TensorClass, ...]] = [()] + offload_sets(rest)
         _shares(run, sets, recomputed)
     assert run.best is not None
     if search.per_microbatch:
-        _per_microbatch(run, classes)
+        _per_microbatch(run, reference)
     score, plan, choice = run.best
     return ClassPlan(plan, plan.result, choice, score[0] == 0.0, tuple(run.tried))
 
