@@ -51,21 +51,23 @@ def module_sets() -> list[tuple[str, ...]]:
 def megatron_best(schedule, costs, classes, chunk_bytes, limit):  # noqa: ANN001, ANN201
     """Megatron's lowest peak within ``limit`` over its knobs: every module set at four
     fractions, then the per-rank delta, the in-flight cap and recompute modules around the
-    three best."""
+    three best; each with its own copies back and with ours (``planned_reloads``)."""
     tried = []
 
     def run(policy: MegatronPolicy) -> None:
-        _, result = megatron_plan(schedule, costs, classes, policy, LAYERS_PER_STAGE,
-                                  chunk_bytes)
-        tried.append((result.makespan <= limit * (1 + 1e-9), max(result.peak_activation),
-                      result.makespan, policy))
+        for planned in (False, True):
+            _, result = megatron_plan(schedule, costs, classes, policy, LAYERS_PER_STAGE,
+                                      chunk_bytes, planned_reloads=planned)
+            tried.append((result.makespan <= limit * (1 + 1e-9), max(result.peak_activation),
+                          result.makespan, policy, planned))
 
     for modules, fraction in itertools.product(module_sets(), (1.0, 0.75, 0.5, 0.25)):
         run(MegatronPolicy(modules, fraction=fraction))
     ok = sorted((t for t in tried if t[0]), key=lambda t: t[1])[:3]
-    for _, _, _, policy in ok:
+    for _, _, _, policy, _ in ok:
         for delta, inflight, recompute in itertools.product(
-                (0.0, 0.5 * chunk_bytes, chunk_bytes), (None, 1), ((), ("layernorm",))):
+                (0.0, 0.5 * chunk_bytes, chunk_bytes), (None, 1),
+                ((), ("layernorm",), ("mlp",), ("layernorm", "mlp"))):
             run(MegatronPolicy(policy.modules, policy.fraction, delta, 0.0, inflight,
                                True, recompute))
     fits = [t for t in tried if t[0]]
@@ -108,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             policy = mega[3]
             mega_text = (f"{'+'.join(policy.modules)} f={policy.fraction:g}"
+                         f"{' (our reloads)' if mega[4] else ''}"
                          f"{' delta' if policy.delta_bytes else ''}"
                          f"{' inflight=1' if policy.max_inflight is not None else ''}"
-                         f"{' rc=ln' if policy.recompute else ''}")
+                         f"{' rc=' + '+'.join(policy.recompute) if policy.recompute else ''}")
             mega_peak, mega_span = min(mega[1], base), mega[2]
         cut = 1 - our_peak / mega_peak if mega_peak > 0 else 0.0
         above += our_peak > mega_peak + 1e-9

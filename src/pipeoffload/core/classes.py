@@ -18,7 +18,7 @@ moves a share ``moved`` and recomputes a share ``dropped`` of its activation:
 - ``dropped`` is freed as the F ends (counted as the forward's working memory, not as
   activation) and is resident again from the start of its first backward pass, which re-runs
   the forward work that made it: that pass takes ``recompute_time`` of its stage's F time
-  longer (one forward re-run up to the latest class it recomputes).
+  longer (the steps that make the classes it recomputes).
 OFFLOAD / RELOAD / FETCH of the item take ``moved`` of a whole chunk's copy time.
 """
 
@@ -36,10 +36,11 @@ class TensorClass:
     """One named part of a chunk's saved activation.
 
     ``share``: its bytes over the chunk's (0..1). ``recompute_time``: the forward time that
-    recomputes it from the layer input (the forward up to and including the work that makes
-    it), as a share of the chunk's F time; None when it cannot be recomputed (the layer input:
-    everything else is recomputed from it). Recomputing several classes re-runs the forward
-    once, up to the latest of them: it costs the largest of their times."""
+    recomputes it from the class before it in the forward (the work between the two), as a
+    share of the chunk's F time; None when it cannot be recomputed (the layer input: the rest
+    is recomputed from it). Recomputing several classes runs each one's step once, in forward
+    order (a recomputed predecessor is there by then): it costs the sum of their times, as
+    Megatron's selective recompute of modules does."""
 
     name: str
     share: float
@@ -93,9 +94,9 @@ class ClassChoice:
 
     @property
     def recompute_time(self) -> float:
-        """The extra forward time of the first backward pass, as a share of the F time: one
-        re-run of the forward up to the latest recomputed class."""
-        return max((c.recompute_time or 0.0 for c in self.recomputed), default=0.0)
+        """The extra forward time of the first backward pass, as a share of the F time: each
+        recomputed class's step."""
+        return sum(c.recompute_time or 0.0 for c in self.recomputed)
 
     @property
     def names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:

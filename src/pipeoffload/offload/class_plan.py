@@ -5,16 +5,18 @@ A plan's choice is a ``ClassChoice`` per (stage, microbatch) (core/classes.py); 
 are placed by the chunk planner (``add_offload`` with ``all``), which reads each item's moved
 share for its copy times and drops the items whose copies cannot hide. The search:
 
-1. Recompute sets: the classes whose recompute re-runs the least forward, cheapest first (a set
-   costs its most expensive member, Note: [class accounting]), so each size of set is the
-   cheapest of that size: ``max_recompute + 1`` candidates, from none, and larger ones while
-   a budget is not met.
+1. Recompute sets: the classes of least recompute time per byte first (a set costs the sum of
+   its members' times, Note: [class accounting]): ``max_recompute + 1`` candidates, from none,
+   and larger ones while a budget is not met.
 2. For each, offload sets over the remaining classes: every distinct moved share a subset
    reaches (for the simulator two subsets of one share are the same plan), of which
    ``share_probes`` spread over the range are planned, then the shares between the best and
    its neighbours.
 3. Per microbatch: the items the best plan could not hide (skipped by the chunk planner) get
    the next smaller share that was planned, and the plan is made again; kept if better.
+4. Per item: on the rank whose peak is the plan's, each item resident at that peak gets the
+   next larger moved share, else the next smaller one, one plan each, kept if better, until
+   no such change helps or ``item_plans`` plans were made.
 
 The objective: with a budget (M_a units per rank, or bytes), the fastest plan whose every rank
 peaks within it (ties: the lower peak); without one, the lowest peak among plans within
@@ -60,6 +62,8 @@ class ClassSearch:
     per_microbatch: bool = True
     recompute: bool = True
     """False: offload only (the runtime moves classes but does not recompute them)."""
+    item_plans: int = 24
+    """Plans the per-item refinement may make (step 4 of the module docstring)."""
 
     def __post_init__(self) -> None:
         check_optional("ClassSearch.budget", self.budget, minimum=0)
@@ -101,9 +105,10 @@ def uniform(schedule: Schedule, choice: ClassChoice) -> dict[Item, ClassChoice]:
 
 
 def recompute_sets(classes: Sequence[TensorClass], most: int) -> list[tuple[TensorClass, ...]]:
-    """None, then the k cheapest recomputable classes for k = 1..``most``."""
+    """None, then the k recomputable classes of least time per byte, k = 1..``most`` (a set
+    costs the sum of its classes' times: Note: [class accounting])."""
     able = sorted((c for c in classes if c.recompute_time is not None and c.share > 0),
-                  key=lambda c: (c.recompute_time, -c.share))
+                  key=lambda c: ((c.recompute_time or 0.0) / c.share, -c.share))
     return [tuple(able[:k]) for k in range(min(most, len(able)) + 1)]
 
 
@@ -192,6 +197,7 @@ def plan_classes(schedule: Schedule, costs: CostModel,
     assert run.best is not None
     if search.per_microbatch:
         _per_microbatch(run, reference)
+        _refine_items(run, reference)
     score, plan, choice = run.best
     return ClassPlan(plan, plan.result, choice, score[0] == 0.0, tuple(run.tried))
 
@@ -242,3 +248,55 @@ def _per_microbatch(run: _Search, classes: Sequence[TensorClass]) -> None:
         run.plan(choices, choice, mixed=True)
         if run.best[0] == before:
             return
+
+
+def _resident_at_peak(result: SimResult) -> list[Item]:
+    """The items resident on the peak rank when it peaks, by forward start."""
+    peaks = result.peak_activation
+    rank = max(range(len(peaks)), key=peaks.__getitem__)
+    curve = result.memory[rank]
+    when = max(curve, key=lambda point: point[1])[0]
+    start, end = result.rank_times(rank)
+    began: dict[Item, float] = {}
+    ended: dict[Item, float] = {}
+    for (s, kind, m), t0, t1 in zip(result.schedule.ranks[rank], start, end):
+        if kind.value == "F":
+            began[(s, m)] = t0
+        elif kind.value in ("W", "B"):
+            ended[(s, m)] = t1
+    return sorted((item for item, t0 in began.items() if t0 <= when <= ended.get(item, when)),
+                  key=began.__getitem__)
+
+
+def _refine_items(run: _Search, classes: Sequence[TensorClass]) -> None:
+    """Step 4 of the module docstring: move each item resident at the peak one share up or
+    down the ladder of its choice's offload sets, keeping what improves the score."""
+    assert run.best is not None
+    shown = run.best[2]
+    if not shown.offloaded:
+        return
+    rest = [c for c in classes if c not in shown.recomputed]
+    ladder = offload_sets(rest)
+    index = {frozenset(c.name for c in subset): i for i, subset in enumerate(ladder)}
+    current = uniform(run.bare, shown)
+    for item, choice in run.best[1].schedule.classes:  # the best plan's own, if mixed
+        names = frozenset(choice.names[0])
+        if names in index:
+            current[item] = ClassChoice(ladder[index[names]], shown.recomputed)
+    plans, improved = run.search.item_plans, True
+    while plans > 0 and improved:
+        improved = False
+        for item in _resident_at_peak(run.best[1].result):
+            at = index.get(frozenset(current[item].names[0]))
+            for step in (1, -1):
+                if at is None or not 0 <= at + step < len(ladder) or plans <= 0:
+                    continue
+                trial = dict(current)
+                trial[item] = ClassChoice(ladder[at + step], shown.recomputed)
+                before, plans = run.best[0], plans - 1
+                run.plan(trial, shown, mixed=True)
+                if run.best[0] < before:
+                    current, improved = trial, True
+                    break
+            if improved:
+                break

@@ -45,6 +45,8 @@ from pipeoffload.core.classes import ClassChoice, TensorClass
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
 from pipeoffload.offload.placement import ComputeIndex, insert
+from pipeoffload.offload.plan import OffloadPolicy, add_offload
+from pipeoffload.offload.targets import OffloadTarget, TargetKind
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, simulate
 
@@ -184,16 +186,23 @@ def _keep_last_of_each_name(template: list[_Group], flags: list[bool]) -> None:
 
 
 def megatron_plan(schedule: Schedule, costs: CostModel, classes: Sequence[TensorClass],
-                  policy: MegatronPolicy, layers: int, chunk_bytes: float = 1.0
-                  ) -> tuple[Schedule, SimResult]:
+                  policy: MegatronPolicy, layers: int, chunk_bytes: float = 1.0, *,
+                  planned_reloads: bool = False) -> tuple[Schedule, SimResult]:
     """``schedule`` with Megatron's policy's transfers (module docstring), and its
     simulation. ``layers``: layers per stage; ``chunk_bytes``: one chunk's saved bytes (for
-    the delta and the minimum size)."""
+    the delta and the minimum size). ``planned_reloads``: Megatron's choice of what moves, but
+    the copies back placed by our planner (``add_offload``, every item kept, stalls allowed)
+    instead of Megatron's backward-driven ones: the benefit of the doubt on time, where our
+    model of its layer-by-layer reloads is pessimistic."""
     if layers < 1:
         raise ConfigError(f"megatron: layers per stage must be >= 1, got {layers}")
     bare = schedule.without(*OFFLOAD_KINDS)
     choices = megatron_choices(bare, classes, policy, layers, chunk_bytes)
     bare = bare.with_classes(choices)
+    if planned_reloads:
+        plan = add_offload(bare, costs, OffloadTarget(TargetKind.ALL, allow_stall=True),
+                           OffloadPolicy(max_pending_offloads=policy.max_inflight))
+        return plan.schedule, plan.result
     index = ComputeIndex(bare)
     leads: dict[Item, int] = {}
     waits: dict[Action, Item] = {}

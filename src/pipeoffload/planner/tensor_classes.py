@@ -3,9 +3,13 @@ the planner's per-tensor accounting and priced for recompute.
 
 Sizes follow ``transformer.layer_activation_bytes`` (Korthikanti et al. 2022, section 4) tensor
 by tensor, so the classes of a layer add up to it exactly (``tests/test_tensor_classes.py``).
-Recompute times count the forward from the layer input up to the class: the matmul FLOPs of
-``transformer`` plus the memory-bound work of ``layer_work`` (norms, activation function), the
-latter converted to FLOP-equivalents at ``RIDGE_FLOPS_PER_BYTE``.
+Recompute times count the forward step that makes the class from the class before it (a
+norm, a matmul, the attention core, the activation): the matmul FLOPs of ``transformer`` plus
+the memory-bound work of ``layer_work``, the latter converted to FLOP-equivalents at
+``RIDGE_FLOPS_PER_BYTE``, over the whole layer forward's. ``mlp_input`` (the residual after
+attention) is made by the output projection from ``attn_out`` plus the layer input, which is
+never recomputed; dropout masks are not recomputed (their random draws would have to be
+replayed).
 
 The names are the modules whose forward saves the tensors (the runtime tags saved tensors by
 module, runtime/offloader.py), in forward order:
@@ -74,42 +78,40 @@ def layer_class_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int = 1,
     return sizes
 
 
-def _prefix_costs(spec: TransformerSpec, micro_batch: int, tp: int,
-                  sequence_parallel: bool) -> tuple[dict[str, float], float]:
-    """FLOP-equivalents of the forward from the layer input up to each class, and of the
-    whole layer forward."""
+def _step_costs(spec: TransformerSpec, micro_batch: int, tp: int,
+                sequence_parallel: bool) -> tuple[dict[str, float], float]:
+    """FLOP-equivalents of the forward step that makes each class from the one before it, and
+    of the whole layer forward."""
     b, s, h, e = micro_batch, spec.seq_len, spec.hidden, spec.activation_bytes
     tokens = b * s
     residual = tokens * h / (tp if sequence_parallel else 1)
     norm = norm_work(spec, residual).f.nbytes * RIDGE_FLOPS_PER_BYTE
-    qkv = 2 * tokens * h * (h + 2 * spec.kv_hidden) / tp
-    core = attention_core_flops(spec, micro_batch) / tp
-    proj = 2 * tokens * h * h / tp
     ups = 2 if spec.mlp is MlpKind.SWIGLU else 1
-    fc1 = ups * 2 * tokens * h * spec.ffn_hidden / tp
     act = (3 if ups == 2 else 2) * e * tokens * spec.ffn_hidden / tp * RIDGE_FLOPS_PER_BYTE
+    steps = {
+        "attn_norm": norm,
+        "qkv": 2 * tokens * h * (h + 2 * spec.kv_hidden) / tp,
+        "attn_out": attention_core_flops(spec, micro_batch) / tp,
+        "mlp_input": 2 * tokens * h * h / tp,
+        "mlp_norm": norm,
+        "mlp_hidden": ups * 2 * tokens * h * spec.ffn_hidden / tp,
+        "mlp_act": act,
+    }
     fc2 = 2 * tokens * h * spec.ffn_hidden / tp
-    steps = [("attn_norm", norm), ("qkv", qkv), ("attn_out", core), ("mlp_input", proj),
-             ("mlp_norm", norm), ("mlp_hidden", fc1), ("mlp_act", act)]
-    prefix, total = {}, 0.0
-    for name, cost in steps:
-        total += cost
-        prefix[name] = total
-    whole = total + fc2 + layer_memory_work(
+    whole = sum(steps.values()) + fc2 + layer_memory_work(
         spec, micro_batch, tp, sequence_parallel=sequence_parallel).f.nbytes * \
         RIDGE_FLOPS_PER_BYTE - 2 * norm - act  # the norms and activation are counted above
-    prefix["masks"] = whole
-    return prefix, whole
+    return steps, whole
 
 
 def layer_classes(spec: TransformerSpec, micro_batch: int = 1, *, tp: int = 1,
                   sequence_parallel: bool = True) -> tuple[TensorClass, ...]:
     """The classes of one layer (and so of any chunk of whole layers): each one's share of the
-    layer's saved bytes and its recompute time as a share of the layer's forward."""
+    layer's saved bytes and its recompute step's time as a share of the layer's forward."""
     sizes = layer_class_bytes(spec, micro_batch, tp=tp, sequence_parallel=sequence_parallel)
     total = layer_activation_bytes(spec, micro_batch, "none", tp=tp,
                                    sequence_parallel=sequence_parallel)
-    prefix, whole = _prefix_costs(spec, micro_batch, tp, sequence_parallel)
+    steps, whole = _step_costs(spec, micro_batch, tp, sequence_parallel)
     return tuple(TensorClass(name, size / total,
-                             None if name == "layer_input" else prefix[name] / whole)
+                             steps[name] / whole if name in steps else None)
                  for name, size in sizes.items())
