@@ -140,3 +140,16 @@ def test_cli_spellings(capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["simulate", "--offload", bad]) != 0
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("microbatches", [8, 16])
+def test_issue_36_item_6_rows_at_or_below_the_authors_planner(microbatches: int) -> None:
+    """p 4, v 3, g 4, K 1, ratio 0.75, I = 2F, p2p 0.05: the authors' planner reaches 2.67 M_a;
+    ours planned 3.0 while a forward started during a copy out (Note: [wait for every copy],
+    offload/plan.py)."""
+    schedule = build_schedule("grouped-interleaved", pp=4, microbatches=microbatches, chunks=3,
+                              group_size=4)
+    costs = CostModel(f_time=1, i_time=2, w_time=1, p2p_time=0.05, offload_ratio=0.75)
+    plan = add_offload(schedule, costs, "chunks:1")
+    assert max(plan.result.peak_activation) <= 8 / 3 + 1e-9
+    assert plan.result.makespan == pytest.approx(simulate(schedule, costs).makespan, rel=1e-12)

@@ -140,7 +140,28 @@ def _add_offload(schedule: Schedule, costs: CostModel | None,
     chosen, notes = planner.spans.choose(target, planner.units)
     chosen = [item for item in chosen if item not in planner.recomputed]
     planned, result, skipped = planner.plan(chosen)
-    return planner.finish(target, planned, result, skipped, notes)
+    plan = planner.finish(target, planned, result, skipped, notes)
+    if policy.max_pending_offloads and _peaks_while_copying(plan.result):
+        # Note: [wait for every copy] a forward that starts while one copy out is still
+        # streaming keeps that copy's rest on the device; waiting for all of them, where the
+        # slack allows, can lower the peak at the same makespan.
+        strict = dataclasses.replace(policy, max_pending_offloads=0)
+        other = _add_offload(schedule, costs, target, strict, base)
+        if (max(other.result.peak_activation) < max(plan.result.peak_activation) - 1e-9
+                and other.result.makespan <= plan.result.makespan + policy.stall_tolerance):
+            return other
+    return plan
+
+
+def _peaks_while_copying(result: SimResult) -> bool:
+    """Whether the highest rank peaks while one of its copies out is running."""
+    peaks = result.peak_activation
+    rank = max(range(len(peaks)), key=peaks.__getitem__)
+    top = peaks[rank]
+    times = [t for t, level in result.memory[rank] if level >= top - 1e-12]
+    copies = result.kind_times(rank, _OFFLOAD)[0]
+    _, starts, ends = copies if copies else ([], [], [])
+    return any(s <= t < e for t in times for s, e in zip(starts, ends))
 
 
 def _recompute_then_offload(bare: Schedule, costs: CostModel, target: OffloadTarget,
