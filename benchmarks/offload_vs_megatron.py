@@ -11,6 +11,7 @@ the papers' ratio: one-way copy time over F + I + W, k = 2 x ratio (k = 1 at rat
     python benchmarks/offload_vs_megatron.py            # p = 4, 8 (64 rows)
     python benchmarks/offload_vs_megatron.py --full     # p = 4, 8, 16, 32
     python benchmarks/offload_vs_megatron.py --quick    # p = 4, k = 0.5 and 2 (tests)
+    python benchmarks/offload_vs_megatron.py --pp 16 32 --k 2 3 --one-shape
 """
 
 from __future__ import annotations
@@ -93,10 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--pp", type=int, nargs="+", help="pipeline sizes instead")
+    parser.add_argument("--k", type=float, nargs="+", help="copy ratios k instead")
+    parser.add_argument("--one-shape", action="store_true", help="seq 4k, hidden 4k only")
     args = parser.parse_args(argv)
     pps = (4, 8, 16, 32) if args.full else (4,) if args.quick else (4, 8)
     ks = (0.5, 2.0) if args.quick else (0.5, 1.0, 2.0, 3.0)
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    pps, ks = tuple(args.pp or pps), tuple(args.k or ks)
+    shapes = SHAPES[:1] if args.quick or args.one_shape else SHAPES
     print("| schedule | p | k | seq | hidden | plain peak | Megatron best | its peak | its "
           "makespan | ours | our peak | our makespan | cut vs Megatron |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
