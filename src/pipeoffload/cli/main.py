@@ -164,6 +164,9 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.csv:
         with preflight.writing(args.csv):
             write_csv(schedule, args.csv)
+        if schedule.classes:
+            preflight.note("simulate", f"{args.csv} holds the actions only, not the tensor "
+                           "classes each activation moves or recomputes (Schedule.classes)")
     if args.png and not preflight.have_matplotlib():
         preflight.note("simulate", preflight.MATPLOTLIB_MISSING.format(what=args.png))
     elif args.png:
@@ -171,7 +174,7 @@ def _simulate(args: argparse.Namespace) -> int:
         from pipeoffload.sim.render_png import render_png
         from pipeoffload.sim.simulator import simulate
 
-        bare = schedule.without(*OFFLOAD_KINDS)
+        bare = schedule.without(*OFFLOAD_KINDS).with_classes({})
         baseline = simulate(dataclasses.replace(bare, name=f"{bare.name} without offload"),
                             result.costs) if report.offloaded else None
         with preflight.writing(args.png):
