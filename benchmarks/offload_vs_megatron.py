@@ -11,7 +11,8 @@ the papers' ratio: one-way copy time over F + I + W, k = 2 x ratio (k = 1 at rat
     python benchmarks/offload_vs_megatron.py            # p = 4, 8 (64 rows)
     python benchmarks/offload_vs_megatron.py --full     # p = 4, 8, 16, 32
     python benchmarks/offload_vs_megatron.py --quick    # p = 4, k = 0.5 and 2 (tests)
-    python benchmarks/offload_vs_megatron.py --pp 16 32 --k 2 3 --one-shape
+    python benchmarks/offload_vs_megatron.py --pp 16 32 --k 2 --one-shape
+    python benchmarks/offload_vs_megatron.py --schedules zbv --fetch-on-use   # ours by FETCH
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from pipeoffload import build_schedule
 from pipeoffload.offload.class_plan import ClassSearch, plan_classes
 from pipeoffload.offload.megatron import OFFLOAD_MODULES, MegatronPolicy, megatron_plan
+from pipeoffload.offload.plan import OffloadPolicy
 from pipeoffload.planner.tensor_classes import layer_classes
 from pipeoffload.planner.transformer import TransformerSpec, layer_activation_bytes
 from pipeoffload.sim.costs import CostModel
@@ -75,7 +77,7 @@ def megatron_best(schedule, costs, classes, chunk_bytes, limit):  # noqa: ANN001
     return min(fits, key=lambda t: (t[1], t[2])) if fits else None
 
 
-def row(name, options, pp, k, seq, hidden):  # noqa: ANN001, ANN201
+def row(name, options, pp, k, seq, hidden, fetch=False):  # noqa: ANN001, ANN201
     spec = TransformerSpec(num_layers=LAYERS_PER_STAGE, hidden=hidden, heads=hidden // 128,
                            kv_heads=hidden // 128, ffn_hidden=4 * hidden, vocab=32000,
                            seq_len=seq)
@@ -86,7 +88,8 @@ def row(name, options, pp, k, seq, hidden):  # noqa: ANN001, ANN201
     plain = simulate(schedule, costs)
     limit = plain.makespan * (1 + SLACK)
     mega = megatron_best(schedule, costs, classes, chunk_bytes, limit)
-    ours = plan_classes(schedule, costs, classes, ClassSearch(slack=SLACK))
+    ours = plan_classes(schedule, costs, classes, ClassSearch(slack=SLACK),
+                        OffloadPolicy(fetch_on_use=fetch))
     return plain, mega, ours
 
 
@@ -97,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, nargs="+", help="pipeline sizes instead")
     parser.add_argument("--k", type=float, nargs="+", help="copy ratios k instead")
     parser.add_argument("--one-shape", action="store_true", help="seq 4k, hidden 4k only")
+    parser.add_argument("--schedules", nargs="+", help="these schedules of the grid only")
+    parser.add_argument("--fetch-on-use", action="store_true",
+                        help="ours brings activations back by FETCH where the reads hide")
     args = parser.parse_args(argv)
     pps = (4, 8, 16, 32) if args.full else (4,) if args.quick else (4, 8)
     ks = (0.5, 2.0) if args.quick else (0.5, 1.0, 2.0, 3.0)
@@ -106,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
           "makespan | ours | our peak | our makespan | cut vs Megatron |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     cuts, above, started = [], 0, time.process_time()
-    for (name, options), pp, k, (seq, hidden) in itertools.product(SCHEDULES, pps, ks, shapes):
-        plain, mega, ours = row(name, options, pp, k, seq, hidden)
+    schedules = [s for s in SCHEDULES if not args.schedules or s[0] in args.schedules]
+    for (name, options), pp, k, (seq, hidden) in itertools.product(schedules, pps, ks, shapes):
+        plain, mega, ours = row(name, options, pp, k, seq, hidden, args.fetch_on_use)
         base, grow = max(plain.peak_activation), 1 / plain.makespan
         our_peak = ours.peak
         if mega is None:
