@@ -143,3 +143,20 @@ def test_budget_plan_meets_its_budget_in_the_measured_peak() -> None:
     grads, _ = step(reference_model, found.plan.schedule, meter)
     assert all(torch.equal(a, b) for a, b in zip(expected, grads))
     assert max(meter.peak_bytes(r) for r in range(bare.num_ranks)) <= budget
+
+
+def test_fetched_classes_are_bitwise_and_meter_equals_simulator() -> None:
+    """FETCH of the chosen classes (read on use), the rest kept: the same exactness."""
+    from test_runtime_support import with_offload
+
+    plain = po.build_schedule("1f1b", pp=2, microbatches=MICROBATCHES)
+    fetched = with_offload(plain, stages={0}, back=Kind.FETCH)
+    expected, _ = step(reference_model, plain)
+    _, pipe = step(reference_model, fetched)
+    chosen = with_choice(fetched, pipe.offloader.class_bytes, CHOSEN)
+    meter = ActivationMeter()
+    grads, _ = step(reference_model, chosen, meter)
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+    sizes = meter.stage_activation_bytes(chosen.num_stages)
+    predicted = simulate(chosen, CostModel(stage_activation_bytes=sizes)).peak_bytes
+    assert [meter.peak_bytes(r) for r in range(2)] == pytest.approx(predicted, rel=1e-12)
