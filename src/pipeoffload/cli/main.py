@@ -20,7 +20,8 @@ from pipeoffload.sim.render_text import MIN_WIDTH
 
 if TYPE_CHECKING:  # the commands import these when they run (a fast start for every command)
     from pipeoffload.core.schedule import Schedule
-    from pipeoffload.offload.plan import OffloadPlan
+    from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
+    from pipeoffload.sim.costs import CostModel
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -43,7 +44,9 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
                    help="grouped-interleaved group size g, ceil(p/2) <= g <= p")
     p.add_argument("--offload", default=None, metavar="SPEC",
                    help="none | all | chunks:K | fraction:X | limit:X[GiB] | given (po-h / "
-                   "po-f have their own default; --from-csv keeps the file's transfers)")
+                   "po-f have their own default; --from-csv keeps the file's transfers); per "
+                   "tensor class: budget:X[GiB] | classes:A+B[/recompute:C] | "
+                   "megatron:MODULES[,fraction=X,...] (docs/offload.md)")
     p.add_argument("--offload-ratio", type=number(minimum=0, maximum=1e6), default=None,
                    metavar="R",
                    help="one-way copy time of a chunk's activations / its F+I+W time")
@@ -80,6 +83,7 @@ def _schedule_and_plan(args: argparse.Namespace) -> OffloadPlan:
     from pipeoffload.core.actions import OFFLOAD_KINDS
     from pipeoffload.core.text import read_csv
     from pipeoffload.core.validate import validate
+    from pipeoffload.offload.class_targets import is_class_target
     from pipeoffload.offload.plan import OffloadPolicy, add_offload
     from pipeoffload.offload.targets import parse_target
     from pipeoffload.sim.costs import CostModel, Duplex, HostLink
@@ -90,9 +94,11 @@ def _schedule_and_plan(args: argparse.Namespace) -> OffloadPlan:
         host_link=HostLink(Duplex.HALF if args.half_duplex else Duplex.FULL,
                            args.ranks_per_link),
     ), args.offload_ratio)
+    policy = OffloadPolicy(fetch_on_use=args.fetch_on_use)
+    if is_class_target(args.offload):
+        return _class_plan(args, costs, policy)
     target = (parse_target(args.offload, allow_stall=args.allow_stall)
               if args.offload is not None else None)
-    policy = OffloadPolicy(fetch_on_use=args.fetch_on_use)
     if args.from_csv:
         for flag in ("chunks", "group_size"):
             if getattr(args, flag) is not None:
@@ -113,6 +119,34 @@ def _schedule_and_plan(args: argparse.Namespace) -> OffloadPlan:
                          policy=policy, **options)
 
 
+def _class_plan(args: argparse.Namespace, costs: CostModel, policy: OffloadPolicy
+                ) -> OffloadPlan:
+    """``--offload budget: / classes: / megatron:``: the schedule planned per tensor class,
+    the classes those of a GPT layer (seq 4096, hidden 4096, flash attention), 4 per stage."""
+    from pipeoffload.api import plan_schedule
+    from pipeoffload.offload.class_targets import ModelClasses, plan_class_target
+    from pipeoffload.planner.tensor_classes import layer_classes
+    from pipeoffload.planner.transformer import TransformerSpec, layer_activation_bytes
+
+    if args.from_csv or args.allow_stall:
+        raise PipeoffloadError(f"--offload {args.offload} plans a named schedule's transfers "
+                               "itself; drop --from-csv / --allow-stall")
+    spec = TransformerSpec(num_layers=4, hidden=4096, heads=32, kv_heads=32, ffn_hidden=16384,
+                           vocab=32000, seq_len=4096, name="gpt-4k")
+    options: dict[str, Any] = {
+        k: v for k, v in (("chunks", args.chunks), ("group_size", args.group_size))
+        if v is not None}
+    microbatches = args.microbatches if args.microbatches is not None else 4 * args.pp
+    preflight.check_work(args.pp, args.chunks or 2, microbatches)
+    bare = plan_schedule(args.schedule, args.pp, microbatches, "none", costs=costs,
+                         **options).schedule
+    chunk = args.activation_bytes or 4 * layer_activation_bytes(spec, 1, "none")
+    if costs.activation_bytes is None:  # byte peaks (and byte budgets) for the model's chunks
+        costs = dataclasses.replace(costs, activation_bytes=chunk)
+    model = ModelClasses(layer_classes(spec), 4, chunk)
+    return plan_class_target(bare, costs, args.offload, model, policy)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     # The plan makes 10^6 objects and no cycles (core/collector.py). With the collector paused
     # until they are freed (when _simulate returns), it never scans them: re-enabled inside
@@ -130,6 +164,9 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.csv:
         with preflight.writing(args.csv):
             write_csv(schedule, args.csv)
+        if schedule.classes:
+            preflight.note("simulate", f"{args.csv} holds the actions only, not the tensor "
+                           "classes each activation moves or recomputes (Schedule.classes)")
     if args.png and not preflight.have_matplotlib():
         preflight.note("simulate", preflight.MATPLOTLIB_MISSING.format(what=args.png))
     elif args.png:
@@ -137,7 +174,7 @@ def _simulate(args: argparse.Namespace) -> int:
         from pipeoffload.sim.render_png import render_png
         from pipeoffload.sim.simulator import simulate
 
-        bare = schedule.without(*OFFLOAD_KINDS)
+        bare = schedule.without(*OFFLOAD_KINDS).with_classes({})
         baseline = simulate(dataclasses.replace(bare, name=f"{bare.name} without offload"),
                             result.costs) if report.offloaded else None
         with preflight.writing(args.png):

@@ -9,12 +9,13 @@ import dataclasses
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar, cast
 
 from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.classes import ClassChoice, Shares
 from pipeoffload.core.errors import ScheduleError
 
 T = TypeVar("T")
@@ -59,6 +60,10 @@ class Schedule:
     "stage 0" / "stage S-1". Stages of different routes that stand for the same model part
     (DualPipe's two copies) are separate stages here: their weights are the user's to tie and
     their gradients to sum (see docs/schedules.md).
+
+    ``classes``: per (stage, microbatch), which tensor classes its transfers move and which it
+    recomputes (core/classes.py, Note: [class accounting]), sorted by item; an item without a
+    choice moves whole. Passes that rewrite the actions (``with_ranks``) keep them.
     """
 
     ranks: tuple[tuple[Action, ...], ...]
@@ -66,19 +71,25 @@ class Schedule:
     microbatches: int
     name: str = "custom"
     routes: tuple[tuple[int, ...], ...] = ()
+    classes: tuple[tuple[tuple[int, int], ClassChoice], ...] = ()
     _derived: dict[Callable[[Schedule], object], object] = field(
         default_factory=dict, init=False, repr=False, compare=False)
     """What passes derived from this schedule (``derived``); a new schedule starts empty."""
 
     def __init__(self, ranks: Iterable[Iterable[Action]], stage_to_rank: Iterable[int],
                  microbatches: int, name: str = "custom",
-                 routes: Iterable[Iterable[int]] = ()) -> None:
+                 routes: Iterable[Iterable[int]] = (),
+                 classes: Mapping[tuple[int, int], ClassChoice]
+                 | Iterable[tuple[tuple[int, int], ClassChoice]] = ()) -> None:
         # Any iterables in (generators build lists), tuples kept: a schedule is immutable.
         object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in ranks))
         object.__setattr__(self, "stage_to_rank", tuple(stage_to_rank))
         object.__setattr__(self, "microbatches", microbatches)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "routes", tuple(tuple(route) for route in routes))
+        pairs = classes.items() if isinstance(classes, Mapping) else classes
+        object.__setattr__(self, "classes", tuple(sorted(
+            ((int(item[0]), int(item[1])), choice) for item, choice in pairs)))
         object.__setattr__(self, "_derived", {})
         self._check_shape()
 
@@ -109,6 +120,15 @@ class Schedule:
             raise ScheduleError(f"rank {empty[0]} holds no stage; every rank needs at least one")
         if self.routes:
             _check_routes(self.routes, len(self.stage_to_rank), self.microbatches)
+        for (stage, microbatch), choice in self.classes:
+            if not isinstance(choice, ClassChoice):
+                raise ScheduleError(f"classes of ({stage}, {microbatch}): {choice!r} is not a "
+                                    "ClassChoice (core/classes.py)")
+            if not (0 <= stage < len(self.stage_to_rank) and 0 <= microbatch < self.microbatches):
+                raise ScheduleError(f"classes name ({stage}, {microbatch}), which is not a "
+                                    f"(stage, microbatch) of this schedule")
+        if len({item for item, _ in self.classes}) != len(self.classes):
+            raise ScheduleError("classes name one (stage, microbatch) twice")
 
     @property
     def num_ranks(self) -> int:
@@ -164,6 +184,24 @@ class Schedule:
         for stage, rank in enumerate(self.stage_to_rank):
             by_rank[rank].append(stage)
         return tuple(tuple(stages) for stages in by_rank)
+
+    @functools.cached_property
+    def class_shares(self) -> Shares:
+        """(stage, microbatch) -> (moved, dropped) share of the items with a class choice
+        (Note: [class accounting], core/classes.py); empty without classes."""
+        return {item: (choice.moved, choice.dropped) for item, choice in self.classes}
+
+    def class_choice(self, stage: int, microbatch: int) -> ClassChoice | None:
+        """The classes chosen for (stage, microbatch), None when it moves whole."""
+        return self._class_choices.get((stage, microbatch))
+
+    @functools.cached_property
+    def _class_choices(self) -> dict[tuple[int, int], ClassChoice]:
+        return dict(self.classes)
+
+    def with_classes(self, classes: Mapping[tuple[int, int], ClassChoice]) -> Schedule:
+        """The same actions with these class choices instead of the schedule's."""
+        return dataclasses.replace(self, classes=tuple(classes.items()))
 
     def rank_of(self, stage: int) -> int:
         return self.stage_to_rank[stage]

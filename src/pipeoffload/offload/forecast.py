@@ -147,11 +147,12 @@ class Forwards:
         free = [0.0] * len(queues)
         copy_time = [costs.transfer_time(s, Kind.OFFLOAD)
                      for s in range(self.result.schedule.num_stages)]
+        moved = {item: share[0] for item, share in self.result.schedule.class_shares.items()}
         ends: dict[Item, float] = {}
         for f_start, f_end, rank, item in self.by_start:
             if item in wanted:
                 q = queue[rank]
                 begin = free[q] if free[q] > f_start else f_start  # max(), without a call
-                done = begin + copy_time[item[0]]
+                done = begin + copy_time[item[0]] * (moved[item] if item in moved else 1.0)
                 free[q] = ends[item] = f_end if f_end > done else done
         return ends

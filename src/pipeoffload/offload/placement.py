@@ -102,7 +102,8 @@ class Timing:
 def place_reloads(compute_index: ComputeIndex, items: Iterable[Item], timing: Timing,
                   reload_time: list[float], margin: float, tolerance: float,
                   keep_stalling: bool, skipped: dict[Item, str],
-                  out_ends: dict[Item, float]) -> dict[Item, int]:
+                  out_ends: dict[Item, float], moved: dict[Item, float] | None = None
+                  ) -> dict[Item, int]:
     """For each of ``items`` (distinct), how many compute actions ahead of its backward its
     RELOAD goes.
 
@@ -111,9 +112,11 @@ def place_reloads(compute_index: ComputeIndex, items: Iterable[Item], timing: Ti
     copy back on the queue starts; it is then issued at the latest program point that lets it
     start in time. Items whose copy back would have to start before their copy out ends (as
     ``timing`` simulated it, else as ``out_ends`` forecasts) gain nothing and are skipped (or
-    kept, stalling, if ``keep_stalling``).
+    kept, stalling, if ``keep_stalling``). ``moved``: the share of a whole copy an item's class
+    choice moves (Note: [class accounting], core/classes.py), 1 for an item it lacks.
     """
     wanted = set(items)
+    moved = moved or {}
     leads: dict[Item, int] = {}
     copied = timing.copied
     for rank, backwards in enumerate(compute_index.latest_backward_first):
@@ -128,7 +131,8 @@ def place_reloads(compute_index: ComputeIndex, items: Iterable[Item], timing: Ti
             finish = ready[b_index] - margin
             if next_start < finish:
                 finish = next_start
-            latest = finish - reload_time[item[0]]
+            latest = finish - (reload_time[item[0]] * moved[item] if moved and item in moved
+                               else reload_time[item[0]])
             # The program reaches the point before compute[j] when compute[j-1] ends: the
             # latest point after the F that it reaches by ``latest``.
             if ordered:

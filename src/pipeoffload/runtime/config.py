@@ -30,6 +30,9 @@ class OffloadConfig:
       keep offloaded activations on the device past the plan (one activation still copying, as
       the simulator's streaming copy allows). None: release only when a poll sees the copy done
       (host time). A reasoned default: its cost in GPU step time is unmeasured.
+    - ``measure_classes``: tag saved tensors by tensor class (module hooks, runtime/classes.py)
+      and record each scope's bytes per class (``ActivationOffloader.class_bytes``) even when
+      the schedule chooses no classes; with class choices they are always tagged.
     """
 
     min_offload_elements: int = 1024
@@ -37,6 +40,7 @@ class OffloadConfig:
     stream: bool = True
     max_pending_copy_bytes: int | None = None
     pending_copy_activations: float | None = 1.0
+    measure_classes: bool = False
 
     def __post_init__(self) -> None:
         if self.min_offload_elements < 0:

@@ -168,7 +168,9 @@ class RankExecutor:
 
     def _saving(self, stage: int, mb: int) -> AbstractContextManager[object] | None:
         if (stage, mb) in self._offloaded and self._offloader is not None:
-            return self._offloader.scope((stage, mb), self.rank, self._stream)
+            choice = self._schedule.class_choice(stage, mb)
+            return self._offloader.scope((stage, mb), self.rank, self._stream,
+                                         classes=None if choice is None else choice.names[0])
         if self._meter is not None:
             return self._meter.observe(self.rank)
         return None

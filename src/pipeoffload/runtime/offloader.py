@@ -34,6 +34,13 @@ the device is summed by reason in ``kept_bytes``: parameters, tensors of at most
 ``min_offload_elements`` elements, tensors on another device, and what is not a dense tensor
 (sparse, meta, other tensor subclasses), which the offloader cannot rebuild.
 
+Note: [class offload] a scope opened with ``classes`` (the schedule's ClassChoice of that
+(stage, microbatch), core/classes.py) moves only the storages whose tensor class is one of them:
+a storage's class is the one ``ClassTagger`` (runtime/classes.py) names when autograd first saves
+it; the others stay on the device as a kept tensor does ("kept by class choice" in
+``kept_bytes``), counted resident by the meter until autograd frees them. Every scope's bytes per
+class are recorded (``class_bytes``) so a run can size the classes the simulator reads.
+
 Note: [fetch on use] (shared with the simulator, sim/simulator.py) FETCH is the alternative to
 RELOAD: it only marks the scope, and from then on every backward pass (I, W or B) reads each
 saved storage back from its host copy when autograd unpacks it (``_unpack``). The offloader keeps
@@ -57,6 +64,7 @@ from typing import cast
 import torch
 
 from pipeoffload.errors import PipelineRuntimeError
+from pipeoffload.runtime.classes import ClassTagger
 from pipeoffload.runtime.config import OffloadConfig
 from pipeoffload.runtime.copies import CopyEngine, CopyQueue, CudaCopies, HostCopies
 from pipeoffload.runtime.keep import KeepRule
@@ -107,6 +115,8 @@ class _Scope:
     fetched: bool = False
     reload_event: object | None = None
     keep: frozenset[tuple[str, int]] = frozenset()  # storages saved as they are (scope(keep=))
+    classes: frozenset[str] | None = None  # the classes it moves; None: all (Note: [class offload])
+    tags: dict[tuple[str, int], str] = field(default_factory=dict)  # kept storages' classes
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,6 +174,14 @@ class ActivationOffloader:
                           else None)
         self._largest_scope = 0
         self._cuda_copies = copies if isinstance(copies, CudaCopies) else None  # copy_in
+        self.tagger = ClassTagger()  # Note: [class offload]
+        self._class_bytes: dict[Hashable, dict[str, int]] = {}
+
+    @property
+    def class_bytes(self) -> dict[Hashable, dict[str, int]]:
+        """Per scope key, the bytes of its distinct saved storages by tensor class, from its
+        last forward (Note: [class offload]); kept tiny tensors and parameters excluded."""
+        return {key: dict(tags) for key, tags in self._class_bytes.items()}
 
     @property
     def host_pool_bytes(self) -> int:
@@ -215,18 +233,22 @@ class ActivationOffloader:
 
     @contextmanager
     def scope(self, key: Hashable, owner: Hashable, stream: bool = True,
-              keep: Iterable[torch.Tensor] = ()) -> Iterator[None]:
+              keep: Iterable[torch.Tensor] = (),
+              classes: Iterable[str] | None = None) -> Iterator[None]:
         """Capture what autograd saves inside the block as ``key``'s activation; with ``stream``
         its copy to host starts right away (see Note: [streaming offload]). Saved tensors sharing
         a storage with one of ``keep`` stay on the device, like parameters: buffers that live on
-        anyway (torch.distributed.pipelining's receive buffers), whose copy would free nothing."""
+        anyway (torch.distributed.pipelining's receive buffers), whose copy would free nothing.
+        ``classes``: move only saved storages of these tensor classes (Note: [class offload])."""
         if self._kept_stale:
             self._kept, self._kept_stale = {}, False
         if key in self._scopes:
             raise PipelineRuntimeError(f"offload scope {key} is already open; each (stage, "
                                        "microbatch) runs its forward once per step")
-        scope = _Scope(key, owner, stream, keep=frozenset(storage_key(t) for t in keep))
+        scope = _Scope(key, owner, stream, keep=frozenset(storage_key(t) for t in keep),
+                       classes=None if classes is None else frozenset(classes))
         self._scopes[key] = scope
+        self._class_bytes[key] = {}
 
         def pack(tensor: torch.Tensor) -> object:
             return self._pack(scope, tensor)
@@ -261,6 +283,9 @@ class ActivationOffloader:
             return tensor.detach() if token is None else token
         key = storage_key(tensor)
         raw = tensor.untyped_storage()
+        kept = self._kept_by_class(scope, tensor, key)
+        if kept is not None:
+            return kept
         storage = scope.storages.get(key)
         if storage is not None and storage.original() is not raw:
             # The storage saved under this address earlier was freed (possible once a streamed
@@ -272,6 +297,9 @@ class ActivationOffloader:
             alias = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(raw)
             storage = _Storage(raw.nbytes(), tensor.device, alias, weakref.ref(raw))
             scope.storages[key] = storage
+            tags = self._class_bytes[scope.key]
+            tag = self.tagger.current()
+            tags[tag] = tags.get(tag, 0) + storage.nbytes
             self._note_scope_size(scope)
             if scope.stream:
                 self._stream_out(scope, storage)
@@ -279,6 +307,29 @@ class ActivationOffloader:
                 storage.token = self._meter.track(alias, scope.owner)
         return _Saved(scope, storage, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                       int(tensor.storage_offset()))
+
+    def _kept_by_class(self, scope: _Scope, tensor: torch.Tensor, key: tuple[str, int]
+                       ) -> object | None:
+        """What autograd keeps for a tensor whose class the scope does not move (its storage
+        first saved under such a class), else None (Note: [class offload])."""
+        if scope.classes is None:
+            return None
+        moved = scope.storages.get(key)
+        if moved is not None and moved.original() is tensor.untyped_storage():
+            return None  # first saved under a class the scope moves
+        # (a moved storage at this address may have been freed and the address reused)
+        tag = scope.tags.get(key)
+        if tag is None:
+            tag = self.tagger.current()
+            if tag in scope.classes:
+                return None
+            scope.tags[key] = tag
+            tags = self._class_bytes[scope.key]
+            tags[tag] = tags.get(tag, 0) + tensor.untyped_storage().nbytes()
+            nbytes = tensor.untyped_storage().nbytes()
+            self._kept["kept by class choice"] = self._kept.get("kept by class choice", 0) + nbytes
+        token = self._meter.track(tensor, scope.owner) if self._meter is not None else None
+        return tensor.detach() if token is None else token
 
     def _note_scope_size(self, scope: _Scope) -> None:
         """Track the largest activation, which sets the default cap (Note: [release order])."""

@@ -202,8 +202,16 @@ class Pipeline:
         # On NCCL the pool warns when it must allocate inside a step (Note: [host pool]).
         pool = HostBufferPool(self.device.type == "cuda" and self.config.offload.pin_memory,
                               strict=nccl)
-        return ActivationOffloader(self.device, self.config.offload, params, self.meter,
-                                   pool=pool)
+        offloader = ActivationOffloader(self.device, self.config.offload, params, self.meter,
+                                        pool=pool)
+        recomputed = [item for item, choice in schedule.classes if choice.recomputed]
+        if recomputed:
+            raise ConfigError(
+                f"(stage, microbatch) {recomputed[0]} recomputes tensor classes; the "
+                "runtime moves classes but recomputes whole chunks only (RECOMPUTE)")
+        if schedule.classes or self.config.offload.measure_classes:  # Note: [class offload]
+            offloader.tagger.attach(runner.module for runner in self._runners.values())
+        return offloader
 
     def _new_transport(self, group: dist.ProcessGroup | None,
                        backward_group: dist.ProcessGroup | None,

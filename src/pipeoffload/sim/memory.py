@@ -9,6 +9,7 @@ from itertools import accumulate, chain
 from operator import itemgetter, mul
 
 from pipeoffload.core.actions import Action, Kind
+from pipeoffload.core.classes import Shares
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.timeline import TimedAction
@@ -38,6 +39,7 @@ _COPY_BACK, _START, _COPY_OUT_END, _END = Role.COPY_BACK, Role.START, Role.COPY_
 _F, _I, _W, _B = Kind.F, Kind.I, Kind.W, Kind.B
 _OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE = Kind.OFFLOAD, Kind.RELOAD, Kind.FETCH, Kind.RECOMPUTE
 _MOVED = frozenset({_OFFLOAD, _RELOAD, _FETCH, _RECOMPUTE})  # kinds that change the accounting
+_WHOLE = (1.0, 0.0)  # (moved, dropped) of an item without a class choice
 
 
 def memory_events(schedule: Schedule, rank_timeline: Sequence[TimedAction],
@@ -77,7 +79,8 @@ def memory_changes(schedule: Schedule, rank_timeline: Sequence[TimedAction],
         return []
     actions = schedule.ranks[rank_timeline[0].rank]
     start, end = rank_times(actions, rank_timeline)
-    return rank_changes(actions, start, end, copy_seconds(schedule, costs))
+    return rank_changes(actions, start, end, copy_seconds(schedule, costs),
+                        schedule.class_shares)
 
 
 def rank_times(actions: Sequence[Action], rank_timeline: Sequence[TimedAction]
@@ -99,11 +102,12 @@ def copy_seconds(schedule: Schedule, costs: CostModel) -> list[float]:
 
 
 def rank_changes(actions: Sequence[Action], start: Sequence[float], end: Sequence[float],
-                 copy_seconds: Sequence[float]) -> list[Change]:
+                 copy_seconds: Sequence[float], shares: Shares | None = None) -> list[Change]:
     """``memory_changes`` of one rank from its program: ``start[i]`` and ``end[i]`` are when
-    ``actions[i]`` ran (read for F, W, B, RECOMPUTE, OFFLOAD and RELOAD only), and
-    ``copy_seconds[s]`` is stage s's OFFLOAD time. The simulator calls it with its own arrays
-    (no timeline lookups); ``memory_changes`` with a timeline's."""
+    ``actions[i]`` ran (read for F, I, W, B, RECOMPUTE, OFFLOAD and RELOAD only),
+    ``copy_seconds[s]`` is stage s's OFFLOAD time and ``shares`` the schedule's class choices
+    (``Schedule.class_shares``; Note: [class accounting], core/classes.py). The simulator calls
+    it with its own arrays (no timeline lookups); ``memory_changes`` with a timeline's."""
     copies: dict[tuple[int, int], int] = {}  # an offloaded (s, m) -> its OFFLOAD's position
     reloads: dict[tuple[int, int], int] = {}  # a reloaded (s, m) -> its RELOAD's position
     fetched: set[tuple[int, int]] = set()
@@ -120,27 +124,38 @@ def rank_changes(actions: Sequence[Action], start: Sequence[float], end: Sequenc
             recomputed.add((s, m))
     changes: list[Change] = []
     add = changes.append
+    chosen = shares or {}
     for i, (s, kind, m) in enumerate(actions):
+        moved, dropped = chosen[(s, m)] if chosen and (s, m) in chosen else _WHOLE
         if kind is _F:
             copy = copies.get((s, m)) if copies else None
             if copy is not None:
-                part = streamed_fraction(start[i], end[i], start[copy], copy_seconds[s])
-                add((start[i], i, _START, s, part))
+                part = streamed_fraction(start[i], end[i], start[copy], copy_seconds[s] * moved)
+                if moved != 1.0 or dropped:
+                    part *= moved
+                    add((start[i], i, _START, s, 1.0 - moved - dropped + part))
+                else:
+                    add((start[i], i, _START, s, part))
                 add((end[copy], i, _COPY_OUT_END, s, -part))
             elif not recomputed or (s, m) not in recomputed:
-                add((start[i], i, _START, s, 1.0))
+                add((start[i], i, _START, s, 1.0 - dropped))
         elif kind is _W or kind is _B:
             if not fetched or (s, m) not in fetched:
                 add((end[i], i, _END, s, -1.0))
+            elif moved != 1.0:
+                add((end[i], i, _END, s, moved - 1.0))  # what was not read on use
         elif kind is _RECOMPUTE:
             add((start[i], i, _START, s, 1.0))
-        if reloads and (kind is _I or kind is _B):
-            # A copy back allocates right before the first backward pass of its (s, m).
-            copy = reloads.pop((s, m), None)
+        if kind is _I or kind is _B:
+            # A copy back allocates right before the first backward pass of its (s, m), as
+            # the recompute of its dropped classes does.
+            copy = reloads.pop((s, m), None) if reloads else None
             if copy is not None:
-                add((start[copy], i, _COPY_BACK, s, 1.0))
-    for (s, _), copy in reloads.items():  # without a backward pass: where it is
-        add((start[copy], copy, _COPY_BACK, s, 1.0))
+                add((start[copy], i, _COPY_BACK, s, moved))
+            if dropped:
+                add((start[i], i, _COPY_BACK, s, dropped))
+    for (s, m), copy in reloads.items():  # without a backward pass: where it is
+        add((start[copy], copy, _COPY_BACK, s, chosen.get((s, m), _WHOLE)[0]))
     # (time, position, role) is unique, so a plain tuple sort never compares further and is
     # the sort by those, without a key tuple per change.
     changes.sort()

@@ -70,6 +70,23 @@ class Program:
         self.channel = [-1] * len(actions)
         self.copy_time = [0.0] * len(actions)
         self.channels = self._number_queues(costs)
+        if schedule.classes:
+            self._apply_classes(costs)
+
+    def _apply_classes(self, costs: CostModel) -> None:
+        """Class choices (Note: [class accounting], core/classes.py): an item's copies and
+        reads take its moved share of a whole copy; its first backward pass (I, or B without a
+        split) also recomputes its dropped classes."""
+        schedule, actions = self.schedule, self.actions
+        for j, (s, kind, m) in enumerate(actions):
+            choice = schedule.class_choice(s, m)
+            if choice is None:
+                continue
+            if self.channel[j] >= 0:
+                self.copy_time[j] *= choice.moved
+            if choice.recomputed and (kind is Kind.I or kind is Kind.B):
+                self.duration[j] += choice.recompute_time * costs.compute_time(
+                    Action(s, Kind.F, m))
 
     def _number_queues(self, costs: CostModel) -> int:
         """Write each copy's and read's host-link queue and duration (and each copy out's

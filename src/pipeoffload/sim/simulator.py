@@ -150,7 +150,7 @@ class SimResult:
         if self.changes is not None:
             return self.changes[rank]
         return rank_changes(self.schedule.ranks[rank], *self.rank_times(rank),
-                            copy_seconds(self.schedule, self.costs))
+                            copy_seconds(self.schedule, self.costs), self.schedule.class_shares)
 
     def timed(self, action: Action) -> TimedAction:
         """The timing of one action (linear search; for tests and reports, not hot loops)."""
@@ -202,12 +202,13 @@ def _summarise(schedule: Schedule, costs: CostModel, run: RunRecord, program: Pr
                   if (size := costs.bytes_of(s)) is not None]
     have_bytes = len(byte_sizes) == schedule.num_stages
     copy_time = copy_seconds(schedule, costs)
+    shares = schedule.class_shares
     peaks, peak_bytes, kept, compute = [], [], [], []
     for rank, actions in enumerate(schedule.ranks):
         here = slice(first[rank], first[rank + 1])
         start, end = run.started[here], run.ended[here]
         compute.append(_compute_time(actions, start, end))
-        changes = rank_changes(actions, start, end, copy_time)
+        changes = rank_changes(actions, start, end, copy_time, shares)
         if keep_changes:
             kept.append(changes)
         peaks.append(peak(changes, units))

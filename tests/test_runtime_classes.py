@@ -1,0 +1,162 @@
+"""The runtime moves tensor classes (issue 36): saved tensors tagged by the module that saved
+them, only the chosen classes offloaded; gradients bitwise equal to no offload; the meter
+equals the simulator per class (relative 1e-12: the simulator multiplies a stage's bytes by each
+class's share). Local mode, pp = 2, the reference model and a Hugging Face Llama config."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
+
+import pipeoffload as po
+from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
+from pipeoffload.core.classes import ClassChoice, TensorClass
+from pipeoffload.core.registry import build_schedule
+from pipeoffload.errors import ConfigError
+from pipeoffload.hf import causal_lm_loss, split_causal_lm
+from pipeoffload.offload.class_plan import ClassSearch, plan_classes
+from pipeoffload.offload.plan import add_offload
+from pipeoffload.runtime.classes import OTHER
+from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
+from pipeoffload.runtime.meter import ActivationMeter
+from pipeoffload.runtime.pipeline import Pipeline
+from pipeoffload.sim.costs import CostModel
+from pipeoffload.sim.simulator import simulate
+from pipeoffload.training.model import lm_loss
+from pipeoffload.training.model_config import ModelConfig
+from pipeoffload.training.split import build_stage_modules
+
+MICROBATCHES, BATCH, SEQ, VOCAB = 4, 8, 6, 32
+CHOSEN = ("layer_input", "qkv", "mlp_hidden")
+CONFIG = RuntimeConfig(offload=OffloadConfig(min_offload_elements=0, measure_classes=True))
+
+
+def reference_model(schedule):  # noqa: ANN001, ANN201
+    config = ModelConfig(vocab_size=VOCAB, dim=16, n_layers=4, n_heads=2, n_kv_heads=1,
+                         ffn_hidden=24, max_seq_len=SEQ)
+    stages = build_stage_modules(config, schedule.num_stages, range(schedule.num_stages), 0,
+                                 dtype=torch.float64)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return stages, lm_loss, ids, ids
+
+
+def llama(schedule):  # noqa: ANN001, ANN201
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+                                      num_hidden_layers=4, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=8,
+                                      max_position_embeddings=SEQ)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return split_causal_lm(model, schedule), causal_lm_loss, {"input_ids": ids}, ids
+
+
+def step(make, schedule, meter=None):  # noqa: ANN001, ANN201
+    """One step on fresh, identical stages: their gradients and the pipeline."""
+    stages, loss_fn, inputs, target = make(schedule)
+    pipe = Pipeline(stages, schedule, loss_fn, config=CONFIG, meter=meter)
+    pipe.step(inputs, target=target)
+    return [p.grad for s in stages.values() for p in s.parameters()], pipe
+
+
+def with_choice(schedule, sizes, chosen):  # noqa: ANN001, ANN201
+    """``schedule`` with every offloaded item moving the ``chosen`` classes, each class's share
+    its measured bytes over its stage's."""
+    choices = {}
+    for (stage, mb), tags in sizes.items():
+        total = sum(tags.values())
+        classes = [TensorClass(tag, nbytes / total) for tag, nbytes in sorted(tags.items())]
+        choices[(stage, mb)] = ClassChoice(tuple(c for c in classes if c.name in chosen))
+    return schedule.with_classes(choices)
+
+
+@pytest.mark.parametrize("make", [reference_model, llama], ids=["reference", "llama"])
+@pytest.mark.parametrize("name", ["1f1b", "po-f"])
+def test_class_offload_is_bitwise_and_meter_equals_simulator(make, name: str) -> None:
+    options = {"offload_ratio": 0.5} if name == "po-f" else {"offload": "all"}
+    offloaded = po.build_schedule(name, pp=2, microbatches=MICROBATCHES, **options)
+    assert offloaded.has_kind(Kind.OFFLOAD)
+    bare = offloaded.without(*OFFLOAD_KINDS)
+    expected, _ = step(make, bare)
+    # every class moved: what whole-chunk offload does, with the classes measured
+    everything = offloaded.with_classes({})
+    grads, pipe = step(make, everything)
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+    sizes = {key: tags for key, tags in pipe.offloader.class_bytes.items()}
+    tags = set().union(*map(set, sizes.values()))
+    # (HF's attention output is the attention core's own output storage, saved first by the
+    # core: one storage, one class, qkv)
+    assert {"layer_input", "attn_norm", "qkv", "mlp_input", "mlp_norm", "mlp_hidden",
+            "mlp_act"} <= tags and OTHER in tags
+    # some classes moved
+    chosen = with_choice(offloaded, sizes, CHOSEN)
+    meter = ActivationMeter()
+    grads, pipe = step(make, chosen, meter)
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+    assert pipe.offloader.kept_bytes.get("kept by class choice", 0) > 0
+    per_stage = meter.stage_activation_bytes(chosen.num_stages)
+    for (stage, _), measured in sizes.items():
+        assert sum(measured.values()) == per_stage[stage]
+    predicted = simulate(chosen, CostModel(stage_activation_bytes=per_stage)).peak_bytes
+    measured_peaks = [meter.peak_bytes(r) for r in range(chosen.num_ranks)]
+    assert measured_peaks == pytest.approx(predicted, rel=1e-12)
+    whole = simulate(offloaded, CostModel(stage_activation_bytes=per_stage)).peak_bytes
+    none = simulate(bare, CostModel(stage_activation_bytes=per_stage)).peak_bytes
+    assert all(w <= m <= n for w, m, n in zip(whole, measured_peaks, none))
+    assert whole[0] < measured_peaks[0] < none[0]  # rank 0 offloads, in part
+
+
+def test_recomputed_classes_are_refused_by_the_runtime() -> None:
+    schedule = add_offload(build_schedule("1f1b", pp=2, microbatches=2), CostModel(),
+                           "all").schedule
+    choice = ClassChoice((), (TensorClass("attn_norm", 0.1, 0.01),))
+    with pytest.raises(ConfigError, match="recomputes tensor classes"):
+        step(reference_model, schedule.with_classes({(0, 0): choice}))
+
+
+def test_budget_plan_meets_its_budget_in_the_measured_peak() -> None:
+    """A byte budget between whole-chunk offload's peak and none's, at a copy ratio where whole
+    chunks cannot hide: the class plan meets it in the simulator and in the meter."""
+    offloaded = po.build_schedule("1f1b", pp=2, microbatches=MICROBATCHES, offload="all")
+    bare = offloaded.without(*OFFLOAD_KINDS)
+    _, pipe = step(reference_model, offloaded)
+    measured = {stage: tags for (stage, mb), tags in pipe.offloader.class_bytes.items()
+                if mb == 0}
+    classes = {stage: [TensorClass(t, n / sum(tags.values())) for t, n in sorted(tags.items())]
+               for stage, tags in measured.items()}
+    meter = ActivationMeter()
+    expected, _ = step(reference_model, bare, meter)
+    sizes = meter.stage_activation_bytes(bare.num_stages)
+    costs = CostModel(stage_activation_bytes=sizes, offload_ratio=0.4)
+    none = simulate(bare, costs).peak_bytes
+    free = add_offload(bare, CostModel(stage_activation_bytes=sizes), "all").result.peak_bytes
+    assert max(add_offload(bare, costs, "all").result.peak_bytes) == max(none)  # none hides
+    budget = max((none[0] + free[0]) / 2, *none[1:])  # the last rank offloads nothing
+    found = plan_classes(bare, costs, classes, ClassSearch(budget=budget, in_bytes=True,
+                                                            recompute=False))
+    assert found.met and found.plan.schedule.classes
+    meter = ActivationMeter()
+    grads, _ = step(reference_model, found.plan.schedule, meter)
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+    assert max(meter.peak_bytes(r) for r in range(bare.num_ranks)) <= budget
+
+
+def test_fetched_classes_are_bitwise_and_meter_equals_simulator() -> None:
+    """FETCH of the chosen classes (read on use), the rest kept: the same exactness."""
+    from test_runtime_support import with_offload
+
+    plain = po.build_schedule("1f1b", pp=2, microbatches=MICROBATCHES)
+    fetched = with_offload(plain, stages={0}, back=Kind.FETCH)
+    expected, _ = step(reference_model, plain)
+    _, pipe = step(reference_model, fetched)
+    chosen = with_choice(fetched, pipe.offloader.class_bytes, CHOSEN)
+    meter = ActivationMeter()
+    grads, _ = step(reference_model, chosen, meter)
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+    sizes = meter.stage_activation_bytes(chosen.num_stages)
+    predicted = simulate(chosen, CostModel(stage_activation_bytes=sizes)).peak_bytes
+    assert [meter.peak_bytes(r) for r in range(2)] == pytest.approx(predicted, rel=1e-12)
