@@ -124,6 +124,14 @@ def zero_optimizer(stages: Mapping[int, nn.Module], topology: Topology | None, *
                      microbatches=microbatches, bucket_numel=bucket_numel, tied=tied)
 
 
+def _check_optimizers(optimizers: Any, stages: Any) -> None:
+    """A ZeroAdamW (zero_optimizer) covers its stages itself; anything else must map every
+    stage to a torch optimizer (parallel/arguments.py)."""
+    stages = arguments.stage_modules("stages", stages)
+    if not isinstance(optimizers, ZeroAdamW):
+        arguments.stage_optimizers("optimizers", optimizers, stages)
+
+
 def _checkpointed(optimizers: Mapping[int, torch.optim.Optimizer] | ZeroAdamW,
                   masters: Mapping[int, list[torch.Tensor]] | None) -> CheckpointedOptimizer:
     if isinstance(optimizers, ZeroAdamW):
@@ -156,7 +164,7 @@ def save_checkpoint(root: str | Path, step: int, stages: Mapping[int, nn.Module]
     (``info["run"]``, if given, is the run id every file records). A
     collective: every process calls it. Returns the folder."""
     arguments.step_number("step", step)
-    arguments.stage_optimizers("optimizers", optimizers, arguments.stage_modules("stages", stages))
+    _check_optimizers(optimizers, stages)
     identity = dict(info or {})
     # Every file records a run id (checkpoint_files.FileIdentity); without one in ``info`` it is
     # a digest of ``info``, the same on every process and every save of the run.
@@ -174,7 +182,7 @@ def load_checkpoint(path: str | Path, stages: Mapping[int, nn.Module],
     newest complete checkpoint is taken) into the stages and optimizers; returns its step.
     Raises CheckpointError when it is missing, corrupt, or saved with another ``info`` or
     number of processes."""
-    arguments.stage_optimizers("optimizers", optimizers, arguments.stage_modules("stages", stages))
+    _check_optimizers(optimizers, stages)
     position = _StepPosition()
     state = ckpt.TrainingState(stages, _checkpointed(optimizers, masters), position)
     return ckpt.restore(state, path, None, dict(info or {}), _placement(topology, stages))

@@ -50,8 +50,8 @@ def stage_optimizers(name: str, optimizers: Any, stages: Mapping[int, nn.Module]
                      ) -> Mapping[int, torch.optim.Optimizer]:
     """``optimizers`` if it maps every stage of ``stages`` to a torch optimizer."""
     if not isinstance(optimizers, Mapping):
-        raise TypeError(f"{name} must be a dict {{stage index: torch.optim.Optimizer}}, got "
-                        f"{type(optimizers).__name__}")
+        raise TypeError(f"{name} must be a dict {{stage index: torch.optim.Optimizer}} (or "
+                        f"pipeoffload.zero_optimizer's), got {type(optimizers).__name__}")
     missing = sorted(set(stages) - set(optimizers))
     if missing:
         raise ValueError(f"{name} has no optimizer for stage(s) {missing}; give one per stage "
