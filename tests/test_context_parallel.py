@@ -87,6 +87,9 @@ def test_rank_order_is_data_and_the_default_is_the_pp_dp_tp_layout():
 
 def test_cp_is_checked_where_it_enters():
     assert config(*TINY, "--cp", "2").cp == 2
+    assert config(*TINY, "--rank-order", "dp,pp,cp,tp").rank_order == "dp,pp,cp,tp"
+    with pytest.raises(ConfigError, match="--rank-order: rank order 'pp,dp'"):
+        config(*TINY, "--rank-order", "pp,dp")
     with pytest.raises(ConfigError, match="--seq-len 30 must be a multiple of 4"):
         config(*[a if a != "32" else "30" for a in TINY], "--cp", "2")
 
@@ -104,7 +107,8 @@ def _hf(workdir: Path, family: str) -> list[str]:
 def _train_runs(rank: int, world: int, configs: list[TrainConfig]) -> list[dict]:
     out = []
     for c in configs:
-        topology = mesh_topology(c.pp, c.dp, c.tp, torch.device("cpu"), PATIENCE_S, cp=c.cp)
+        topology = mesh_topology(c.pp, c.dp, c.tp, torch.device("cpu"), PATIENCE_S, cp=c.cp,
+                                 order=parse_order(c.rank_order))
         result = train(c, topology)
         out.append({"losses": result.losses, "peaks": result.peak_bytes,
                     "predicted": result.predicted_bytes, "eval": result.eval_losses,
@@ -136,8 +140,9 @@ def test_cp2_trains_as_cp1_with_about_half_the_activation_and_resumes_with_cp1(w
     hf = _hf(workdir, "llama")
     runs = {"reference": config(*OFFLOADED, "--cp", "2"),
             "llama": config(*hf, "--pp", "2", "--cp", "2", "--no-baseline"),
+            # context-parallel peers neighbours, tensor-parallel ones 2 apart
             "tp": config(*TINY, "--pp", "1", "--tp", "2", "--cp", "2", "--steps", "5",
-                         "--dtype", "fp64", "--no-baseline"),
+                         "--dtype", "fp64", "--no-baseline", "--rank-order", "pp,dp,tp,cp"),
             **{family: config(*_hf(workdir, family), "--pp", "2", "--cp", "2", "--steps", "3",
                               "--no-baseline") for family in FAMILIES},
             "cp4": config(*TINY, "--pp", "1", "--cp", "4", "--steps", "6", "--checkpoint-dir",
