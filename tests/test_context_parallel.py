@@ -85,8 +85,16 @@ def test_rank_order_is_data_and_the_default_is_the_pp_dp_tp_layout():
         parse_order("pp,dp,tp")
 
 
-def test_cp_is_checked_where_it_enters():
+def test_cp_is_checked_where_it_enters(tmp_path):
+    from pipeoffload.training.run_checks import check_run
+
     assert config(*TINY, "--cp", "2").cp == 2
+    transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4,
+                            n_positions=64).save_pretrained(tmp_path)
+    gpt2 = config("--model", str(tmp_path / "config.json"), *TINY[2:], "--pp", "2", "--cp", "2")
+    with pytest.raises(ConfigError, match="--cp 2: context parallelism runs llama, mistral, "
+                                          "qwen2, qwen3 models.*'gpt2'"):
+        check_run(gpt2, gpt2.processes)
     assert config(*TINY, "--rank-order", "dp,pp,cp,tp").rank_order == "dp,pp,cp,tp"
     with pytest.raises(ConfigError, match="--rank-order: rank order 'pp,dp'"):
         config(*TINY, "--rank-order", "pp,dp")
