@@ -85,8 +85,19 @@ def test_rank_order_is_data_and_the_default_is_the_pp_dp_tp_layout():
         parse_order("pp,dp,tp")
 
 
-def test_cp_is_checked_where_it_enters():
+def test_cp_is_checked_where_it_enters(tmp_path):
+    from pipeoffload.training.run_checks import check_run
+
     assert config(*TINY, "--cp", "2").cp == 2
+    transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4,
+                            n_positions=64).save_pretrained(tmp_path)
+    gpt2 = config("--model", str(tmp_path / "config.json"), *TINY[2:], "--pp", "2", "--cp", "2")
+    with pytest.raises(ConfigError, match="--cp 2: context parallelism runs llama, mistral, "
+                                          "qwen2, qwen3 models.*'gpt2'"):
+        check_run(gpt2, gpt2.processes)
+    assert config(*TINY, "--rank-order", "dp,pp,cp,tp").rank_order == "dp,pp,cp,tp"
+    with pytest.raises(ConfigError, match="--rank-order: rank order 'pp,dp'"):
+        config(*TINY, "--rank-order", "pp,dp")
     with pytest.raises(ConfigError, match="--seq-len 30 must be a multiple of 4"):
         config(*[a if a != "32" else "30" for a in TINY], "--cp", "2")
 
@@ -104,7 +115,8 @@ def _hf(workdir: Path, family: str) -> list[str]:
 def _train_runs(rank: int, world: int, configs: list[TrainConfig]) -> list[dict]:
     out = []
     for c in configs:
-        topology = mesh_topology(c.pp, c.dp, c.tp, torch.device("cpu"), PATIENCE_S, cp=c.cp)
+        topology = mesh_topology(c.pp, c.dp, c.tp, torch.device("cpu"), PATIENCE_S, cp=c.cp,
+                                 order=parse_order(c.rank_order))
         result = train(c, topology)
         out.append({"losses": result.losses, "peaks": result.peak_bytes,
                     "predicted": result.predicted_bytes, "eval": result.eval_losses,
@@ -136,8 +148,9 @@ def test_cp2_trains_as_cp1_with_about_half_the_activation_and_resumes_with_cp1(w
     hf = _hf(workdir, "llama")
     runs = {"reference": config(*OFFLOADED, "--cp", "2"),
             "llama": config(*hf, "--pp", "2", "--cp", "2", "--no-baseline"),
+            # context-parallel peers neighbours, tensor-parallel ones 2 apart
             "tp": config(*TINY, "--pp", "1", "--tp", "2", "--cp", "2", "--steps", "5",
-                         "--dtype", "fp64", "--no-baseline"),
+                         "--dtype", "fp64", "--no-baseline", "--rank-order", "pp,dp,tp,cp"),
             **{family: config(*_hf(workdir, family), "--pp", "2", "--cp", "2", "--steps", "3",
                               "--no-baseline") for family in FAMILIES},
             "cp4": config(*TINY, "--pp", "1", "--cp", "4", "--steps", "6", "--checkpoint-dir",

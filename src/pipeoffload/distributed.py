@@ -40,6 +40,7 @@ from torch import nn
 
 from pipeoffload.parallel import arguments
 from pipeoffload.parallel import checkpoint as ckpt
+from pipeoffload.parallel.context import apply_context_parallel
 from pipeoffload.parallel.gradients import (
     clip_gradients,
     sync_gradients,
@@ -52,9 +53,9 @@ from pipeoffload.parallel.topology import Topology, connect
 from pipeoffload.parallel.zero import BUCKET_NUMEL, ZeroAdamW
 from pipeoffload.runtime.tied import TiedSpec
 
-__all__ = ["Topology", "average_gradients", "clip_grad_norm_", "clip_gradients",
-           "init_distributed", "load_checkpoint", "save_checkpoint", "tie_copies",
-           "zero_optimizer"]
+__all__ = ["Topology", "apply_context_parallel", "average_gradients", "clip_grad_norm_",
+           "clip_gradients", "init_distributed", "load_checkpoint", "save_checkpoint",
+           "tie_copies", "zero_optimizer"]
 
 
 def init_distributed(pp: int, tp: int = 1, dp: int = 1, *, device: str = "auto",
@@ -68,8 +69,9 @@ def init_distributed(pp: int, tp: int = 1, dp: int = 1, *, device: str = "auto",
     group per P2P channel of this process's pipeline, which NCCL needs for V-shaped and
     interleaved schedules (docs/runtime.md). ``Pipeline(..., **topology.pipeline_options())``
     takes them; ``topology.tp_mesh`` is the mesh to shard a stage over with torch DTensor;
-    with ``cp`` > 1 ``Pipeline(..., context=topology_context(topology))`` cuts each sequence
-    over ``topology.cp_group`` (parallel/context.py)."""
+    with ``cp`` > 1 ``pipeline_options()`` carries the context split, and
+    ``apply_context_parallel(stages, topology.sequence_split())`` makes the stages attend over
+    ``topology.cp_group`` (parallel/context.py)."""
     for name, value in (("pp", pp), ("tp", tp), ("dp", dp), ("cp", cp)):
         if arguments.step_number(name, value) < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")

@@ -21,6 +21,9 @@ from pipeoffload.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+#: families `train --cp` runs: rotary positions per token (GPT-2 learns absolute ones and its
+#: fused attention is not replaced; parallel/context.py)
+CONTEXT_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 RECOMPUTE_MODES = ("none", "full")
 #: config.json keys of dropout probabilities (Llama family, GPT-2).
 DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")

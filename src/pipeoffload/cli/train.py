@@ -28,6 +28,7 @@ from pipeoffload.cli.notes import data_line, interrupt_note, nothing_to_resume, 
 from pipeoffload.cli.train_options import add_train_options, config_error, field_flags, run_settings
 from pipeoffload.cli.train_report import ReportOptions, print_result, summary
 from pipeoffload.errors import ConfigError, FieldError, PipelineRuntimeError, PipeoffloadError
+from pipeoffload.parallel.rank_order import parse_order
 from pipeoffload.parallel.topology import Topology
 from pipeoffload.training.data_config import DataConfig
 from pipeoffload.training.model_config import MODEL_PRESETS, ModelConfig, model_preset
@@ -89,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ReportOptio
             tp=args.tp, dtype=args.dtype, recompute=args.recompute, keep_last=args.keep_last,
             hf_model=hf_model, eval_every=args.eval_every, eval_batches=args.eval_batches,
             export_hf=args.export_hf, export_dtype=args.export_dtype, zero=args.zero,
-            cp=args.cp)
+            cp=args.cp, rank_order=args.rank_order)
     except FieldError as error:
         raise config_error(error) from None
     peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else None
@@ -298,8 +299,8 @@ def _self_launch(config: TrainConfig, report: ReportOptions, plan: OffloadPlan,
 
     processes = config.processes
     last = plan.schedule.rank_of(plan.schedule.num_stages - 1)
-    reporter = Topology(pp=config.pp, dp=config.dp, tp=config.tp,
-                        cp=config.cp).global_rank(last, 0)
+    reporter = Topology(pp=config.pp, dp=config.dp, tp=config.tp, cp=config.cp,
+                        order=parse_order(config.rank_order)).global_rank(last, 0)
     payload = json.dumps({"config": config.to_dict(), "report": dataclasses.asdict(report),
                           "settings": settings})
     # --no-png: the payload says what to write; the worker's own defaults must not be checked.
@@ -353,7 +354,8 @@ def _join(config: TrainConfig, distributed: bool) -> Topology:
 
     if distributed:
         return connect(config.pp, config.dp, config.device, config.p2p_timeout_s,
-                       tp=config.tp, agree={"options": config.to_dict()}, cp=config.cp)
+                       tp=config.tp, agree={"options": config.to_dict()}, cp=config.cp,
+                       order=parse_order(config.rank_order))
     return Topology.local(config.pp, resolve_device(config.device))
 
 

@@ -73,6 +73,10 @@ def _parallelism_options(parser: argparse.ArgumentParser) -> None:
                    help="context-parallel ranks: each holds 1/cp of every sequence (chunks i "
                    "and 2cp-1-i), attention all-gathers K and V (default 1); pp * dp * tp * cp "
                    "processes")
+    g.add_argument("--rank-order", default="pp,dp,cp,tp", metavar="DIMS",
+                   help="the mesh's dimensions in global-rank order, outermost first (default "
+                   "pp,dp,cp,tp: tensor-parallel peers neighbours, then context-parallel ones; "
+                   "the planner numbers dp,pp,cp,tp)")
     g.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp64"),
                    help="fp32 (default); bf16: bf16 weights and activations, fp32 master "
                    "weights and AdamW state; fp64 for exactness checks")

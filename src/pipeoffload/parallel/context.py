@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.hf_families import CONTEXT_PARALLEL_MODEL_TYPES
 from pipeoffload.runtime.sequence import SequenceSplit
 
 HF_ATTENTION = "pipeoffload_context_parallel"  # its name in transformers' AttentionInterface
-CONTEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -97,8 +97,8 @@ def _apply_hf(stage: nn.Module, split: SequenceSplit) -> None:
     from transformers import AttentionInterface
 
     config: Any = stage.config
-    if config.model_type not in CONTEXT_MODEL_TYPES:
-        raise ConfigError(f"context parallelism runs the {', '.join(CONTEXT_MODEL_TYPES)} "
+    if config.model_type not in CONTEXT_PARALLEL_MODEL_TYPES:
+        raise ConfigError(f"context parallelism runs the {', '.join(CONTEXT_PARALLEL_MODEL_TYPES)} "
                           f"families; this model is {config.model_type!r}")
     AttentionInterface.register(HF_ATTENTION, _hf_attention)  # the same function each time
     config._attn_implementation = HF_ATTENTION

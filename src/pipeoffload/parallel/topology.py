@@ -32,6 +32,8 @@ from pipeoffload.parallel.rank_order import DEFAULT_ORDER, RankOrder
 if TYPE_CHECKING:
     import torch
 
+    from pipeoffload.runtime.sequence import SequenceSplit
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -97,14 +99,23 @@ class Topology:
         """The stages of ``schedule`` this process holds (every stage in local mode)."""
         return sorted(s for r in self.pipeline_ranks for s in schedule.stages_on_rank(r))
 
+    def sequence_split(self) -> SequenceSplit:
+        """This process's share of every sequence (runtime/sequence.py; cp = 1: all of it)."""
+        from pipeoffload.runtime.sequence import SequenceSplit  # torch: not at import
+
+        return SequenceSplit(self.cp, self.cp_index, self.cp_group)
+
     def pipeline_options(self) -> dict[str, Any]:
         """What ``Pipeline`` takes from the job: ``Pipeline(stages, schedule, loss_fn,
         **topology.pipeline_options())`` (the pipeline group, its P2P channel groups, the
-        device)."""
+        device, and with cp > 1 the context split)."""
         if not self.distributed:
             return {"device": self.device}
-        return {"group": self.pp_group, "channel_groups": self.channel_groups,
-                "device": self.device}
+        options = {"group": self.pp_group, "channel_groups": self.channel_groups,
+                   "device": self.device}
+        if self.cp > 1:
+            options["context"] = self.sequence_split()
+        return options
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:

@@ -11,9 +11,9 @@ recompute option. This module turns it into
 Note [rank order]: GPUs are numbered TP fastest, then CP, then PP, then DP (global rank
 = tp_rank + tp * (cp_rank + cp * (pp_rank + pp * dp_rank))). So a TP group sits inside a
 node, then its context-parallel peers (``tp`` GPUs apart; context.py), neighbouring pipeline
-ranks are ``tp * cp`` GPUs apart, and a DP group is ``tp * cp * pp`` apart. This is the
-planner's choice for ``pipeoffload train --rank-order`` (parallel/rank_order.py, outermost
-first: dp, pp, cp, tp); with cp = 1 it is the order TP, PP, DP. GPUs that share a
+ranks are ``tp * cp`` GPUs apart, and a DP group is ``tp * cp * pp`` apart: ``pipeoffload
+train --rank-order dp,pp,cp,tp`` (parallel/rank_order.py, outermost first; train's default,
+pp,dp,cp,tp, puts the replicas inside the pipeline instead). GPUs that share a
 host link (``Hardware.gpus_per_host_link``, two A100s on one PCIe switch) are neighbours: with
 tp >= that count they are in one TP group and copy their shards at the same moments, so each
 gets 1/share of the link; with tp below it, ``share / tp`` pipeline ranks share one link and

@@ -112,6 +112,9 @@ def _refusal(c: Candidate, spec: TransformerSpec | None) -> str | None:
         if c.tp > 1 and spec.model_type not in hf_families.TENSOR_PARALLEL_MODEL_TYPES:
             return (f"train does not shard {spec.model_type} models over tensor-parallel "
                     "ranks; search with --tp 1")
+        if c.cp > 1 and spec.model_type not in hf_families.CONTEXT_PARALLEL_MODEL_TYPES:
+            return (f"train does not cut {spec.model_type} sequences over context-parallel "
+                    "ranks; search with --cp 1")
     else:
         sizes.append(("vocabulary", TRAIN_VOCAB))
     for name, value in sizes:

@@ -48,9 +48,14 @@ def check_model(config: TrainConfig, num_stages: int) -> None:
             raise ConfigError(f"the reference model's vocabulary ({config.model.vocab_size}) "
                               f"is smaller than the data's {needed} token ids")
         return
-    check_hf_model(resolve_model(config.hf_model), tp=config.tp, recompute=config.recompute,
+    source = resolve_model(config.hf_model)
+    check_hf_model(source, tp=config.tp, recompute=config.recompute,
                    seq_len=config.data.seq_len, vocab_needed=needed, num_stages=num_stages,
                    memory=run_memory(config))
+    if config.cp > 1 and source.model_type not in hf_families.CONTEXT_PARALLEL_MODEL_TYPES:
+        raise ConfigError(f"--cp {config.cp}: context parallelism runs "
+                          f"{', '.join(hf_families.CONTEXT_PARALLEL_MODEL_TYPES)} models; "
+                          f"{config.hf_model} is {source.model_type!r}; use --cp 1")
 
 
 # Weights, gradients and AdamW's two moments per parameter; bf16 adds float32 master weights

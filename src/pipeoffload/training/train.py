@@ -18,6 +18,7 @@ from pipeoffload.errors import ConfigError, FieldError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
 from pipeoffload.offload.targets import TargetKind, parse_target
 from pipeoffload.parallel.dtype_names import DTYPE_NAMES, EXPORT_DTYPE_NAMES
+from pipeoffload.parallel.rank_order import DEFAULT_ORDER, parse_order
 from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
 from pipeoffload.training.data_config import DataConfig
 from pipeoffload.training.model_config import (
@@ -107,6 +108,7 @@ class TrainConfig:
     export_dtype: str | None = None
     zero: int = 0
     cp: int = 1
+    rank_order: str = ",".join(DEFAULT_ORDER)
 
     @property
     def processes(self) -> int:
@@ -129,6 +131,10 @@ class TrainConfig:
                           cp_value=self.cp, seq=self.data.seq_len, twice=2 * self.cp)
         if self.hf_model is None:
             check_tensor_parallel(self.model, self.tp, self.data.seq_len // self.cp)
+        try:
+            parse_order(self.rank_order)
+        except ConfigError as error:
+            raise _refuse("{rank_order}: " + str(error)) from None
         train_offload(self.offload)
         if self.eval_every < 0 or self.eval_batches < 1:
             raise _refuse("{eval_every} must be >= 0 and {eval_batches} >= 1, got {every} and "

@@ -44,7 +44,6 @@ from pipeoffload.parallel.zero import ZeroAdamW
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.pipeline import Pipeline
-from pipeoffload.runtime.sequence import SequenceSplit
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import SimResult, simulate
 from pipeoffload.training.data import TextDataset
@@ -144,7 +143,7 @@ class Trainer:
         hf = build_hf(config, schedule.num_stages, mine, topology) if config.hf_model else None
         stages = hf.stages if hf is not None else build_stages(config, schedule.num_stages,
                                                                mine, topology)
-        context = SequenceSplit(config.cp, topology.cp_index, topology.cp_group)
+        context = topology.sequence_split()
         apply_context_parallel(stages, context)
         optimizer = make_optimizer(config, stages, topology)
         dataset = TextDataset.from_config(config.data, dp_rank=topology.dp_index,
