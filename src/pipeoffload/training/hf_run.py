@@ -43,6 +43,7 @@ def check_model(config: TrainConfig, num_stages: int) -> None:
         return
     check_hf_model(resolve_model(config.hf_model), tp=config.tp, recompute=config.recompute,
                    seq_len=config.data.seq_len, vocab_needed=needed, num_stages=num_stages)
+    import pipeoffload.integrations.hf  # noqa: F401 - the [hf] extra, found missing here once
 
 
 def build_hf(config: TrainConfig, num_stages: int, mine: list[int],
