@@ -59,7 +59,7 @@ def test_a_folder_of_every_kind_trains_on_two_processes_through_the_token_cache(
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["losses"]) == 3 and all(x == x for x in result["losses"])
-    assert "2 binary file(s) skipped" in proc.stderr
+    assert "2 binary file(s) skipped; end-of-document id 0 between documents" in proc.stderr
     for name in ("b.JSONL", "c.jsonl.gz", "e.txt.gz", "f.jsonl.zst", "g.parquet"):
         assert name in proc.stderr
     stores = list((cache / "tokens").iterdir())
