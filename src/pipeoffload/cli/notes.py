@@ -70,9 +70,10 @@ def data_line(data: DataConfig) -> str:
     if data.tokenizer is not None:
         from pipeoffload.training.data import end_of_document_id
 
-        eos = end_of_document_id(data)
+        eos_id = end_of_document_id(data)
         between = ("; documents joined with no end-of-document token (the tokenizer names "
-                   "none)" if eos is None else f"; end-of-document id {eos} between documents")
+                   "none)" if eos_id is None else f"; end-of-document id {eos_id} between "
+                   "documents")
     return files_report(corpus.origin, corpus.files, corpus.file_bytes) + cut + skipped + between
 
 
