@@ -59,7 +59,7 @@ def test_a_folder_of_every_kind_trains_on_two_processes_through_the_token_cache(
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["losses"]) == 3 and all(x == x for x in result["losses"])
-    assert "2 binary file(s) skipped" in proc.stderr
+    assert "2 binary file(s) skipped; end-of-document id 0 between documents" in proc.stderr
     for name in ("b.JSONL", "c.jsonl.gz", "e.txt.gz", "f.jsonl.zst", "g.parquet"):
         assert name in proc.stderr
     stores = list((cache / "tokens").iterdir())
@@ -92,3 +92,23 @@ def test_a_streamed_store_resumes_mid_epoch_bitwise_and_other_data_is_refused(tm
     with pytest.raises(ConfigError, match="saved with data_identity="):
         check_run(store_config(other, checkpoint_dir=str(tmp_path / "ck"), resume="auto",
                                steps=6), 1)
+
+
+def test_a_missing_hf_extra_is_found_before_any_process_starts(tmp_path, monkeypatch):
+    """Without transformers, --model PATH is refused by the up-front check (one error), not by
+    every rank after the processes start."""
+    from pipeoffload.errors import IntegrationError
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_act": "silu"}))
+    config = TrainConfig(data=DataConfig(seq_len=16, batch_size=4), pp=2, microbatches=2,
+                         steps=1, hf_model=str(tmp_path / "m"), measure_baseline=False)
+    for name in [m for m in sys.modules if m.startswith(("transformers", "pipeoffload.hf",
+                                                         "pipeoffload.integrations.hf"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(IntegrationError, match=r"pip install 'pipeoffload\[hf\]'"):
+        check_run(config, 2)

@@ -228,3 +228,20 @@ def test_resume_mid_epoch_from_a_memory_mapped_store_is_exact(tmp_path: Path) ->
     other = DataConfig(source=tmp_path / "s", seq_len=16, batch_size=4, eval_fraction=0.2)
     with pytest.raises(ConfigError, match="saved with data_identity="):
         TextDataset.from_config(other).load_state_dict(replay.state_dict())
+
+
+def test_pipeoffload_tokenize_writes_the_store_the_cache_would(tmp_path: Path, capsys) -> None:
+    from pipeoffload.cli.main import main
+
+    tok = word_tokenizer(tmp_path / "tok")
+    (tmp_path / "d.jsonl").write_bytes(jsonl([{"body": "a b"}, {"body": "c d"}]))
+    argv = ["tokenize", str(tmp_path / "d.jsonl"), str(tmp_path / "out"), "--tokenizer",
+            str(tok), "--text-key", "body"]
+    assert main(argv) == 0
+    assert "wrote 5 tokens in 2 documents" in capsys.readouterr().out
+    store = open_store(tmp_path / "out")
+    assert store.tokens.tolist() == [2, 3, 1, 4, 5] and store.ends == (3, 5)
+    assert len(TextDataset.from_config(DataConfig(source=tmp_path / "out", seq_len=2,
+                                                  batch_size=2, eval_fraction=0)).train) == 5
+    assert main(argv) == 2  # OUT is not empty now
+    assert "is not empty" in capsys.readouterr().err

@@ -113,3 +113,33 @@ def test_hugging_face_stages_mask_documents(family: str) -> None:
     for stage in stages.values():
         stage.document_eos = None
     assert not torch.allclose(stages[1](stages[0](row))[0], packed, atol=1e-3)
+
+
+def test_train_document_mask_reaches_hugging_face_stages_and_their_checkpoint(tmp_path,
+                                                                              monkeypatch,
+                                                                              capsys):
+    transformers = pytest.importorskip("transformers")
+    from pipeoffload.cli.main import main
+    from pipeoffload.parallel.checkpoint import read_manifest
+
+    transformers.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=8, max_position_embeddings=64).save_pretrained(tmp_path)
+    rng = random.Random(1)
+    (tmp_path / "d.jsonl").write_text("".join(
+        json.dumps({"text": "".join(rng.choices("abcdef ", k=rng.randrange(3, 30)))}) + "\n"
+        for _ in range(300)))
+    monkeypatch.chdir(tmp_path)
+    recorded, losses = [], []
+    for extra in ([], ["--document-mask"]):
+        folder = f"ck{len(extra)}"
+        argv = ["train", "--model", str(tmp_path / "config.json"), "--pp", "2", "--inline",
+                "--schedule", "1f1b", "--steps", "1", "--data", "d.jsonl", "--seq-len", "32",
+                "--batch-size", "4", "--eval-fraction", "0", "--no-png", "--no-baseline",
+                "--checkpoint-dir", folder, "--json", *extra]
+        assert main(argv) == 0
+        losses.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["losses"])
+        manifest = read_manifest(tmp_path / folder / "step_00000001")
+        recorded.append(manifest.info["model"].get("document_eos"))
+    assert recorded == [None, 0]  # byte data: NUL ends a document; recorded for resume
+    assert losses[0] != losses[1]  # the same model and batch, attention masked

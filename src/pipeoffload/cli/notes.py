@@ -66,7 +66,15 @@ def data_line(data: DataConfig) -> str:
     corpus = load_corpus(data)
     cut = " (cut at --max-bytes)" if corpus.truncated else ""
     skipped = (f"; {corpus.skipped} binary file(s) skipped" if corpus.skipped else "")
-    return files_report(corpus.origin, corpus.files, corpus.file_bytes) + cut + skipped
+    between = ""
+    if data.tokenizer is not None:
+        from pipeoffload.training.data import end_of_document_id
+
+        eos_id = end_of_document_id(data)
+        between = ("; documents joined with no end-of-document token (the tokenizer names "
+                   "none)" if eos_id is None else f"; end-of-document id {eos_id} between "
+                   "documents")
+    return files_report(corpus.origin, corpus.files, corpus.file_bytes) + cut + skipped + between
 
 
 def interrupt_note(args: argparse.Namespace) -> str:

@@ -43,6 +43,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"OUT {out} is not empty; tokenize writes a new or empty folder")
+    if out.exists():
+        out.rmdir()  # empty: the store is renamed into its place
     config = DataConfig(source=args.data, tokenizer=args.tokenizer, text_key=args.text_key,
                         max_bytes=args.max_bytes)
     start = time.perf_counter()

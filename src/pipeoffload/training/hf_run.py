@@ -56,6 +56,7 @@ def check_model(config: TrainConfig, num_stages: int) -> None:
         raise ConfigError(f"--cp {config.cp}: context parallelism runs "
                           f"{', '.join(hf_families.CONTEXT_PARALLEL_MODEL_TYPES)} models; "
                           f"{config.hf_model} is {source.model_type!r}; use --cp 1")
+    import pipeoffload.integrations.hf  # noqa: F401 - the [hf] extra, found missing here once
 
 
 # Weights, gradients and AdamW's two moments per parameter; bf16 adds float32 master weights

@@ -112,12 +112,10 @@ def write_tokens(config: DataConfig, folder: Path, progress: Progress | None = N
         write_store(temporary, documents, eos=eos, vocab_size=vocab,
                     extra={"origin": origin, "tokenizer": str(config.tokenizer),
                            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(temporary, folder)
+        os.replace(temporary, folder)  # a store appears whole; an existing one stays
     except OSError as error:
         shutil.rmtree(temporary, ignore_errors=True)
-        if (folder / HEADER).is_file():  # another process wrote it first
+        if (folder / HEADER).is_file():  # another process (a rank, a run) wrote it first
             return folder
         raise ConfigError(f"cannot write tokens to {folder} ({error}); point --cache-dir "
                           "somewhere writable") from None

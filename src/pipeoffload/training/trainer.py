@@ -409,8 +409,10 @@ def checkpoint_identity(config: TrainConfig, schedule: Schedule) -> dict[str, An
     a checkpoint holds each tensor-parallel rank's shards, so another ``tp`` is refused (not
     resharded), and another ``dtype``, whose weights and optimizer state differ, too; another
     ``dp`` or ``zero`` re-shards (parallel/checkpoint.py RESHARDABLE)."""
-    model = (dataclasses.asdict(config.model) if config.hf_model is None
-             else {"hf_config": resolve_model(config.hf_model).config})
+    model: dict[str, Any] = (dataclasses.asdict(config.model) if config.hf_model is None
+                             else {"hf_config": resolve_model(config.hf_model).config})
+    if config.hf_model is not None and config.model.document_eos is not None:
+        model["document_eos"] = config.model.document_eos  # --document-mask trains another model
     return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "zero": config.zero,
             "dtype": config.dtype,
             "schedule": schedule.name, "stage_to_rank": list(schedule.stage_to_rank),
