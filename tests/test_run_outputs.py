@@ -25,7 +25,7 @@ from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
 from pipeoffload.cli.main import main
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.checkpoint_files import CheckpointError, tidy
-from pipeoffload.parallel.checkpoint_lock import LOCK_FILE, FolderLock
+from pipeoffload.parallel.checkpoint_lock import LOCK_FILE, FolderLock, check_unlocked
 
 TRAIN = ["train", "--model", "tiny", "--pp", "1", "--batch-size", "4", "--microbatches", "2",
          "--steps", "1", "--no-png", "--no-baseline"]
@@ -190,6 +190,15 @@ def test_one_run_per_checkpoint_folder_and_a_dead_holder_is_stale(tmp_path: Path
         assert not ckpt.complete_checkpoints(root)
     finally:
         held.release()
+    # The up-front checks of one job's ranks run at once: one's probe never refuses another's.
+    import fcntl
+
+    probe = os.open(root / LOCK_FILE, os.O_RDONLY)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_SH)
+        check_unlocked(root)
+    finally:
+        os.close(probe)
     # A holder killed without releasing: the kernel dropped its flock, the file names it still.
     subprocess.run([sys.executable, "-c", "import os, sys; from pipeoffload.parallel."
                     "checkpoint_lock import FolderLock; FolderLock.acquire(sys.argv[1]); "
