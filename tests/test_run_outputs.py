@@ -25,7 +25,7 @@ from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
 from pipeoffload.cli.main import main
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.checkpoint_files import CheckpointError, tidy
-from pipeoffload.parallel.checkpoint_lock import LOCK_FILE, FolderLock
+from pipeoffload.parallel.checkpoint_lock import LOCK_FILE, FolderLock, check_unlocked
 
 TRAIN = ["train", "--model", "tiny", "--pp", "1", "--batch-size", "4", "--microbatches", "2",
          "--steps", "1", "--no-png", "--no-baseline"]
@@ -190,6 +190,15 @@ def test_one_run_per_checkpoint_folder_and_a_dead_holder_is_stale(tmp_path: Path
         assert not ckpt.complete_checkpoints(root)
     finally:
         held.release()
+    # The up-front checks of one job's ranks run at once: one's probe never refuses another's.
+    import fcntl
+
+    probe = os.open(root / LOCK_FILE, os.O_RDONLY)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_SH)
+        check_unlocked(root)
+    finally:
+        os.close(probe)
     # A holder killed without releasing: the kernel dropped its flock, the file names it still.
     subprocess.run([sys.executable, "-c", "import os, sys; from pipeoffload.parallel."
                     "checkpoint_lock import FolderLock; FolderLock.acquire(sys.argv[1]); "
@@ -303,3 +312,33 @@ def test_tensorboard_on_a_full_disk_stops_its_events_with_one_note(tmp_path: Pat
     assert "no more TensorBoard events are written (the run goes on" in notes[0]
     assert [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()
             ] == [0, 1, 2]  # --metrics goes on (its file is still smaller than the limit)
+
+
+def test_the_picture_draws_one_collection_per_lane_and_colour(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """Not one per action: at p = 64, m = 512 that was over 300 s of CPU (docs/benchmarks.md)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import PolyCollection
+    from matplotlib.figure import Figure
+
+    import pipeoffload as po
+    from pipeoffload.sim.costs import CostModel
+    from pipeoffload.sim.render_png import render_png
+    from pipeoffload.sim.simulator import simulate
+
+    figures = []
+    real_save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig),
+                                                                  real_save(fig, *a, **k)))
+    result = simulate(po.build_schedule("po-f", pp=2, microbatches=8), CostModel())
+    render_png(result, tmp_path / "p.png")
+    gantts = [ax for ax in figures[0].axes if ax.get_yticklabels()
+              and ax.get_yticklabels()[0].get_text() == "compute"]
+    assert len(gantts) == 2
+    for rank, ax in enumerate(gantts):
+        bars = [c for c in ax.collections if isinstance(c, PolyCollection)]
+        timed = [t for t in result.timeline[rank] if t.end > t.start]
+        kinds = {(t.lane, t.action.kind, result.schedule.chunk_of(t.action.stage))
+                 for t in timed}
+        assert len(bars) == len(kinds) < len(timed)
+        assert sum(len(c.get_paths()) for c in bars) == len(timed)  # every action drawn

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import socket
+import time
 from pathlib import Path
 
 from pipeoffload.parallel.checkpoint_files import CheckpointError
@@ -29,30 +30,27 @@ class FolderLock:
         self._fd: int | None = fd
 
     @classmethod
-    def acquire(cls, root: str | Path) -> FolderLock:
+    def acquire(cls, root: str | Path, wait_s: float = 1.0) -> FolderLock:
         """Lock ``root`` (made if missing) for this process, or raise CheckpointError naming
-        the run that holds it. Never waits."""
+        the run that holds it. Tries for up to ``wait_s`` (another run's up-front check holds
+        a shared lock for an instant)."""
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         path = root / LOCK_FILE
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = _open(path, os.O_RDWR | os.O_CREAT)
+        deadline = time.monotonic() + wait_s
         try:
-            fd = os.open(path, flags, 0o644)
-        except OSError as error:
-            raise CheckpointError(f"--checkpoint-dir {root}: cannot open its lock file {path} "
-                                  f"({error.strerror or error})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            holder = _read_holder(fd)
+            while not _try_lock(fd, path, fcntl.LOCK_EX):
+                if time.monotonic() >= deadline:
+                    holder = _read_holder(fd)
+                    raise CheckpointError(
+                        f"--checkpoint-dir {root} is in use by another run ("
+                        f"{holder or 'holder unknown'}, lock file {path}); wait for it to end, "
+                        "or give this run another folder")
+                time.sleep(0.05)
+        except BaseException:
             os.close(fd)
-            if error.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                raise CheckpointError(f"--checkpoint-dir {root}: cannot lock {path} "
-                                      f"({error.strerror or error})") from None
-            raise CheckpointError(
-                f"--checkpoint-dir {root} is in use by another run ({holder or 'holder unknown'}"
-                f", lock file {path}); wait for it to end, or give this run another folder"
-            ) from None
+            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
         return cls(root, fd)
@@ -64,6 +62,27 @@ class FolderLock:
             self._fd = None
 
 
+def _open(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                       0o644)
+    except OSError as error:
+        raise CheckpointError(f"--checkpoint-dir {path.parent}: cannot open its lock file "
+                              f"{path} ({error.strerror or error})") from None
+
+
+def _try_lock(fd: int, path: Path, kind: int) -> bool:
+    """Take ``kind`` (LOCK_EX or LOCK_SH) without waiting; False if another holds it."""
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+            return False
+        raise CheckpointError(f"--checkpoint-dir {path.parent}: cannot lock {path} "
+                              f"({error.strerror or error})") from None
+    return True
+
+
 def _read_holder(fd: int) -> str:
     try:
         text = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
@@ -73,7 +92,18 @@ def _read_holder(fd: int) -> str:
 
 
 def check_unlocked(root: str | Path) -> None:
-    """Raise CheckpointError if another run holds ``root``'s lock (the up-front check: takes
-    the lock and drops it at once; a missing folder is not locked)."""
-    if (Path(root) / LOCK_FILE).exists():
-        FolderLock.acquire(root).release()
+    """Raise CheckpointError if a run holds ``root``'s lock (the up-front check). It takes a
+    shared lock for an instant, so the checks of a job's ranks, run at once, never refuse one
+    another; a folder without a lock file is not locked."""
+    path = Path(root) / LOCK_FILE
+    if not path.exists():
+        return
+    fd = _open(path, os.O_RDONLY)
+    try:
+        if not _try_lock(fd, path, fcntl.LOCK_SH):
+            holder = _read_holder(fd)
+            raise CheckpointError(
+                f"--checkpoint-dir {root} is in use by another run ({holder or 'holder unknown'}"
+                f", lock file {path}); wait for it to end, or give this run another folder")
+    finally:
+        os.close(fd)
