@@ -177,17 +177,6 @@ def test_plan_refuses(argv, names, tmp, capsys) -> None:
     assert out == ""
 
 
-@pytest.fixture
-def no_training(monkeypatch) -> list[str]:
-    """Records any attempt to start training (in this process or as local processes)."""
-    from pipeoffload.cli import train as train_cli
-
-    started: list[str] = []
-    monkeypatch.setattr(train_cli, "run_worker", lambda *a, **k: started.append("run") or 0)
-    monkeypatch.setattr(train_cli, "_self_launch", lambda *a, **k: started.append("launch") or 0)
-    return started
-
-
 @pytest.mark.parametrize("argv, names", TRAIN_CASES)
 def test_train_refuses_before_training(argv, names, tmp, capsys, no_training,
                                        monkeypatch) -> None:

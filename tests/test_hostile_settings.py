@@ -41,16 +41,6 @@ def refused(code: int, err: str, *words: str) -> None:
     assert all(word in lines[0] for word in words), err
 
 
-@pytest.fixture
-def no_training(monkeypatch) -> list[str]:
-    from pipeoffload.cli import train as train_cli
-
-    started: list[str] = []
-    monkeypatch.setattr(train_cli, "run_worker", lambda *a, **k: started.append("run") or 0)
-    monkeypatch.setattr(train_cli, "_self_launch", lambda *a, **k: started.append("launch") or 0)
-    return started
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A Llama config without hidden_act (transformers' default, silu, applies), trained one

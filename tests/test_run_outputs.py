@@ -54,16 +54,6 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
 
 
 @pytest.fixture
-def no_training(monkeypatch) -> list[str]:
-    from pipeoffload.cli import train as train_cli
-
-    started: list[str] = []
-    monkeypatch.setattr(train_cli, "run_worker", lambda *a, **k: started.append("run") or 0)
-    monkeypatch.setattr(train_cli, "_self_launch", lambda *a, **k: started.append("launch") or 0)
-    return started
-
-
-@pytest.fixture
 def place(tmp_path: Path, monkeypatch) -> Path:
     """A data folder, a checkpoint folder with one (fake) step folder, a config file."""
     (tmp_path / "data").mkdir()

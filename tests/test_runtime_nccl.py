@@ -270,7 +270,8 @@ def test_connect_binds_the_cuda_device_and_makes_four_channels(monkeypatch) -> N
     init = calls["init"]
     assert init["backend"] == "nccl" and init["device_id"] == torch.device("cuda", 1)
     assert init["store"] is store and (init["rank"], init["world_size"]) == (0, 4)
-    assert calls["mesh"]["device_type"] == "cuda" and calls["mesh"]["shape"] == (2, 2, 1)
+    assert calls["mesh"]["device_type"] == "cuda" and calls["mesh"]["shape"] == (2, 2, 1, 1)
+    assert calls["mesh"]["mesh_dim_names"] == ("pp", "dp", "cp", "tp")  # the default order
     assert topology.pp_group == "the pp group"
     assert set(topology.channel_groups) == set(Channel)
     assert len({id(g) for g in topology.channel_groups.values()}) == 4
