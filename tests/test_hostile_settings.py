@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from cli_calls import run
 from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
 
 from pipeoffload.cli.main import main
@@ -25,14 +26,6 @@ LLAMA = dict(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_la
 TEXT = "a small text to train a tiny model on, twice over. " * 40
 TRAIN = ["train", "--data", "text.txt", "--seq-len", "16", "--batch-size", "4", "--pp", "1",
          "--steps", "1", "--no-png", "--no-baseline"]
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exit:
-        code = exit.code
-    return code, capsys.readouterr().err
 
 
 def refused(code: int, err: str, *words: str) -> None:

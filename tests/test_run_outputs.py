@@ -20,9 +20,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from cli_calls import run
 from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
 
-from pipeoffload.cli.main import main
 from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.checkpoint_files import CheckpointError, tidy
 from pipeoffload.parallel.checkpoint_lock import LOCK_FILE, FolderLock, check_unlocked
@@ -43,14 +43,6 @@ def snapshot(root: Path) -> dict[str, str]:
         elif path.is_dir():
             found[key] = "dir"
     return found
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exit:
-        code = exit.code
-    return code, capsys.readouterr().err
 
 
 @pytest.fixture
