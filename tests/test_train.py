@@ -315,11 +315,13 @@ def test_killing_one_rank_ends_the_run_with_an_error_on_every_rank(tmp_path: Pat
     assert all(code == "1" for code in re.findall(r"rank [02] exited with code (\d+)", stderr))
     assert f"launch: rank 1 (pid {children[1]}) was killed by SIGKILL" in stderr
     # Each survivor says itself what failed: rank 0 prefixed by the launcher, rank 2 (the
-    # reporting rank) as is.
-    assert re.search(r"^\[rank 0\] pipeoffload train: rank 0: error: .*rank 1", stderr, re.M), \
+    # reporting rank) as is. A receive from rank 1 names it; a collective over the pipeline
+    # group (the step's loss or norm) cannot tell which peer died and says so (gather.py
+    # peer_failures): which one a survivor is in when rank 1 dies depends on timing.
+    failed = r"error: .*(rank 1|a collective failed .*a peer died or failed)"
+    assert re.search(r"^\[rank 0\] pipeoffload train: rank 0: " + failed, stderr, re.M), \
         stderr[-3000:]
-    assert re.search(r"^pipeoffload train: rank 2: error: .*rank 1", stderr, re.M), \
-        stderr[-3000:]
+    assert re.search(r"^pipeoffload train: rank 2: " + failed, stderr, re.M), stderr[-3000:]
     assert all(not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
                for pid in children.values())
 
