@@ -324,3 +324,21 @@ def test_the_picture_draws_one_collection_per_lane_and_colour(tmp_path: Path,
                  for t in timed}
         assert len(bars) == len(kinds) < len(timed)
         assert sum(len(c.get_paths()) for c in bars) == len(timed)  # every action drawn
+
+
+def test_an_interrupted_export_with_its_tokenizer_files_is_cleared_but_a_foreign_file_is_not(
+        tmp_path: Path) -> None:
+    from pipeoffload.errors import ConfigError
+    from pipeoffload.parallel.export import clear_unfinished_export
+
+    written = ["model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", ".config.json.tmp"]
+    for name in written:  # everything an export writes before config.json, its last file
+        (tmp_path / name).write_text("x")
+    clear_unfinished_export(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "tokenizer.json").write_text("x")
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="'notes.txt', which no export writes"):
+        clear_unfinished_export(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "tokenizer.json"]

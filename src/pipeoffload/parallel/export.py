@@ -30,7 +30,7 @@ from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.dtype_names import EXPORT_DTYPE_NAMES
 from pipeoffload.parallel.gradients import tie_copy_names
 from pipeoffload.parallel.precision import DTYPES
-from pipeoffload.parallel.tokenizer_files import tokenizer_files
+from pipeoffload.parallel.tokenizer_files import CONFIG, SPECIAL, tokenizer_files
 from pipeoffload.runtime.shards import is_dtensor
 
 INDEX = "model.safetensors.index.json"
@@ -44,8 +44,11 @@ def check_export_folder(folder: str | Path, flag: str = "--export-hf") -> None:
                           "empty folder (an export never mixes with older files)")
 
 
-_EXPORT_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
-                          r"tokenizer\.json|config\.json|\..+\.tmp)$")
+#: What an export writes of the tokenizer (parallel/tokenizer_files.py).
+TOKENIZER_FILES = ("tokenizer.json", CONFIG, SPECIAL)
+_EXPORT_FILE = re.compile(
+    r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json|"
+    + "|".join(map(re.escape, TOKENIZER_FILES)) + r"|\..+\.tmp)$")
 
 
 def export_complete(folder: str | Path) -> bool:
@@ -147,7 +150,7 @@ def _finish(folder: Path, config: Any, dtype: torch.dtype, weight_map: dict[str,
     file no export writes appeared in the folder meanwhile (it would sit beside the export)."""
     several = len(set(weight_map.values())) > 1
     ours = set(weight_map.values()) | {"config.json"} | ({INDEX} if several else set()) | (
-        {"tokenizer.json"} if tokenizer is not None else set())
+        set(TOKENIZER_FILES) if tokenizer is not None else set())
     strangers = sorted(c.name for c in folder.iterdir() if c.name not in ours)
     if strangers:
         raise ConfigError(f"export folder {folder}: {strangers[0]!r} appeared there while the "
