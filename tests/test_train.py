@@ -78,16 +78,19 @@ def relative_gap(a: list[float], b: list[float]) -> float:
 
 
 def stage_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every model and optimizer tensor of a checkpoint, by file and name."""
+    """Every model and optimizer tensor of a checkpoint, by stage and name (a sharded
+    optimizer's shards joined, as a resume reads them)."""
     manifest = ckpt.read_manifest(folder)
+    stages = sorted({int(n.split("_")[1].split(".")[0]) for n in manifest.files
+                     if n.startswith("stage_")})
     found = {}
-    for name in sorted(n for n in manifest.files if n.startswith("stage_")):
-        saved = ckpt.load_object(manifest, name)
+    for stage in stages:
+        saved = ckpt.load_stage(manifest, stage, None)
         for key, value in saved["model"].items():
-            found[f"{name}:{key}"] = value
+            found[f"stage {stage}:{key}"] = value
         for index, state in saved["optimizer"]["state"].items():
             for key, value in state.items():
-                found[f"{name}:opt{index}.{key}"] = value
+                found[f"stage {stage}:opt{index}.{key}"] = value
     return found
 
 

@@ -73,3 +73,17 @@ def test_every_printed_command_is_one_train_accepts(capsys) -> None:
         assert (config.recompute, config.dtype) == (plan["recompute"], "bf16")
         schedule = build_plan(config).schedule
         assert schedule.num_ranks == plan["pp"] and schedule.microbatches == plan["microbatches"]
+
+
+def test_the_command_says_which_optimizer_sharding_the_memory_counted() -> None:
+    """train shards the optimizer by default at dp * cp > 1 (--zero 1), so a plan priced with
+    it whole says --zero 0; one priced sharded says --zero 1; with nothing to shard, neither."""
+    spec = model_spec("pipeoffload-42.9b")
+    for change, whole, sharded in (({}, "--zero 0", "--zero 1"),
+                                   ({"dp": 1, "cp": 2}, "--zero 0", "--zero 1"),
+                                   ({"dp": 1}, None, None)):
+        candidate = dataclasses.replace(BASE, **change)
+        for flag, sharding in ((whole, False), (sharded, True)):
+            argv = train_command(candidate, spec, sharded_optimizer=sharding).argv
+            assert argv is not None and ("--zero" in argv) == (flag is not None), argv
+            assert flag is None or flag in argv

@@ -4,7 +4,9 @@ checkpoints at step 10 and resumes to 20, runs the command `plan --sharded-optim
 for a tied Hugging Face Llama config under both levels, and a loop of its own with
 ``pipeoffload.zero_optimizer``; this process then resumes the dp 2 checkpoint with dp 1
 (Pipeline's local mode) under both zero levels and exports the Llama checkpoints. One launch
-of 8 processes runs tp2 x pp2 x dp2 under both levels."""
+of 8 processes runs tp2 x pp2 x dp2 under both levels; one of 4 shards the optimizer over
+context-parallel ranks (pp2 x cp2, and dp2 x cp2 in another rank order) and resumes the cp 2
+checkpoint with cp 1."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from patience import PATIENCE_S  # noqa: E402
 from test_runtime_support import launch, one_thread  # noqa: E402, F401 - autouse fixture
 
 from pipeoffload.parallel import checkpoint as ckpt  # noqa: E402
+from pipeoffload.parallel.rank_order import parse_order  # noqa: E402
 from pipeoffload.parallel.topology import Topology, mesh_topology  # noqa: E402
 from pipeoffload.training.data_config import DataConfig  # noqa: E402
 from pipeoffload.training.model_config import model_preset  # noqa: E402
@@ -37,7 +40,7 @@ STEPS, BF16_STEPS, TP_STEPS = 20, 6, 3
 BASE = TrainConfig(model=model_preset("tiny"),
                    data=DataConfig(seq_len=32, batch_size=8, max_bytes=1 << 16, eval_fraction=0),
                    pp=2, dp=2, schedule="1f1b", microbatches=2, steps=STEPS, warmup_steps=2,
-                   measure_baseline=False, p2p_timeout_s=PATIENCE_S)
+                   measure_baseline=False, p2p_timeout_s=PATIENCE_S, zero=0)
 
 
 def _run(config: TrainConfig, topology: Topology) -> dict:
@@ -277,6 +280,25 @@ def test_tp2_pp2_dp2_zero1_is_bitwise_zero0(tmp_path: Path) -> None:
             assert 0 <= row1["optimizer_state"] - row1["predicted_optimizer_state"] <= 12
 
 
+def test_zero_1_is_the_default_where_there_is_something_to_shard() -> None:
+    from pipeoffload.cli.train import add_train_parser, config_from_args
+
+    default = dataclasses.replace(BASE, zero=None)
+    assert default.zero_level == 1  # dp 2
+    assert dataclasses.replace(default, dp=1, cp=2).zero_level == 1
+    assert dataclasses.replace(default, dp=1).zero_level == 0
+    assert dataclasses.replace(default, zero=0).zero_level == 0
+    parser = argparse.ArgumentParser(prog="pipeoffload")
+    command = add_train_parser(parser.add_subparsers(dest="command", required=True))
+    assert "--zero {0,1,3} optimizer sharding; default 1 when dp * cp > 1, else 0" in " ".join(
+        command.format_help().split())
+    argv = ["train", "--model", "tiny", "--pp", "2", "--batch-size", "8", "--microbatches", "2"]
+    for extra, level in (([], 0), (["--dp", "2"], 1), (["--cp", "2"], 1),
+                         (["--dp", "2", "--zero", "0"], 0), (["--zero", "1"], 1)):
+        config = config_from_args(parser.parse_args([*argv, *extra]))[0]
+        assert config.zero_level == level, extra
+
+
 def test_zero_3_is_refused_in_words_by_train_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
     from pipeoffload.cli.main import main
 
@@ -286,3 +308,61 @@ def test_zero_3_is_refused_in_words_by_train_and_plan(capsys: pytest.CaptureFixt
     assert "Traceback" not in err
     assert main(["plan", "--model", "gpt3-2.7b", "--gpus", "8", "--zero", "3"]) == 2
     assert "--zero 3 (FSDP2) is not priced" in capsys.readouterr().err
+
+
+CP_STEPS = 6
+
+
+def _context(rank: int, world: int, root: str) -> dict:
+    """pp2 x cp2 (zero 0, then zero 1 with a checkpoint at step 3) and dp2 x cp2 with the
+    data-parallel replicas innermost (each shard's rank is then not dp * cp + cp_index)."""
+    pipe = dataclasses.replace(BASE, dp=1, cp=2, steps=CP_STEPS)
+    crossed = dataclasses.replace(BASE, pp=1, dp=2, cp=2, steps=4, rank_order="pp,cp,dp,tp")
+    out = {}
+    for name, config in (("z0", dataclasses.replace(pipe, zero=0)),
+                         ("z1", dataclasses.replace(pipe, zero=1, checkpoint_dir=f"{root}/cp",
+                                                    checkpoint_every=3)),
+                         ("crossed0", dataclasses.replace(crossed, zero=0)),
+                         ("crossed1", dataclasses.replace(crossed, zero=1))):
+        topology = mesh_topology(config.pp, config.dp, config.tp, torch.device("cpu"),
+                                 PATIENCE_S, cp=config.cp, order=parse_order(config.rank_order))
+        out[name] = _run(config, topology)
+    return out
+
+
+def test_zero1_shards_over_context_parallel_ranks_and_resumes_with_cp1(tmp_path: Path) -> None:
+    """ZeRO-1 over dp x cp (Megatron's data-parallel group with context parallelism): pp2 x cp2
+    bitwise zero 0 (two shards: the reduce-scatter sums two values, as the all-reduce), the
+    optimizer state half of zero 0's per rank, one shard file per context-parallel rank, and
+    the checkpoint resumed with cp 1 and zero 0 in one process."""
+    results = launch(_context, 4, tmp_path, str(tmp_path), join_timeout_s=PATIENCE_S)
+    assert sorted(results) == [0, 1, 2, 3], results
+    for outcome in results.values():
+        assert "ok" in outcome, outcome.get("trace")
+        out = outcome["ok"]
+        assert out["z1"]["losses"] == out["z0"]["losses"] and len(out["z0"]["losses"]) == 6
+        crossed0, crossed1 = out["crossed0"]["losses"], out["crossed1"]["losses"]
+        assert len(crossed0) == 4  # four shards: the sums of four values in another order
+        assert max(abs(a - b) / abs(b) for a, b in zip(crossed1, crossed0)) < 1e-6
+        for key, shards in (("z1", 2), ("crossed1", 4)):
+            zero0 = out[key.replace("1", "0")]["state"]
+            for row0, row1 in zip(zero0, out[key]["state"]):
+                # one bucket per stage, padded to a multiple of the shards: < shards elements
+                # of 12 B (float32 master and two moments)
+                gap = shards * row1["optimizer_state"] - row0["optimizer_state"]
+                assert 0 <= gap < 12 * shards, (key, row0, row1)
+                assert 0 <= row1["optimizer_state"] - row1["predicted_optimizer_state"] < (
+                    12 * shards)
+                assert row1["predicted_optimizer_state"] * shards == (
+                    row0["predicted_optimizer_state"])
+    manifest = ckpt.read_manifest(tmp_path / "cp" / "step_00000003")
+    assert sorted(n for n in manifest.files if n.startswith("stage_")) == [
+        "stage_000_dp0.pt", "stage_000_dp1.pt", "stage_001_dp0.pt", "stage_001_dp1.pt"]
+    resumed = dataclasses.replace(BASE, dp=1, zero=None, steps=CP_STEPS,
+                                  checkpoint_dir=str(tmp_path / "r"),
+                                  resume=str(tmp_path / "cp" / "step_00000003"))
+    assert resumed.zero is None and resumed.zero_level == 0  # the default at dp * cp = 1
+    check_run(resumed, processes=1)
+    losses = train(resumed, Topology.local(2)).losses
+    expected = results[0]["ok"]["z0"]["losses"][3:]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) < 1e-6, (losses, expected)

@@ -12,17 +12,17 @@ and per-stage checkpoints.
     optimizer.step()
     pipeoffload.save_checkpoint("ckpt", step, stages, {s: opt for s in stages}, topo)
 
-With data parallelism, ``zero_optimizer`` shards AdamW's float32 master weights and moments
-over the replicas (ZeRO-1) in place of the per-stage optimizers, average_gradients and
-clip_grad_norm_ above:
+With data (or context) parallelism, ``zero_optimizer`` shards AdamW's float32 master weights
+and moments over the replicas times the context-parallel ranks (ZeRO-1) in place of the
+per-stage optimizers, average_gradients and clip_grad_norm_ above:
 
     optimizer = pipeoffload.zero_optimizer(stages, topo, lr=3e-4)
     loss = pipe.step(x, target=y)
-    optimizer.take_grads()                                       # reduce-scatter over dp
+    optimizer.take_grads()                                       # reduce-scatter, dp x cp
     optimizer.clip_grads(1.0)                                    # each shard counted once
     optimizer.step()                                             # update, all-gather
     optimizer.zero_grad()
-    pipeoffload.save_checkpoint("ckpt", step, stages, optimizer, topo)  # a file per replica
+    pipeoffload.save_checkpoint("ckpt", step, stages, optimizer, topo)  # a file per shard
 
 Without torch.distributed (one process runs every stage) pass ``topology=None``.
 """
@@ -112,9 +112,10 @@ def zero_optimizer(stages: Mapping[int, nn.Module], topology: Topology | None, *
                    weight_decay: float = 0.01, microbatches: int | None = None,
                    bucket_numel: int = BUCKET_NUMEL, tied: TiedSpec | None = None) -> ZeroAdamW:
     """AdamW over the stages' trainable parameters with its float32 master weights and moments
-    sharded over ``topology``'s data-parallel replicas (ZeRO-1, parallel/zero.py; bf16
-    parameters accumulate gradients in float32). Each step after ``pipe.step``: ``take_grads``
-    (reduce-scatter: the average over replicas), ``clip_grads(max_norm)`` (optional; the norm
+    sharded over ``topology``'s data-parallel replicas times its context-parallel ranks
+    (ZeRO-1, parallel/zero.py; bf16 parameters accumulate gradients in float32). Each step
+    after ``pipe.step``: ``take_grads`` (reduce-scatter: the average over replicas and
+    context-parallel ranks), ``clip_grads(max_norm)`` (optional; the norm
     over every stage and rank, each shard and tie once), ``set_lr`` (optional), ``step``
     (update the shard, all-gather the parameters), ``zero_grad``. ``topology`` None: one
     process, nothing sharded. ``microbatches`` (the Pipeline's): each bucket of about

@@ -83,9 +83,11 @@ def _parallelism_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", default="none", choices=("none", "lgd", "full"),
                    help="none (default); lgd: recompute norm and activation-function outputs "
                    "in each layer's backward; full: recompute every stage's forward")
-    g.add_argument("--zero", type=int, default=0, choices=(0, 1, 3),
-                   help="0 (default): the whole optimizer state on every data-parallel replica; "
-                   "1: float32 masters and AdamW moments sharded over the replicas (ZeRO-1); "
+    g.add_argument("--zero", type=int, default=None, choices=(0, 1, 3),
+                   help="optimizer sharding; default 1 when dp * cp > 1, else 0. 0: the whole "
+                   "optimizer state on every data-parallel replica; 1: float32 masters and "
+                   "AdamW moments sharded over the replicas and context-parallel ranks "
+                   "(ZeRO-1; its overlapped gradient buckets are verified on gloo only); "
                    "3 (FSDP2) is not implemented and says why")
 
 

@@ -146,7 +146,7 @@ def summary(result: TrainResult, config: TrainConfig, png: str | None) -> dict[s
         "stopped_by": signal_name(result.stopped_by) if result.stopped_by else None,
         "eval_losses": [list(pair) for pair in result.eval_losses],
         "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None,
-        "export": result.export, "model": config.hf_model or "reference", "zero": config.zero,
+        "export": result.export, "model": config.hf_model or "reference", "zero": config.zero_level,
         "optimizer_state_bytes": [r["optimizer_state"] for r in result.model_state],
         "predicted_optimizer_state_bytes":
             [r["predicted_optimizer_state"] for r in result.model_state],

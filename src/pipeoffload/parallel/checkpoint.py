@@ -16,13 +16,14 @@ manifest whose files are missing or differ from their recorded SHA-256 is corrup
 CheckpointError; nothing here ever falls back to a fresh start.
 
 Note: [sharded optimizer checkpoint] A ``sharded`` optimizer (parallel/zero.py ZeroAdamW) is
-saved by every data-parallel replica: ``stage_<s>[_tp<t>]_dp<d>.pt`` holds replica d's shard
-of the float32 masters and AdamW moments with the layout (each parameter's numel and shape,
-the buckets), and replica 0's also the stage's model state; the manifest, written last, lists
-them all. Loading joins the shards into the whole stage state StageAdamW saves
-(``load_stage``), which either optimizer loads at any dp: a resume may change dp and
-``--zero``, and `pipeoffload export` reads the joined state. Tensor-parallel shards are not
-re-sharded (same tp only).
+saved by every rank it is sharded over, the data-parallel replicas times the
+context-parallel ranks: ``stage_<s>[_tp<t>]_dp<d>.pt`` holds shard d (``Topology.grad_index``,
+0 <= d < dp * cp; with cp = 1 the replica) of the float32 masters and AdamW moments with the
+layout (each parameter's numel and shape, the buckets), and shard 0's also the stage's model
+state; the manifest, written last, lists them all. Loading joins the shards into the whole
+stage state StageAdamW saves (``load_stage``), which either optimizer loads at any dp and cp:
+a resume may change dp, cp and ``--zero``, and `pipeoffload export` reads the joined state.
+Tensor-parallel shards are not re-sharded (same tp only).
 """
 
 from __future__ import annotations
@@ -376,22 +377,24 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
 
 
 def _stage_payloads(state: TrainingState, where: Topology) -> list[tuple[str, dict[str, Any]]]:
-    """(file name, contents) of the stage files this process writes: replica 0 each stage's
-    model and optimizer state; with a ``sharded`` optimizer every replica its shard, replica 0
-    with the model (Note: [sharded optimizer checkpoint])."""
+    """(file name, contents) of the stage files this process writes: replica 0 (context-parallel
+    rank 0) each stage's model and optimizer state; with a ``sharded`` optimizer every rank of
+    the data- x context-parallel group its shard, shard 0 with the model (Note: [sharded
+    optimizer checkpoint])."""
     sharded = state.optimizer.sharded
-    if where.cp_index != 0 or (where.dp_index != 0 and not sharded):
-        return []  # context-parallel ranks hold the same parameters and optimizer state
+    shard = where.grad_index if where.distributed else 0
+    if not sharded and (where.cp_index != 0 or where.dp_index != 0):
+        return []  # context-parallel ranks and replicas hold the same parameters and state
     tp_index = _tp_index(where)
     payloads = []
     for s, module in sorted(state.stages.items()):
         optimizer = state.optimizer.stage_state(s)
         payload: dict[str, Any] = {"optimizer": optimizer.optimizer}
-        if where.dp_index == 0:
+        if shard == 0:
             payload["model"] = module.state_dict()
         if optimizer.masters is not None:
             payload["masters"] = optimizer.masters
-        name = stage_file(s, tp_index, where.dp_index if sharded else None)
+        name = stage_file(s, tp_index, shard if sharded else None)
         payloads.append((name, payload))
     return payloads
 
@@ -399,7 +402,7 @@ def _stage_payloads(state: TrainingState, where: Topology) -> list[tuple[str, di
 def load_stage(manifest: Manifest, stage: int, tp_index: int | None,
                device: torch.device | str = "cpu") -> dict[str, Any]:
     """Stage ``stage``'s file as StageAdamW writes it (``model``, ``optimizer``, ``masters``),
-    the replicas' shards joined when a sharded optimizer wrote it (Note: [sharded optimizer
+    the shards joined when a sharded optimizer wrote it (Note: [sharded optimizer
     checkpoint])."""
     name = stage_file(stage, tp_index)
     if name in manifest.files or stage_file(stage, tp_index, 0) not in manifest.files:

@@ -87,6 +87,13 @@ class Topology:
         return self.dp * self.cp
 
     @property
+    def grad_index(self) -> int:
+        """This process's position in its data- x context-parallel group (``grad_group``):
+        torch numbers a group's members by global rank, so it depends on the rank order."""
+        members = sorted(self.rank_order.group_ranks(self.rank, "dp", "cp"))
+        return members.index(self.rank)
+
+    @property
     def pipeline_ranks(self) -> tuple[int, ...]:
         """The pipeline ranks this process runs."""
         return (self.pp_rank,) if self.distributed else tuple(range(self.pp))

@@ -1,25 +1,28 @@
 """ZeRO-1, Megatron's distributed optimizer: AdamW whose float32 master weights and moments are
-sharded over the data-parallel replicas (``ZeroAdamW``, a parallel/optimizer.py
-PipelineOptimizer).
+sharded over the ranks gradients are averaged over, the data-parallel replicas times the
+context-parallel ranks (``ZeroAdamW``, a parallel/optimizer.py PipelineOptimizer).
 
 Note: [zero-1 layout] Per stage, this process's trainable parameters (their local shards under
 tensor parallelism, which are thus sharded again over dp) are grouped into buckets of about
 ``bucket_numel`` elements, from the last parameter back (the order a backward produces their
-gradients in). A bucket's parameters lie end to end in one flat vector of N elements, padded
-with zeros to a multiple of dp (fewer than dp elements per bucket); replica d owns elements
-[d * N_pad / dp, (d + 1) * N_pad / dp) of every bucket and holds only those of the float32
-masters, of the two AdamW moments and of the averaged gradient, bucket after bucket in one
-tensor. A step: each bucket's gradients (float32, parallel/precision.py Note: [mixed
-precision]) are reduce-scattered over the data-parallel group, started as soon as its
-parameters have accumulated the step's last microbatch (a hook; buckets holding a tie wait
-for Pipeline's tie sum after the backward), and divided by dp (the sum of two values does not
-depend on the order, so at dp = 2 this is bitwise the all-reduce of ``sync_gradients``); the
+gradients in). The state is sharded over D = dp * cp ranks, Megatron's data-parallel group
+with context parallelism (``Topology.grad_group``): each context-parallel rank holds the
+gradient of its part of every sequence, so gradients are averaged over all D of them
+(parallel/gradients.py sync_gradients). A bucket's parameters lie end to end in one flat
+vector of N elements, padded with zeros to a multiple of D (fewer than D elements per
+bucket); shard d (``Topology.grad_index``) owns elements [d * N_pad / D, (d + 1) * N_pad / D)
+of every bucket and holds only those of the float32 masters, of the two AdamW moments and of
+the averaged gradient, bucket after bucket in one tensor. A step: each bucket's gradients
+(float32, parallel/precision.py Note: [mixed precision]) are reduce-scattered over that
+group, started as soon as its parameters have accumulated the step's last microbatch (a
+hook; buckets holding a tie wait for Pipeline's tie sum after the backward), and divided by
+D (the sum of two values does not depend on the order, so at D = 2 this is bitwise the
+all-reduce of ``sync_gradients``); the
 global norm sums each element's square once (tie copies and replicated tensor-parallel
 parameters as ``clip_gradients`` counts them); AdamW updates the local shard (elementwise, as
 it updates each parameter whole); the updated shards, cast to the parameters' dtype, are
 all-gathered bucket by bucket into the parameters before the next forward. Checkpoints keep
-each replica's shard in its own file (parallel/checkpoint.py Note: [sharded optimizer
-checkpoint]).
+each shard in its own file (parallel/checkpoint.py Note: [sharded optimizer checkpoint]).
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ BUCKET_NUMEL = 40_000_000
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Where each parameter of a bucket lies in its flat vector, and replica ``index``'s span
-    of it (Note: [zero-1 layout])."""
+    """Where each parameter of a bucket lies in its flat vector, and shard ``index``'s span of
+    it, of ``dp`` shards (Note: [zero-1 layout])."""
 
     numels: tuple[int, ...]
     dp: int
@@ -101,7 +104,7 @@ def bucket_indices(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
 
 
 class _Bucket:
-    """Some of a stage's parameters (``indices``), their flat layout and where this replica's
+    """Some of a stage's parameters (``indices``), their flat layout and where this process's
     shard of it lies in the stage's master shard (``offset``); ``pending``: its gradients'
     reduce-scatter in flight (work, output, input), started once every parameter has
     accumulated all ``count`` microbatches of the step."""
@@ -125,7 +128,8 @@ class _Stage:
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else (
             torch.float32)  # float32 masters, but an fp64 run stays fp64
         numels = [local_shard(p).numel() for p in self.params]
-        dp, index = (topology.dp, topology.dp_index) if topology.distributed else (1, 0)
+        dp, index = ((topology.grad_replicas, topology.grad_index) if topology.distributed
+                     else (1, 0))
         self.buckets: list[_Bucket] = []
         offset = 0
         for indices in bucket_indices(numels, bucket_numel):
@@ -148,7 +152,7 @@ class _Stage:
                 mask[max(begin, lo) + at:min(end, hi) + at] = True
 
     def shard_of(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """This replica's shard of per-parameter ``tensors`` (values, moments), bucket by
+        """This process's shard of per-parameter ``tensors`` (values, moments), bucket by
         bucket."""
         parts = [b.layout.mine(b.layout.flatten([tensors[i] for i in b.indices]))
                  for b in self.buckets]
@@ -157,11 +161,12 @@ class _Stage:
 
 class ZeroAdamW:
     """AdamW per stage over float32 master weights sharded over the data-parallel replicas
-    (Note: [zero-1 layout]); a PipelineOptimizer. ``topology`` None or without torch.distributed:
-    one replica (dp = 1), the whole state here. ``microbatches``: how many gradients each
-    parameter accumulates per step; given, a bucket's reduce-scatter starts as soon as its last
-    one is in (during the pipeline's drain), except for buckets holding a tie (``tied`` and the
-    modules' ``tied_parameters``), whose gradients Pipeline sums after the backward."""
+    and context-parallel ranks (Note: [zero-1 layout]); a PipelineOptimizer. ``topology`` None
+    or without torch.distributed: one shard, the whole state here. ``microbatches``: how many
+    gradients each parameter accumulates per step; given, a bucket's reduce-scatter starts as
+    soon as its last one is in (during the pipeline's drain), except for buckets holding a tie
+    (``tied`` and the modules' ``tied_parameters``), whose gradients Pipeline sums after the
+    backward."""
 
     sharded = True
 
@@ -184,7 +189,14 @@ class ZeroAdamW:
 
     @property
     def _dp(self) -> int:
-        return self.topology.dp if self.topology.distributed else 1
+        """How many shards: dp * cp (Note: [zero-1 layout])."""
+        return self.topology.grad_replicas if self.topology.distributed else 1
+
+    @property
+    def _group(self) -> Any:
+        """The data- x context-parallel group the shards are spread over."""
+        topology = self.topology
+        return topology.grad_group if topology.grad_group is not None else topology.dp_group
 
     @property
     def params(self) -> Mapping[int, list[torch.Tensor]]:
@@ -218,14 +230,14 @@ class ZeroAdamW:
                         ) -> tuple[Any, torch.Tensor, torch.Tensor]:
         flat = bucket.layout.flatten([_grad_shard(st.params[i]) for i in bucket.indices])
         out = torch.empty(bucket.layout.shard_numel, dtype=flat.dtype, device=flat.device)
-        work = dist.reduce_scatter_single(out, flat, group=self.topology.dp_group,
+        work = dist.reduce_scatter_single(out, flat, group=self._group,
                                           async_op=async_op)
         return work, out, flat
 
     def take_grads(self) -> None:
-        """Each stage's gradients, summed over replicas by the buckets' reduce-scatters (those
-        not started yet start now), divided by dp into its master shard's ``.grad``; the
-        parameters' gradients are freed."""
+        """Each stage's gradients, summed over the shards' ranks by the buckets'
+        reduce-scatters (those not started yet start now), divided by dp * cp into its master
+        shard's ``.grad``; the parameters' gradients are freed."""
         for st in self._stages.values():
             grad = torch.empty_like(st.master)
             for bucket in st.buckets:
@@ -269,7 +281,7 @@ class ZeroAdamW:
             parts[1] += squares[st.whole.to(device)].sum()
         if topology.distributed:
             if self._dp > 1:
-                dist.all_reduce(parts, group=topology.dp_group)
+                dist.all_reduce(parts, group=self._group)
             if topology.tp > 1:
                 dist.all_reduce(parts[:1], group=topology.tp_mesh.get_group())
             total = parts.sum()
@@ -306,7 +318,7 @@ class ZeroAdamW:
             flat = shard
             if self._dp > 1:
                 flat = torch.empty(size * self._dp, dtype=dtype, device=shard.device)
-                dist.all_gather_single(flat, shard.contiguous(), group=self.topology.dp_group)
+                dist.all_gather_single(flat, shard.contiguous(), group=self._group)
             for i, (begin, end) in zip(bucket.indices, bucket.layout.spans()):
                 values[i] = flat[begin:end].view_as(local_shard(st.params[i]))
         return [values[i] for i in range(len(st.params))]
@@ -314,7 +326,8 @@ class ZeroAdamW:
     @torch.no_grad()
     def master_weights(self) -> Mapping[int, list[torch.Tensor]]:
         """Per stage, every trainable parameter's float32 master, gathered whole over the
-        data-parallel group (a collective) and in the parameter's tensor-parallel layout."""
+        data- x context-parallel group (a collective) and in the parameter's tensor-parallel
+        layout."""
         return {s: [ShardLayout.of(p).rebuild(v.clone()) if is_dtensor(p) else v.clone()
                     for p, v in zip(st.params, self._whole(st, st.master.dtype))]
                 for s, st in self._stages.items()}
@@ -337,7 +350,7 @@ class ZeroAdamW:
         return {"masters": masters, "moments": moments}
 
     def stage_state(self, stage: int) -> StageState:
-        """This replica's shard of the stage (Note: [sharded optimizer checkpoint])."""
+        """This process's shard of the stage (Note: [sharded optimizer checkpoint])."""
         st = self._stages[stage]
         saved = self._optimizers[stage].state_dict()
         state = saved["state"].get(0, {})
@@ -352,7 +365,7 @@ class ZeroAdamW:
 
     def load_stage_state(self, stage: int, saved: Mapping[str, Any]) -> None:
         """Restore from a stage's whole state as StageAdamW saves it (checkpoint.py joins the
-        replicas' shards into that form, whatever dp and zero level wrote them)."""
+        shards into that form, whatever dp, cp and zero level wrote them)."""
         st = self._stages[stage]
         masters, optimizer = saved["masters"], saved["optimizer"]
         if len(masters) != len(st.params):
@@ -383,7 +396,7 @@ def _grad_shard(p: torch.Tensor) -> torch.Tensor:
 
 def join_shards(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """A stage's optimizer state in StageAdamW's form (``{"optimizer": state dict, "masters":
-    [...]}``) from every replica's ``stage_state`` shard, in replica order."""
+    [...]}``) from every shard's ``stage_state``, in shard order (``Topology.grad_index``)."""
     first, dp = shards[0], len(shards)
     numels, shapes = first["numels"], first["shapes"]
     keys = [k for k in ("master", *MOMENTS) if k in first]

@@ -183,17 +183,20 @@ def render_result(result: SearchResult, inputs_line: str, *, fixed: bool = False
 
 
 def sharding_line(plan: Plan | None, sharded: bool) -> str | None:
-    """What sharding the optimizer over the plan's data-parallel ranks saves per device (ZeRO-1:
-    fp32 master weights and moments / dp), or would save; None without data parallelism."""
-    if plan is None or plan.candidate.dp < 2:
+    """What sharding the optimizer over the plan's data-parallel replicas and context-parallel
+    ranks saves per device (ZeRO-1: fp32 master weights and moments / (dp * cp)), or would
+    save; None with neither."""
+    if plan is None or plan.candidate.dp * plan.candidate.cp < 2:
         return None
-    dp, optimizer = plan.candidate.dp, plan.memory.optimizer
+    optimizer, cp = plan.memory.optimizer, plan.candidate.cp
+    dp = plan.candidate.dp * cp
+    over = f"dp={dp}" if cp == 1 else f"dp x cp = {plan.candidate.dp} x {cp}"
     whole = optimizer * dp if sharded else optimizer
     saved = whole * (dp - 1) / dp
     if sharded:
         return (f"sharding: --zero 1 keeps {optimizer / GIB:.1f} GiB of fp32 master weights and "
                 f"moments per device instead of {whole / GIB:.1f} GiB, {saved / GIB:.1f} GiB "
-                f"less over dp={dp}")
+                f"less over {over}")
     return (f"sharding: --sharded-optimizer (train --zero 1) would keep {whole / dp / GIB:.1f} "
             f"GiB of fp32 master weights and moments per device instead of {whole / GIB:.1f} "
-            f"GiB, {saved / GIB:.1f} GiB less over dp={dp}")
+            f"GiB, {saved / GIB:.1f} GiB less over {over}")

@@ -16,8 +16,10 @@ printer refuses too:
   (pipeoffload/hf_families.py);
 A plan whose memory counts the optimizer state sharded over data parallelism
 (``--sharded-optimizer``, ZeRO-1; ``MemoryConfig.optimizer.sharded``) gets ``--zero 1`` when
-dp > 1 (train's parallel/zero.py shards it the same way); without it train's default, whole
-optimizer state on every replica, is what the plan's memory counted.
+dp * cp > 1 (train's parallel/zero.py shards it the same way, over the data-parallel replicas
+times the context-parallel ranks); without it the plan's memory counts the whole optimizer
+state on every replica, so the command carries ``--zero 0`` (train's default at dp * cp > 1 is
+``--zero 1``).
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
         parts.append(f"--tp {c.tp}")
     if c.cp > 1:
         parts.append(f"--cp {c.cp}")
-    if sharded_optimizer and c.dp > 1:
-        parts.append("--zero 1")
+    if c.dp * c.cp > 1:  # train's default there is --zero 1; say what the memory counted
+        parts.append("--zero 1" if sharded_optimizer else "--zero 0")
     preset, family = c.preset, FAMILIES[c.schedule]
     parts.append(f"--schedule {c.display_name}")
     if "chunks" in family.options:

@@ -1,8 +1,9 @@
 """What each process holds of the model's state, measured from its tensors after a run:
 parameters, gradients (as the backward accumulates them), the optimizer's master weights and
 AdamW moments, beside the planner's prediction of the masters and moments for the same run
-(planner/optimizer.py ``optimizer_bytes``; equal on CPU, except the padding ZeRO-1 adds:
-fewer than dp elements per bucket, parallel/zero.py Note: [zero-1 layout])."""
+(planner/optimizer.py ``optimizer_bytes``, sharded over dp * cp ranks as costing.py prices it;
+equal on CPU, except the padding ZeRO-1 adds: fewer than dp * cp elements per bucket,
+parallel/zero.py Note: [zero-1 layout])."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def model_state(stages: Mapping[int, nn.Module], optimizer: PipelineOptimizer, g
             "optimizer_state": held["masters"] + held["moments"],
             "predicted_optimizer_state": optimizer_bytes(
                 sum(local_shard(p).numel() for p in trainable), spec,
-                dp=topology.dp if topology.distributed else 1)}
+                dp=topology.grad_replicas if topology.distributed else 1)}
     if not topology.distributed:
         return (mine,)
     return tuple(ckpt._gather_json(mine))

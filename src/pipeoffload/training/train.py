@@ -65,8 +65,9 @@ class TrainConfig:
     and with ``eval_every`` also at the start and every that many steps. ``export_hf``: a
     folder to write the trained model to as a Hugging Face model, in ``export_dtype`` (None:
     bf16 for a bf16 run, else fp32). ``zero``: 0 keeps the whole optimizer state on every
-    data-parallel replica; 1 shards float32 masters and AdamW moments over them (ZeRO-1,
-    parallel/zero.py).
+    data-parallel replica; 1 shards float32 masters and AdamW moments over the replicas and
+    context-parallel ranks (ZeRO-1, parallel/zero.py); None (the default): 1 when dp * cp > 1,
+    else 0 (``zero_level``).
     A value that is wrong raises FieldError naming its field (``TrainConfig.lr``; the command
     line names its flag instead).
     """
@@ -106,7 +107,7 @@ class TrainConfig:
     eval_batches: int = 4
     export_hf: str | None = None
     export_dtype: str | None = None
-    zero: int = 0
+    zero: int | None = None
     cp: int = 1
     rank_order: str = ",".join(DEFAULT_ORDER)
 
@@ -173,14 +174,10 @@ class TrainConfig:
             raise _refuse("{grad_clip} must be > 0 (or none), got {got}", got=self.grad_clip)
         if self.zero == 3:
             raise _refuse(ZERO3_REFUSAL)
-        if self.zero not in (0, 1):
+        if self.zero not in (None, 0, 1):
             raise _refuse("{zero} {got}: choose 0 (whole optimizer state on every replica) or 1 "
-                          "(sharded over the data-parallel replicas)", got=self.zero)
-        if self.zero == 1 and self.cp > 1:
-            raise _refuse("{zero} 1 with {cp} {got} is not implemented yet: the sharded "
-                          "optimizer reduce-scatters over the data-parallel replicas only, and "
-                          "context-parallel ranks hold parts of the same gradients; use {zero} 0",
-                          got=self.cp)
+                          "(sharded over the data-parallel replicas and context-parallel "
+                          "ranks)", got=self.zero)
 
     def _check_checkpoints(self) -> None:
         if self.checkpoint_every < 0:
@@ -212,6 +209,14 @@ class TrainConfig:
                 "{data.batch_size} to a multiple of {multiple}", batch=self.data.batch_size,
                 dp=self.dp, per_replica=f"{self.data.batch_size / self.dp:g}",
                 microbatches=self.num_microbatches, multiple=self.dp * self.num_microbatches)
+
+    @property
+    def zero_level(self) -> int:
+        """The optimizer sharding the run uses: ``zero``, or when unset 1 (ZeRO-1) where the
+        state has dp * cp ranks to be sharded over, else 0."""
+        if self.zero is not None:
+            return self.zero
+        return 1 if self.dp * self.cp > 1 else 0
 
     @property
     def num_microbatches(self) -> int:

@@ -290,7 +290,7 @@ class Trainer:
                                           self.optimizer.master_weights(), self.topology))
         with self._peer_failures("measuring the model state"):
             state = model_state(self.stages, self.optimizer, self.grad_bytes, self.topology,
-                                zero=self.config.zero, dtype=self.config.dtype)
+                                zero=self.config.zero_level, dtype=self.config.dtype)
         tokens = self.config.data.batch_size * self.config.data.seq_len
         return TrainResult(
             self.plan, record.start, record.start + len(record.losses), tuple(record.losses),
@@ -384,8 +384,9 @@ def train(config: TrainConfig, topology: Topology,
 def make_optimizer(config: TrainConfig, stages: Mapping[int, nn.Module],
                    topology: Topology) -> PipelineOptimizer:
     """The run's optimizer: AdamW per stage over master weights (float32 ones for bf16),
-    whole on every replica (``zero`` 0) or sharded over them (1, parallel/zero.py)."""
-    if config.zero == 1:
+    whole on every replica (``zero_level`` 0) or sharded over the replicas and context-parallel
+    ranks (1, parallel/zero.py)."""
+    if config.zero_level == 1:
         return ZeroAdamW(stages, topology, lr=config.lr, betas=config.betas,
                          weight_decay=config.weight_decay, microbatches=config.num_microbatches)
     return StageAdamW(stages, mixed=config.dtype == "bf16", lr=config.lr, betas=config.betas,
@@ -413,7 +414,7 @@ def checkpoint_identity(config: TrainConfig, schedule: Schedule) -> dict[str, An
                              else {"hf_config": resolve_model(config.hf_model).config})
     if config.hf_model is not None and config.model.document_eos is not None:
         model["document_eos"] = config.model.document_eos  # --document-mask trains another model
-    return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "zero": config.zero,
+    return {"pp": config.pp, "dp": config.dp, "tp": config.tp, "zero": config.zero_level,
             "dtype": config.dtype,
             "schedule": schedule.name, "stage_to_rank": list(schedule.stage_to_rank),
             "model": model}
