@@ -6,7 +6,8 @@ each against a cp = 1 run in this process (Pipeline's local mode):
 losses within 1e-5 relative (attention sums in another order), peaks per rank 0.45-0.6 of
 cp = 1's (with offload, and measured without it) and equal to the simulator's; and a cp = 4
 run whose checkpoint resumes with cp = 1. Another launch trains packed documents with
---document-mask on cp 2 x pp 2 (the reference model and Llama) against cp = 1."""
+--document-mask on cp 2 x pp 2 (the reference model and Llama) against cp = 1, a third bf16,
+recompute and offload targets on cp 2 x pp 2."""
 
 from __future__ import annotations
 
@@ -216,3 +217,30 @@ def test_cp2_masks_documents_as_cp1(workdir, tmp_path):
         assert relative_gap([e[1] for e in got[name]["eval"]],
                             [e[1] for e in expected.eval_losses]) < 1e-5, name
     assert relative_gap(got["unmasked"]["losses"], got["reference"]["losses"]) > 1e-4
+
+
+#: cp 2 x pp 2 runs of the reference model with what else a run may set, each against cp = 1
+COMPOSED = {"bf16": ["--steps", "10", "--dtype", "bf16"],
+            "lgd": ["--recompute", "lgd"], "full": ["--recompute", "full"],
+            "chunks": ["--schedule", "interleaved-1f1b", "--chunks", "2", "--offload", "chunks:1"],
+            "fetch": ["--schedule", "po-f", "--offload", "fraction:0.5", "--fetch-on-use"],
+            "recompute-chunks": ["--schedule", "po-f", "--offload", "recompute-chunks:1+all"]}
+
+
+def test_cp2_composes_with_bf16_recompute_and_offload_targets(tmp_path):
+    """bf16, recompute lgd / full and offload targets (interleaved chunks:1, FETCH of half,
+    the planner's recompute-chunks mix) under cp 2 x pp 2: the losses are cp 1's (fp32 within
+    1e-5; bf16 over 10 steps 3.0e-5 measured, held to 1e-3: its roundings fall on other
+    sums), and each rank's peak is 0.45-0.6 of cp 1's and the simulator's."""
+    base = [*TINY, "--pp", "2", "--steps", "4", "--no-baseline"]
+    runs = {name: [*base, *extra] for name, extra in COMPOSED.items()}
+    outcomes = launch(_train_runs, 4, tmp_path, [config(*a, "--cp", "2") for a in runs.values()])
+    assert all("ok" in outcomes.get(r, {}) for r in range(4)), outcomes
+    got = dict(zip(runs, outcomes[0]["ok"], strict=True))
+    for name, argv in runs.items():
+        expected = train(config(*argv), Topology.local(2))
+        tolerance = 1e-3 if name == "bf16" else 1e-5
+        assert relative_gap(got[name]["losses"], expected.losses) < tolerance, name
+        ratios = [a / b for a, b in zip(got[name]["peaks"], expected.peak_bytes, strict=True)]
+        assert all(0.45 <= r <= 0.6 for r in ratios), (name, ratios)
+        assert got[name]["predicted"] == tuple(float(b) for b in got[name]["peaks"]), name
