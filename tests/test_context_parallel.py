@@ -7,7 +7,8 @@ losses within 1e-5 relative (attention sums in another order), peaks per rank 0.
 cp = 1's (with offload, and measured without it) and equal to the simulator's; and a cp = 4
 run whose checkpoint resumes with cp = 1. Another launch trains packed documents with
 --document-mask on cp 2 x pp 2 (the reference model and Llama) against cp = 1, a third bf16,
-recompute and offload targets on cp 2 x pp 2."""
+recompute and offload targets on cp 2 x pp 2, and checkpoints of pp 2 from cp 2 resumed with
+cp 1 and the other way round."""
 
 from __future__ import annotations
 
@@ -227,16 +228,23 @@ COMPOSED = {"bf16": ["--steps", "10", "--dtype", "bf16"],
             "recompute-chunks": ["--schedule", "po-f", "--offload", "recompute-chunks:1+all"]}
 
 
-def test_cp2_composes_with_bf16_recompute_and_offload_targets(tmp_path):
+def test_cp2_composes_with_bf16_recompute_and_offload_and_resumes_both_ways_on_pp2(tmp_path):
     """bf16, recompute lgd / full and offload targets (interleaved chunks:1, FETCH of half,
     the planner's recompute-chunks mix) under cp 2 x pp 2: the losses are cp 1's (fp32 within
     1e-5; bf16 over 10 steps 3.0e-5 measured, held to 1e-3: its roundings fall on other
-    sums), and each rank's peak is 0.45-0.6 of cp 1's and the simulator's."""
+    sums), and each rank's peak is 0.45-0.6 of cp 1's and the simulator's. A checkpoint that
+    two pipeline ranks of cp 2 wrote resumes with cp 1, and one of cp 1 resumes with cp 2."""
     base = [*TINY, "--pp", "2", "--steps", "4", "--no-baseline"]
     runs = {name: [*base, *extra] for name, extra in COMPOSED.items()}
-    outcomes = launch(_train_runs, 4, tmp_path, [config(*a, "--cp", "2") for a in runs.values()])
+    saving = [*base, "--steps", "6", "--checkpoint-every", "3", "--checkpoint-dir"]
+    saved = train(config(*saving, str(tmp_path / "cp1")), Topology.local(2))
+    resume = [*base, "--steps", "6", "--resume"]
+    cp2 = [config(*a, "--cp", "2") for a in runs.values()]
+    cp2 += [config(*saving, str(tmp_path / "cp2"), "--cp", "2"),
+            config(*resume, str(tmp_path / "cp1" / "step_00000003"), "--cp", "2")]
+    outcomes = launch(_train_runs, 4, tmp_path, cp2)
     assert all("ok" in outcomes.get(r, {}) for r in range(4)), outcomes
-    got = dict(zip(runs, outcomes[0]["ok"], strict=True))
+    got = dict(zip([*runs, "saving", "resumed"], outcomes[0]["ok"], strict=True))
     for name, argv in runs.items():
         expected = train(config(*argv), Topology.local(2))
         tolerance = 1e-3 if name == "bf16" else 1e-5
@@ -244,3 +252,7 @@ def test_cp2_composes_with_bf16_recompute_and_offload_targets(tmp_path):
         ratios = [a / b for a, b in zip(got[name]["peaks"], expected.peak_bytes, strict=True)]
         assert all(0.45 <= r <= 0.6 for r in ratios), (name, ratios)
         assert got[name]["predicted"] == tuple(float(b) for b in got[name]["peaks"]), name
+    resumed = train(config(*resume, str(tmp_path / "cp2" / "step_00000003")), Topology.local(2))
+    assert resumed.start_step == 3 and len(resumed.losses) == 3
+    assert relative_gap(resumed.losses, got["saving"]["losses"][3:]) < 1e-5
+    assert relative_gap(got["resumed"]["losses"], saved.losses[3:]) < 1e-5
