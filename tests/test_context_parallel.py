@@ -5,11 +5,16 @@ sliding window shorter than the sequence) on pp 2, the reference model on tp 2 i
 each against a cp = 1 run in this process (Pipeline's local mode):
 losses within 1e-5 relative (attention sums in another order), peaks per rank 0.45-0.6 of
 cp = 1's (with offload, and measured without it) and equal to the simulator's; and a cp = 4
-run whose checkpoint resumes with cp = 1."""
+run whose checkpoint resumes with cp = 1. Another launch trains packed documents with
+--document-mask on cp 2 x pp 2 (the reference model, Llama, Qwen3, Mistral) against cp = 1,
+a third bf16, recompute and offload targets on cp 2 x pp 2, and checkpoints of pp 2 from
+cp 2 resumed with cp 1 and the other way round."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import sysconfig
 from pathlib import Path
 
@@ -188,3 +193,68 @@ def test_cp2_trains_as_cp1_with_about_half_the_activation_and_resumes_with_cp1(w
                            str(ckpt / "step_00000003")), Topology.local(1))
     assert resumed.start_step == 3
     assert relative_gap(resumed.losses, got["cp4"]["losses"][3:]) < 1e-5
+
+
+def test_cp2_masks_documents_as_cp1(workdir, tmp_path):
+    """--document-mask under cp 2 (pp 2): each token's document counts the ends of documents
+    on the ranks holding earlier chunks, and the attention masks the whole sequence's keys by
+    it, so the losses are cp 1's (the reference model and Llama over 6 steps, Qwen3 and
+    Mistral, its window shorter than the row, over 3; measured 0.9e-7 to 1.7e-7 relative);
+    without the mask they are not (documents end mid-chunk; 1.6e-3 measured)."""
+    rng = random.Random(0)
+    docs = workdir / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": "".join(rng.choices("abcdef ", k=rng.randrange(
+        3, 20)))}) + "\n" for _ in range(1000)))
+    steps = ["--pp", "2", "--steps", "6", "--no-baseline", "--data", str(docs)]
+    argvs = {"reference": [*TINY, *steps],
+             "llama": [*_hf(workdir, "llama"), *steps],
+             **{family: [*_hf(workdir, family), *steps, "--steps", "3"] for family in FAMILIES}}
+    runs = {name: config(*argv, "--cp", "2", "--document-mask") for name, argv in argvs.items()}
+    runs["unmasked"] = config(*argvs["reference"], "--cp", "2")
+    outcomes = launch(_train_runs, 4, tmp_path, list(runs.values()))
+    assert all("ok" in outcomes.get(r, {}) for r in range(4)), outcomes
+    got = dict(zip(runs, outcomes[0]["ok"], strict=True))
+    for name, argv in argvs.items():
+        expected = train(config(*argv, "--document-mask"), Topology.local(2))
+        assert relative_gap(got[name]["losses"], expected.losses) < 1e-5, name
+        assert relative_gap([e[1] for e in got[name]["eval"]],
+                            [e[1] for e in expected.eval_losses]) < 1e-5, name
+    assert relative_gap(got["unmasked"]["losses"], got["reference"]["losses"]) > 1e-4
+
+
+#: cp 2 x pp 2 runs of the reference model with what else a run may set, each against cp = 1
+COMPOSED = {"bf16": ["--steps", "10", "--dtype", "bf16"],
+            "lgd": ["--recompute", "lgd"], "full": ["--recompute", "full"],
+            "chunks": ["--schedule", "interleaved-1f1b", "--chunks", "2", "--offload", "chunks:1"],
+            "fetch": ["--schedule", "po-f", "--offload", "fraction:0.5", "--fetch-on-use"],
+            "recompute-chunks": ["--schedule", "po-f", "--offload", "recompute-chunks:1+all"]}
+
+
+def test_cp2_composes_with_bf16_recompute_and_offload_and_resumes_both_ways_on_pp2(tmp_path):
+    """bf16, recompute lgd / full and offload targets (interleaved chunks:1, FETCH of half,
+    the planner's recompute-chunks mix) under cp 2 x pp 2: the losses are cp 1's (fp32 within
+    1e-5; bf16 over 10 steps 3.0e-5 measured, held to 1e-3: its roundings fall on other
+    sums), and each rank's peak is 0.45-0.6 of cp 1's and the simulator's. A checkpoint that
+    two pipeline ranks of cp 2 wrote resumes with cp 1, and one of cp 1 resumes with cp 2."""
+    base = [*TINY, "--pp", "2", "--steps", "4", "--no-baseline"]
+    runs = {name: [*base, *extra] for name, extra in COMPOSED.items()}
+    saving = [*base, "--steps", "6", "--checkpoint-every", "3", "--checkpoint-dir"]
+    saved = train(config(*saving, str(tmp_path / "cp1")), Topology.local(2))
+    resume = [*base, "--steps", "6", "--resume"]
+    cp2 = [config(*a, "--cp", "2") for a in runs.values()]
+    cp2 += [config(*saving, str(tmp_path / "cp2"), "--cp", "2"),
+            config(*resume, str(tmp_path / "cp1" / "step_00000003"), "--cp", "2")]
+    outcomes = launch(_train_runs, 4, tmp_path, cp2)
+    assert all("ok" in outcomes.get(r, {}) for r in range(4)), outcomes
+    got = dict(zip([*runs, "saving", "resumed"], outcomes[0]["ok"], strict=True))
+    for name, argv in runs.items():
+        expected = train(config(*argv), Topology.local(2))
+        tolerance = 1e-3 if name == "bf16" else 1e-5
+        assert relative_gap(got[name]["losses"], expected.losses) < tolerance, name
+        ratios = [a / b for a, b in zip(got[name]["peaks"], expected.peak_bytes, strict=True)]
+        assert all(0.45 <= r <= 0.6 for r in ratios), (name, ratios)
+        assert got[name]["predicted"] == tuple(float(b) for b in got[name]["peaks"]), name
+    resumed = train(config(*resume, str(tmp_path / "cp2" / "step_00000003")), Topology.local(2))
+    assert resumed.start_step == 3 and len(resumed.losses) == 3
+    assert relative_gap(resumed.losses, got["saving"]["losses"][3:]) < 1e-5
+    assert relative_gap(got["resumed"]["losses"], saved.losses[3:]) < 1e-5

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.parallel.topology import Topology
+from pipeoffload.runtime.inputs import document_segments
 from pipeoffload.training.data_config import DataConfig
-from pipeoffload.training.model import document_segments
 from pipeoffload.training.model_config import ModelConfig, model_preset
 from pipeoffload.training.split import build_full_model, build_stage_modules
 from pipeoffload.training.train import TrainConfig

@@ -25,7 +25,8 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError, IntegrationError
 from pipeoffload.hf_families import SUPPORTED_MODEL_TYPES
 from pipeoffload.runtime.blocks import balanced_ranges
-from pipeoffload.runtime.inputs import document_positions, document_segments
+from pipeoffload.runtime.inputs import document_positions
+from pipeoffload.runtime.sequence import document_rows, document_segments_of
 
 # SUPPORTED_MODEL_TYPES: ``config.model_type`` values whose decoder layout split_causal_lm knows
 # and tests cover: Llama-family (model.embed_tokens / layers / norm / rotary_emb, lm_head) and
@@ -91,8 +92,8 @@ class CausalLMStage(nn.Module):
         if self.embed_tokens is not None:
             # stage 0: token ids [batch, seq], positional or as HF's input_ids keyword
             ids = hidden if input_ids is None else input_ids
-            if self.document_eos is not None and ids is not None:
-                attention_mask = document_segments(ids, self.document_eos)
+            if self.document_eos is not None and ids is not None:  # whole sequence's under cp
+                attention_mask = document_segments_of(ids, self.document_eos, self.context)
             hidden = self.embed_tokens(ids)
         if hidden is None:
             raise TypeError("CausalLMStage.forward: give the hidden states (token ids, or "
@@ -122,24 +123,29 @@ class CausalLMStage(nn.Module):
             return self.lm_head(self.norm(hidden))
         return hidden if attention_mask is None else (hidden, attention_mask)
 
-    def _forward_context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None
-                         ) -> torch.Tensor:
-        """The layers on this rank's tokens at their global positions; the causal (or
-        sliding-window) mask is the context-parallel attention's own (parallel/context.py)."""
-        if attention_mask is not None or self.rotary_emb is None:
+    def _forward_context(self, hidden: torch.Tensor, segments: torch.Tensor | None) -> Any:
+        """The layers on this rank's tokens at their global positions (with ``document_eos``,
+        at their positions in their documents, and ``segments`` [batch, seq]: the whole
+        sequence's documents); the causal (or sliding-window) mask is the context-parallel
+        attention's own (parallel/context.py), and so is the document mask's rows."""
+        if (segments is not None and self.document_eos is None) or self.rotary_emb is None:
             raise ConfigError("context parallelism runs rotary-embedding models on whole "
                               "sequences without a padding mask")
         seq = hidden.shape[1] * self.context.cp
         positions = self.context.positions(seq, hidden.device).unsqueeze(0)
+        rows = None
+        if segments is not None:
+            positions = self.context.shard(document_positions(segments), 1)
+            rows = document_rows(segments, self.context)  # [batch, 1, seq / cp, seq]
         extra = {"position_ids": positions, "context": self.context,
                  "position_embeddings": self.rotary_emb(hidden, position_ids=positions)}
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=None, **extra)
+            hidden = layer(hidden, attention_mask=rows, **extra)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
         if self.lm_head is not None and self.norm is not None:
             return self.lm_head(self.norm(hidden))
-        return hidden
+        return hidden if segments is None else (hidden, segments)
 
 
 def _layer_type(config: Any, index: int) -> str:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.errors import writing
+from pipeoffload.errors import ConfigError, writing
 from pipeoffload.parallel.checkpoint_files import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -57,6 +57,7 @@ from pipeoffload.parallel.checkpoint_files import (
     tidy,
 )
 from pipeoffload.parallel.optimizer import CheckpointedOptimizer
+from pipeoffload.parallel.rank_order import DIMS, RankOrder, parse_order
 from pipeoffload.parallel.sharded_state import load_tensors, local_state
 from pipeoffload.parallel.topology import Topology
 from pipeoffload.parallel.zero import join_shards
@@ -370,6 +371,8 @@ def save(state: TrainingState, root: str | Path, step: int, identity: dict[str, 
                    for r in part]
     if where.rank == 0:
         info = {**identity, "processes": _world(where), "data": state.dataset.state_dict()}
+        if where.distributed:  # whose RNG file a resume on another layout reads: _saved_rank
+            info["layout"] = {**where.rank_order.sizes, "order": list(where.order)}
         write_manifest(folder, step, records, _json(info))
         tidy(root, keep_last, list(extra_files or {}))
     _barrier(where)
@@ -477,12 +480,27 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
 
 
 def _saved_rank(manifest: Manifest, where: Topology) -> int:
-    """The rank whose RNG states this process continues with: its own, or after a change of
-    dp the same (pipeline, tensor-parallel) rank of replica ``dp_index % saved dp``."""
-    saved_dp = manifest.info.get("dp", where.dp)
-    if not where.distributed or not isinstance(saved_dp, int) or saved_dp == where.dp:
+    """The rank whose RNG states this process continues with: the saving job's rank at this
+    process's pipeline and tensor-parallel coordinates, its replica ``dp_index % saved dp``
+    and context-parallel rank ``cp_index % saved cp`` (the same rank when the layout is the
+    same); rank 0 after a one-process run."""
+    if not where.distributed:
         return where.rank
-    return (where.pp_rank * saved_dp + where.dp_index % saved_dp) * where.tp + where.tp_index
+    layout = manifest.info.get("layout")
+    if not isinstance(layout, dict):  # one process wrote it, or a checkpoint of cp = 1 only
+        saved_dp = manifest.info.get("dp", where.dp)
+        if manifest.info.get("processes") == 1:
+            return 0
+        if not isinstance(saved_dp, int) or saved_dp == where.dp:
+            return where.rank
+        return (where.pp_rank * saved_dp + where.dp_index % saved_dp) * where.tp + where.tp_index
+    try:
+        saved = RankOrder({d: int(layout[d]) for d in DIMS}, parse_order(tuple(layout["order"])))
+        return saved.rank(pp=where.pp_rank, dp=where.dp_index % saved.size("dp"),
+                          cp=where.cp_index % saved.size("cp"), tp=where.tp_index)
+    except (KeyError, TypeError, ValueError, ConfigError) as error:
+        raise CheckpointError(f"{manifest.folder / MANIFEST} is corrupt: its layout {layout!r} "
+                              f"({error})") from None
 
 
 def _tp_index(where: Topology) -> int | None:

@@ -30,12 +30,16 @@ HF_ATTENTION = "pipeoffload_context_parallel"  # its name in transformers' Atten
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       split: SequenceSplit, *, scale: float | None = None,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, mask: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys.
 
     q [batch, heads, local, head_dim], k and v [batch, kv heads, local, head_dim] (rotary
     embeddings applied at the tokens' global positions); returns [batch, heads, local,
     head_dim]. ``window``: a sliding window (a key at most window - 1 positions back).
+    ``mask``: [batch, 1, local, seq] bool, True where this rank's query may attend a key of
+    the whole sequence (runtime/sequence.py ``document_rows``: --document-mask), applied
+    besides the causal one.
     Each of the rank's two chunks attends to the keys up to its own end, causal aligned to
     the lower right (``causal_lower_right``: on GPUs the flash kernel, no mask in memory), and
     K / V stay grouped (``enable_gqa``), so what the attention saves is the gathered K and V
@@ -49,15 +53,17 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     seq = q.shape[2] * split.cp
     k, v = split.gather(k, 2), split.gather(v, 2)  # [batch, kv heads, seq, hd], in order
     outs = []
-    for part, c in zip(q.split(chunk, dim=2), split.chunks(), strict=True):
+    for n, (part, c) in enumerate(zip(q.split(chunk, dim=2), split.chunks(), strict=True)):
         end = (c + 1) * chunk
-        mask: Any = causal_lower_right(chunk, end)
-        if q.device.type == "cpu" or (window is not None and window < seq):
+        allowed: Any = causal_lower_right(chunk, end)
+        if q.device.type == "cpu" or mask is not None or (window is not None and window < seq):
             q_pos = torch.arange(c * chunk, end, device=q.device)
             back = q_pos[:, None] - torch.arange(end, device=q.device)[None, :]
-            mask = (back >= 0) & (back < (window if window is not None else seq))
+            allowed = (back >= 0) & (back < (window if window is not None else seq))
+            if mask is not None:  # [batch, 1, chunk, end]
+                allowed = allowed & mask[:, :, n * chunk:(n + 1) * chunk, :end]
         outs.append(F.scaled_dot_product_attention(part, k[:, :, :end], v[:, :, :end],
-                                                   attn_mask=mask, scale=scale,
+                                                   attn_mask=allowed, scale=scale,
                                                    enable_gqa=True))
     return torch.cat(outs, dim=2)
 
@@ -75,7 +81,8 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if dropout:
         raise ConfigError("context parallelism runs attention without dropout; set the "
                           "model's attention_dropout to 0")
-    out = context_attention(query, key, value, context, scale=scaling, window=sliding_window)
+    out = context_attention(query, key, value, context, scale=scaling, window=sliding_window,
+                            mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,5 +1,6 @@
 """Sequences cut over context-parallel ranks: which tokens a rank holds, their positions,
-and the K/V all-gather attention reads (``Pipeline(context=)``, parallel/context.py).
+the K/V all-gather attention reads (``Pipeline(context=)``, parallel/context.py) and, with
+--document-mask, the documents of the whole sequence and this rank's rows of their mask.
 
 Note: [causal split] With cp ranks each sequence is cut into 2 * cp equal chunks and rank i
 holds chunks i and 2 * cp - 1 - i, side by side (Megatron-LM's and Llama 3's load balancing):
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipeoffload.errors import ConfigError
+from pipeoffload.runtime.inputs import document_segments
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,28 @@ class SequenceSplit:
         total = value.detach().clone()
         dist.all_reduce(total, group=self.group)
         return total / self.cp
+
+
+def document_segments_of(ids: torch.Tensor, eos: int, split: SequenceSplit | None
+                         ) -> torch.Tensor:
+    """[batch, seq] int64: runtime/inputs.py ``document_segments`` of the whole sequence, from
+    this rank's token ids [batch, seq / cp] (all-gathered over the context-parallel group: a
+    token's document counts the ends of documents on the ranks holding earlier chunks)."""
+    if split is not None:
+        with torch.no_grad():
+            ids = split.gather(ids, 1)
+    return document_segments(ids, eos)
+
+
+def document_rows(segments: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+    """[batch, 1, seq / cp, seq] bool: the rows of the whole sequence's document mask for
+    this rank's queries (``segments``: the whole sequence's, ``document_segments_of``): a
+    query may attend a key at or before it in its own document (--document-mask)."""
+    seq = segments.shape[1]
+    mine = split.shard(segments, 1)
+    causal = (split.positions(seq, segments.device)[:, None]
+              >= torch.arange(seq, device=segments.device)[None, :])
+    return (mine[:, None, :, None] == segments[:, None, None, :]) & causal
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -22,8 +22,7 @@ from torch.nn.utils import skip_init
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.parallel.context import context_attention
-from pipeoffload.runtime.inputs import document_segments
-from pipeoffload.runtime.sequence import SequenceSplit
+from pipeoffload.runtime.sequence import SequenceSplit, document_rows, document_segments_of
 from pipeoffload.training.layer_recompute import recomputed
 from pipeoffload.training.model_config import RECOMPUTE_MODES, ModelConfig
 
@@ -116,7 +115,8 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                mask: Tensor | None = None) -> Tensor:
         """Rotary embeddings, causal attention (or ``mask``'s: [batch, 1, seq, seq], True where
-        a token may attend) and the output projection.
+        a token may attend; under context parallelism this rank's rows of it, [batch, 1,
+        seq / cp, seq]) and the output projection.
 
         Heads are counted from the projections' widths ([batch, seq, heads * head_dim]), so the
         same code runs the local heads of a tensor-parallel shard.
@@ -127,7 +127,7 @@ class Attention(nn.Module):
         v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.context is not None:
-            out = context_attention(q, k, v, self.context)
+            out = context_attention(q, k, v, self.context, mask=mask)
             return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
         group = q.shape[1] // k.shape[1]
         if group > 1:  # [batch, kv heads, seq, hd] -> [batch, heads, seq, hd]
@@ -270,8 +270,8 @@ class Transformer(nn.Module):
                     f"the embedding stage takes token ids [batch, seq] (int64), got "
                     f"{x.dtype} {list(x.shape)}"
                 )
-            if self.config.document_eos is not None:
-                segments = document_segments(x, self.config.document_eos)
+            if self.config.document_eos is not None:  # of the whole sequence under cp
+                segments = document_segments_of(x, self.config.document_eos, self.context)
             x = self.tok_embeddings(x)  # [batch, seq, dim]
         elif x.dim() != 3 or x.shape[-1] != self.config.dim:
             raise ConfigError(
@@ -290,7 +290,10 @@ class Transformer(nn.Module):
             positions = (torch.arange(seq, device=x.device) if self.context is None
                          else self.context.positions(seq, x.device))
             cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
-            mask = None if segments is None else document_mask(segments)
+            mask = None
+            if segments is not None:  # [batch, 1, seq (this rank's under cp), seq]
+                mask = (document_mask(segments) if self.context is None
+                        else document_rows(segments, self.context))
             for layer in self.layers.values():
                 x = layer(x, cos, sin, mask)
         if self.output is not None and self.norm is not None:

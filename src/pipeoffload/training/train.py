@@ -195,10 +195,6 @@ class TrainConfig:
             raise _refuse("{data.seq_len} {seq} exceeds the model's max_seq_len {most}; lower "
                           "{data.seq_len} or raise it", seq=self.data.seq_len,
                           most=self.model.max_seq_len)
-        if self.cp > 1 and self.model.document_eos is not None:
-            raise _refuse("--document-mask with {cp} {got} is not implemented yet: the "
-                          "context-parallel attention (parallel/context.py) does not mask by "
-                          "document; use {cp} 1", got=self.cp)
         if self.device not in DEVICES:
             raise _refuse("{device} must be auto, cpu or cuda, got {got}", got=repr(self.device))
         local = self.data.batch_size // self.dp
