@@ -146,3 +146,19 @@ def test_train_refuses_class_offload_it_cannot_run(spec: str, change: dict, says
     plan = build_plan(TrainConfig(offload=" classes:qkv+mlp_hidden", pp=2))
     chosen = {choice.names for _, choice in plan.schedule.classes}
     assert chosen == {(("qkv", "mlp_hidden"), ())}
+
+
+def test_train_refuses_class_offload_of_a_family_it_does_not_tag(tmp_path: Path) -> None:
+    from pipeoffload.errors import ConfigError
+    from pipeoffload.training.data_config import DataConfig
+    from pipeoffload.training.train import TrainConfig, build_plan
+
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 4, "n_head": 4,
+        "n_positions": 64, "architectures": ["GPT2LMHeadModel"]}))
+    config = TrainConfig(hf_model=str(tmp_path / "gpt2"), offload="classes:qkv", pp=2,
+                         data=DataConfig(seq_len=32, batch_size=8))
+    with pytest.raises(ConfigError, match="tags tensor classes of llama models and the "
+                                          "reference model, not gpt2"):
+        build_plan(config)
