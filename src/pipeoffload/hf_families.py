@@ -25,6 +25,9 @@ TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 #: fused attention is not replaced; parallel/context.py)
 CONTEXT_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 RECOMPUTE_MODES = ("none", "full")
+#: Families whose modules the runtime tags by tensor class (runtime/classes.py), so train's
+#: ``--offload classes:A+B`` runs them.
+CLASS_MODEL_TYPES = ("llama",)
 #: config.json keys of dropout probabilities (Llama family, GPT-2).
 DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
 #: config.json keys that are sizes: whole numbers >= 1 where present (GPT-2's n_inner may be null).

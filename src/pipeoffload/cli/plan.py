@@ -84,7 +84,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--schedules", type=_names, default=None, metavar="NAME[,NAME]",
                    help="only these schedules (po-h / po-f mean grouped-interleaved)")
     p.add_argument("--offload", type=_names, default=None, metavar="T[,T]",
-                   help="only these offload targets among none, chunks:1, all")
+                   help="only these offload targets among none, chunks:1, all, "
+                        "recompute-chunks:1+all and budget:fit (tensor classes chosen to fit "
+                        "each GPU, docs/offload.md)")
     p.add_argument("--micro-batch-sizes", type=counts(1, 1 << 20), default=None, metavar="B[,B]",
                    help="microbatch sizes to try (default 1,2,4)")
     p.add_argument("--framework", default="current", metavar="NAME",

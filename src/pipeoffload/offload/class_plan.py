@@ -64,12 +64,23 @@ class ClassSearch:
     """False: offload only (the runtime moves classes but does not recompute them)."""
     item_plans: int = 24
     """Plans the per-item refinement may make (step 4 of the module docstring)."""
+    rank_budgets: tuple[float, ...] = ()
+    """Per rank instead of ``budget`` (same units): each rank's peak within its own (the
+    planner's room for activations, which the model state on each rank sets)."""
 
     def __post_init__(self) -> None:
         check_optional("ClassSearch.budget", self.budget, minimum=0)
         check_number("ClassSearch.slack", self.slack, minimum=0)
         check_number("ClassSearch.max_recompute", self.max_recompute, minimum=0, integer=True)
         check_number("ClassSearch.share_probes", self.share_probes, minimum=1, integer=True)
+        object.__setattr__(self, "rank_budgets", tuple(self.rank_budgets))
+        if self.rank_budgets and self.budget is not None:
+            raise ConfigError("ClassSearch: give budget or rank_budgets, not both")
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the goal is a budget (else the lowest peak within the slack)."""
+        return self.budget is not None or bool(self.rank_budgets)
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,12 @@ class _Search:
         then the other one)."""
         peak = peak_of(result, self.search.in_bytes)
         peak = round(peak, 9 - len(str(int(peak))))  # float noise is no gain
+        if self.search.rank_budgets:
+            peaks = result.peak_bytes if self.search.in_bytes else result.peak_activation
+            assert peaks is not None  # peak_of raised otherwise
+            miss = max(p - b - 1e-9 * max(b, 1.0)
+                       for p, b in zip(peaks, self.search.rank_budgets))
+            return (0.0 if miss <= 0 else 1.0 + miss, result.makespan, peak)
         if self.search.budget is not None:
             miss = peak - self.search.budget
             return (0.0 if miss <= 1e-9 else 1.0 + miss, result.makespan, peak)
@@ -189,7 +206,7 @@ def plan_classes(schedule: Schedule, costs: CostModel,
     run.plan({}, ClassChoice())  # the chunk planner's own plan: whole chunks
     every = recompute_sets(reference, len(reference) if search.recompute else 0)
     for k, recomputed in enumerate(every):
-        if k > search.max_recompute and (search.budget is None or run.met()):
+        if k > search.max_recompute and (not search.budgeted or run.met()):
             break  # more recompute only for a budget not yet met
         rest = [c for c in reference if c not in recomputed]
         sets: list[tuple[TensorClass, ...]] = [()] + offload_sets(rest)

@@ -18,9 +18,16 @@ from dataclasses import dataclass, field
 from pipeoffload.core.families.base import FamilySpec
 from pipeoffload.core.registry import REGISTRY, Registry
 from pipeoffload.core.schedule import Schedule
+from pipeoffload.errors import ConfigError
 from pipeoffload.offload.targets import TargetKind, parse_target
 from pipeoffload.planner.bounds import kept_floor, makespan_lower_bound
 from pipeoffload.planner.candidate import Candidate as Candidate  # re-export
+from pipeoffload.planner.class_offload import (
+    CLASS_OFFLOAD,
+    ClassTarget,
+    searchable,
+    stage_classes,
+)
 from pipeoffload.planner.costing import (
     DEFAULT_FRAMEWORK,
     GIB,
@@ -40,6 +47,7 @@ from pipeoffload.planner.fit_bound import fitting_makespan_bound
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.host_memory import node_host_bytes
 from pipeoffload.planner.layer_time import RunConfig
+from pipeoffload.planner.optimizer import StateBytes
 from pipeoffload.planner.ratio import PieceCost
 from pipeoffload.planner.reduced import Extrapolation as Extrapolation  # re-export
 from pipeoffload.planner.runs import RECOMPUTE_AND_OFFLOAD as RECOMPUTE_AND_OFFLOAD  # re-export
@@ -97,6 +105,9 @@ class Plan:
     host_bytes: float = 0.0
     host_node_bytes: float = 0.0
     host_budget_bytes: float = 0.0
+    offload_spec: str | None = None
+    """The ``--offload`` that runs this plan when the candidate's option is searched (a class
+    plan's classes, planner/class_offload.py); None: the candidate's own."""
 
     @property
     def step_time(self) -> float:
@@ -220,6 +231,8 @@ class Evaluator:
         warm-up more microbatches add no resident activation, tested against full
         evaluations) (planner/bounds.py, Note [kept activation]): exact for offload none, the
         best choice of stages for chunks:K; the state floor for other targets."""
+        if candidate.offload == CLASS_OFFLOAD:
+            return self.state_and_floor(candidate)
         target = parse_target(candidate.offload)
         if target.kind not in (TargetKind.NONE, TargetKind.CHUNKS):
             return self.state_and_floor(candidate)
@@ -316,16 +329,30 @@ class Evaluator:
             self._plans.setdefault((candidate, plan.simulated_microbatches), plan)
         return self._plans[(candidate, counts)]
 
+    def _option(self, candidate: Candidate, states: list[StateBytes]) -> str | ClassTarget:
+        """What the runner plans into the candidate's schedule: its offload target, or for
+        ``CLASS_OFFLOAD`` the classes and each rank's room (Note: [class plans in the
+        search], planner/class_offload.py)."""
+        if candidate.offload != CLASS_OFFLOAD:
+            return candidate.offload
+        layout = self.layout(candidate)
+        if not searchable(self.spec, layout.run.recompute, candidate.pp, candidate.cp):
+            raise ConfigError(f"offload {CLASS_OFFLOAD} plans tensor classes of layers without "
+                              "recompute, with flash attention, pp > 1 and cp 1")
+        rooms = tuple(self.budget_bytes - state.total - self.memory.reserve_bytes
+                      for state in states)
+        return ClassTarget(stage_classes(self.spec, layout.run, self.pieces(candidate)), rooms)
+
     def _evaluate(self, candidate: Candidate, m: int, counts: tuple[int, ...]) -> Plan:
         pieces = self.pieces(candidate)
         layout = self.layout(candidate)
-        run = self.runner.simulate(
-            lambda count: self.schedule(candidate, count), self.costs(candidate),
-            candidate.offload, [piece.activation_bytes for piece in pieces], m, counts,
-            self.busiest_work(candidate), candidate.pp)
-        makespan, peaks = run.makespan, run.peak_bytes
         placement = self.stage_to_rank(candidate)
         states = rank_state(self.spec, pieces, placement, layout, self.memory)
+        run = self.runner.simulate(
+            lambda count: self.schedule(candidate, count), self.costs(candidate),
+            self._option(candidate, states), [piece.activation_bytes for piece in pieces], m,
+            counts, self.busiest_work(candidate), candidate.pp)
+        makespan, peaks = run.makespan, run.peak_bytes
         worst = max(range(candidate.pp), key=lambda r: states[r].total + peaks[r])
         memory = MemorySplit(states[worst].params, states[worst].grads, states[worst].optimizer,
                              peaks[worst], self.memory.reserve_bytes)
@@ -354,4 +381,5 @@ class Evaluator:
             host_node_bytes=node_host_bytes(run.host_bytes, candidate.tp * candidate.cp,
                                             candidate.pp, self.hw.gpus_per_node),
             host_budget_bytes=self.host_budget_bytes,
+            offload_spec=run.chosen,
         )

@@ -24,7 +24,8 @@ def plan_json(plan: Plan, spec: TransformerSpec | None = None, *,
     ``sharded_optimizer``: its memory counts ZeRO-1 (train_command)."""
     c = plan.candidate
     memory = plan.memory
-    command = train_command(c, spec, sharded_optimizer=sharded_optimizer)
+    command = train_command(c, spec, sharded_optimizer=sharded_optimizer,
+                            offload=plan.offload_spec)
     return {
         "pp": c.pp,
         "tp": c.tp,
@@ -33,7 +34,7 @@ def plan_json(plan: Plan, spec: TransformerSpec | None = None, *,
         "schedule": c.display_name,
         "chunks": c.chunks,
         "group_size": c.group_size,
-        "offload": c.offload,
+        "offload": plan.offload_spec or c.offload,
         "recompute": c.recompute.value,
         "microbatch_size": c.micro_batch,
         "microbatches": c.microbatches,
@@ -112,7 +113,7 @@ def _row(rank: int, plan: Plan) -> tuple[str, ...]:
     return (
         str(rank), c.display_name, str(c.pp), str(c.tp), str(c.dp), str(c.cp), str(c.chunks),
         str(c.group_size) if c.group_size is not None else "-", str(c.micro_batch),
-        str(c.microbatches), c.recompute.value, c.offload,
+        str(c.microbatches), c.recompute.value, plan.offload_spec or c.offload,
         f"{'~' if plan.extrapolated else ''}{plan.step_time:.3f}",
         f"{plan.mfu:.1%}", f"{plan.mfu_causal:.1%}", f"{(memory.params + memory.grads) / GIB:.1f}",
         f"{memory.optimizer / GIB:.1f}", f"{memory.activations / GIB:.1f}",
@@ -164,7 +165,8 @@ def render_result(result: SearchResult, inputs_line: str, *, fixed: bool = False
                      "recompute, offload): this is that configuration's prediction, "
                      + ("and it fits" if best.feasible else "and it does NOT fit"))
     command = str(train_command(best.candidate, result.spec,
-                                sharded_optimizer=result.sharded_optimizer))
+                                sharded_optimizer=result.sharded_optimizer,
+                                offload=best.offload_spec))
     if best.feasible:
         lines.append(f"{'yours' if fixed else 'best'}: {summary}")
         lines.append(command)

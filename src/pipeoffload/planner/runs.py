@@ -22,6 +22,7 @@ from pipeoffload.core.schedule import Schedule
 from pipeoffload.offload.plan import OffloadPlan, add_offload
 from pipeoffload.offload.targets import parse_target
 from pipeoffload.planner.bounds import ResidentCounts, kept_activation_floor, resident_counts
+from pipeoffload.planner.class_offload import ClassTarget, offload_spec, plan_class_offload
 from pipeoffload.planner.fit_bound import RankPoints, fit_points
 from pipeoffload.planner.host_memory import host_peak_bytes
 from pipeoffload.planner.reduced import Extrapolation, extrapolate
@@ -58,6 +59,7 @@ class Run(NamedTuple):
     offloaded_fraction: float
     notes: tuple[str, ...]
     host_bytes: tuple[float, ...]  # per rank, pinned host bytes offload holds (host_memory.py)
+    chosen: str | None = None  # a class plan's --offload (planner/class_offload.py)
 
 
 class Simulated(NamedTuple):
@@ -71,6 +73,7 @@ class Simulated(NamedTuple):
     offloaded_fraction: float
     notes: tuple[str, ...]
     host_bytes: tuple[float, ...]  # per rank, the largest over the counts
+    chosen: str | None = None  # a class plan's --offload (planner/class_offload.py)
 
 
 class Runner:
@@ -104,10 +107,12 @@ class Runner:
         """``fit_bound.fit_points`` of ``schedule``, kept for the next costs."""
         return _kept(self._points, schedule, None, lambda: fit_points(schedule))
 
-    def run(self, schedule: Schedule, costs: CostModel, option: str,
+    def run(self, schedule: Schedule, costs: CostModel, option: str | ClassTarget,
             stage_bytes: list[float]) -> Run:
         """``schedule`` with memory ``option`` planned into it, simulated under ``costs``."""
         self.simulations += 1
+        if isinstance(option, ClassTarget):
+            return self._run_classes(schedule, costs, option)
         if option == "none":
             with cyclic_gc_paused():
                 graph = _kept(self._graphs, schedule, None, lambda: ComputeGraph(schedule))
@@ -122,12 +127,26 @@ class Runner:
                    result.total_stall_time, plan.report.offloaded_fraction, plan.report.notes,
                    host_peak_bytes(result))
 
-    def simulate(self, build: Callable[[int], Schedule], costs: CostModel, option: str,
+    def _run_classes(self, schedule: Schedule, costs: CostModel, target: ClassTarget) -> Run:
+        """A class plan (planner/class_offload.py); its simulations counted."""
+        with cyclic_gc_paused():
+            found = plan_class_offload(schedule, costs, target)
+        self.simulations += len(found.tried)
+        result = found.plan.result
+        return Run(result.makespan, sum(result.compute_time), result.peak_bytes or (),
+                   result.total_stall_time, found.plan.report.offloaded_fraction,
+                   found.plan.report.notes, host_peak_bytes(result), offload_spec(found))
+
+    def simulate(self, build: Callable[[int], Schedule], costs: CostModel,
+                 option: str | ClassTarget,
                  stage_bytes: list[float], microbatches: int, counts: tuple[int, ...],
                  busiest_work: float, ranks: int) -> Simulated:
         """Run each count; extrapolate to ``microbatches`` when there are three that pass
         Note [reduced simulation]'s checks, else simulate all of them (one count is taken as
-        it is: the caller asked for that count only)."""
+        it is: the caller asked for that count only). A class plan is never extrapolated (its
+        choice may differ with the count)."""
+        if isinstance(option, ClassTarget) and len(counts) == 3:
+            counts = (microbatches,)
         runs = [self.run(build(count), costs, option, stage_bytes) for count in counts]
         makespan = runs[0].makespan if len(runs) != 3 else None
         if len(runs) == 3 and not any(
@@ -145,7 +164,7 @@ class Runner:
         peaks = tuple(max(values) for values in zip(*(run.peak_bytes for run in runs)))
         host = tuple(max(values) for values in zip(*(run.host_bytes for run in runs)))
         return Simulated(counts, makespan, bubble, peaks, last.stall_time,
-                         last.offloaded_fraction, last.notes, host)
+                         last.offloaded_fraction, last.notes, host, last.chosen)
 
 
 def _kept(cache: dict[Hashable, tuple[Schedule, T]], schedule: Schedule, costs: Hashable,

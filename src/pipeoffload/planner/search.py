@@ -33,6 +33,12 @@ time key, and the search takes the smallest key first:
    the offload planner runs: when that is above its key, it goes back into the queue under it.
    A plan that fits is no faster, and one that does not fit is never returned, so the key stays
    a lower bound of what the candidate could contribute.
+2c. a class-plan candidate (offload ``CLASS_OFFLOAD``, planner/class_offload.py) is simulated
+   only when no ``all`` variant of its configuration fits at its offload-free sibling's time
+   (that variant priced first if it was not): by rule 1 no plan of that configuration is
+   faster, and a class search costs several offload plans. One with more than
+   ``SearchConfig.class_items`` (stage, microbatch) items is not simulated (a note says how
+   many): the returned plan is then the best of the rest, not of them.
 3. the search stops when the smallest key times (1 + ``SearchConfig.tolerance``) reaches the
    best full-simulated step time found: nothing left can beat it by more than the tolerance.
 So the plan returned is one simulated in full, and no other candidate is faster than it by more
@@ -60,6 +66,7 @@ from enum import Enum
 
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.candidate import Candidate
+from pipeoffload.planner.class_offload import CLASS_OFFLOAD
 from pipeoffload.planner.evaluate import Evaluator, Plan
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.layer_time import RunConfig
@@ -135,6 +142,9 @@ class SearchState:
         self.queue = _Queue()
         self.too_big: list[tuple[float, Candidate]] = []  # pruned by memory: nearest plans
         self.free_of = _siblings(groups)
+        # Class-plan variants -> their configuration's whole-chunk "all" variants (rule 2c).
+        self.chunk_all = {c: [o for o in variants if o.offload == "all"]
+                          for variants in groups for c in variants if c.offload == CLASS_OFFLOAD}
         # Offload-free siblings this search does not itself try (a space without "none"):
         # priced on demand for their time, which bounds their variants (rule 1).
         self.outside = {free for free in self.free_of.values()} - set(self.free_of)
@@ -146,6 +156,7 @@ class SearchState:
         self.unpriced: set[Candidate] = set()  # offload-free, over the budget, not simulated
         self.unbuildable: set[tuple[str, int, int, int, int | None]] = set()
         self.best = math.inf  # the best full-simulated feasible step time
+        self.classes_too_big = 0  # class plans not searched: over SearchConfig.class_items
         self.last_report = started
         self._seed(groups)
 
@@ -251,6 +262,14 @@ class SearchState:
                 return None
         if free in self.unpriced and self._sibling_outruns(key, candidate, free):
             return None
+        if candidate.offload == CLASS_OFFLOAD:
+            if candidate.pp * candidate.chunks * candidate.microbatches > \
+                    self.config.class_items:
+                self.classes_too_big += 1
+                return None
+            if self._chunks_suffice(candidate, free):
+                self.stats.dominated += 1
+                return None
         memory = self.evaluator.first_count_memory(candidate) if offloaded else None
         if memory is not None and memory > self.budget * (
                 1 + self.config.extrapolation.memory_tolerance):
@@ -259,6 +278,21 @@ class SearchState:
             return None
         self.stats.finalists += memory is not None
         return self.evaluator.evaluate(candidate, full=offloaded)
+
+    def _chunks_suffice(self, candidate: Candidate, free: Candidate) -> bool:
+        """Rule 2c: whether an ``all`` variant of ``candidate``'s configuration fits at the
+        offload-free time, which no class plan beats (priced now if it was not)."""
+        floor = self.sibling_floor.get(free)
+        if floor is None:
+            return False
+        for other in self.chunk_all.get(candidate, ()):
+            try:
+                plan = self.evaluator.evaluate(other, full=True)
+            except ConfigError:
+                continue
+            if plan.feasible and plan.step_time <= floor * (1 + 1e-12):
+                return True
+        return False
 
     def _sibling_outruns(self, key: float, candidate: Candidate, free: Candidate) -> bool:
         """Price the offload-free sibling over the budget now that a variant needs its time;
@@ -357,6 +391,10 @@ def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: Se
                      f"DP must divide the global batch ({config.global_batch}), TP the heads "
                      f"({spec.heads}) and {hw.gpus_per_node} (GPUs per node), PP x chunks <= "
                      f"layers ({spec.num_layers})")
+    if state.classes_too_big:
+        notes.append(f"tensor-class offload not searched for {state.classes_too_big} "
+                     f"configurations of more than {config.class_items} (stage, microbatch) "
+                     "items (SearchConfig.class_items)")
     k = offload_ratio(spec, hw, RunConfig(1, 1, space.recompute[0] if len(space.recompute) == 1
                                           else Recompute.LGD))
     return SearchResult(

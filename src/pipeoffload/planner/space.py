@@ -8,6 +8,7 @@ sizes, the microbatch counts it takes, whether it runs at pp = 1) is read from i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pipeoffload.core.families.base import FamilySpec, GroupSize
 from pipeoffload.core.registry import REGISTRY, Registry
 from pipeoffload.errors import ConfigError
 from pipeoffload.planner.candidate import Candidate
+from pipeoffload.planner.class_offload import CLASS_OFFLOAD, searchable
 from pipeoffload.planner.costing import DEFAULT_FRAMEWORK, Framework, MemoryConfig
 from pipeoffload.planner.hardware import Hardware
 from pipeoffload.planner.layer_time import RunConfig
@@ -28,7 +30,7 @@ from pipeoffload.planner.transformer import Recompute, TransformerSpec, as_recom
 #: The families searched when none are named: those that declare it, in registry order.
 DEFAULT_SCHEDULES = tuple(name for name, family in REGISTRY.families.items()
                           if family.planner.by_default)
-OFFLOAD_ORDER = ("none", "chunks:1", "all", RECOMPUTE_AND_OFFLOAD)
+OFFLOAD_ORDER = ("none", "chunks:1", "all", RECOMPUTE_AND_OFFLOAD, CLASS_OFFLOAD)
 
 
 @dataclass(frozen=True)
@@ -110,9 +112,14 @@ class SearchConfig:
     """Pinned host memory per node that offload may use (None: the hardware's
     ``host_bytes_per_node``; 0: not checked)."""
     framework: Framework = DEFAULT_FRAMEWORK
+    class_items: int = 4096
+    """The most (stage, microbatch) items a configuration may have for the search to plan its
+    tensor classes (planner/class_offload.py): a class search plans about ten offload plans,
+    and at 1T scale (128 stages x 128 microbatches) one took 25 s of CPU, three times the rest
+    of that search (benchmarks/planner_search.py)."""
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "global_batch", "top_k"):
+        for name in ("gpus", "global_batch", "top_k", "class_items"):
             check_number(f"SearchConfig.{name}", getattr(self, name), minimum=1, integer=True)
         check_number("SearchConfig.nearest_tries", self.nearest_tries, minimum=0, integer=True)
         check_number("SearchConfig.tolerance", self.tolerance, minimum=0, maximum=1)
@@ -196,14 +203,14 @@ def configurations(spec: TransformerSpec, hw: Hardware, config: SearchConfig,
                         continue
                     base = Candidate(family.name, dp, tp, pp, chunks, b, per_replica // b,
                                      group_size=group, cp=cp)
-                    variants = _variants(priced, base, space)
+                    variants = _variants(priced, base, space, spec)
                     if variants:
                         out.append(variants)
     return out
 
 
 def _variants(priced: Callable[[RunConfig], PieceCost], base: Candidate,
-              space: SearchSpace) -> list[Candidate]:
+              space: SearchSpace, spec: TransformerSpec) -> list[Candidate]:
     keyed = []
     for r in space.recompute:
         cost = priced(RunConfig(base.micro_batch, base.tp, r, cp=base.cp))
@@ -217,6 +224,14 @@ def _variants(priced: Callable[[RunConfig], PieceCost], base: Candidate,
     offloads = [o for o in space.offload if base.pp > 1 or o == "none"]
     if base.chunks < 2:
         offloads = [o for o in offloads if o not in ("chunks:1", RECOMPUTE_AND_OFFLOAD)]
-    return [Candidate(base.schedule, base.dp, base.tp, base.pp, base.chunks, base.micro_batch,
-                      base.microbatches, r, o, base.group_size, base.cp)
-            for r in kept for o in offloads]
+    variants = [Candidate(base.schedule, base.dp, base.tp, base.pp, base.chunks,
+                          base.micro_batch, base.microbatches, r, o, base.group_size, base.cp)
+                for r in kept for o in offloads if o != CLASS_OFFLOAD]
+    # Class plans are of layers without recompute, kept even where an option of equal time
+    # and fewer bytes (lgd under flash attention) dominates none for whole chunks: the runtime
+    # moves classes of layers it does not recompute (planner/class_offload.py).
+    if (CLASS_OFFLOAD in offloads and Recompute.NONE in space.recompute
+            and searchable(spec, Recompute.NONE, base.pp, base.cp)):
+        variants.append(dataclasses.replace(base, recompute=Recompute.NONE,
+                                            offload=CLASS_OFFLOAD))
+    return variants

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pipeoffload import hf_families
 from pipeoffload.core.registry import FAMILIES
 from pipeoffload.planner.candidate import Candidate
+from pipeoffload.planner.class_offload import CLASS_OFFLOAD
 from pipeoffload.planner.transformer import TransformerSpec
 
 #: The reference model's vocabulary (byte-level text, training/model.py ModelConfig.vocab_size).
@@ -52,11 +53,13 @@ class TrainCommand:
 
 
 def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
-                  sharded_optimizer: bool = False) -> TrainCommand:
+                  sharded_optimizer: bool = False, offload: str | None = None) -> TrainCommand:
     """The command that runs ``candidate`` (with ``spec``, the reference model at that shape);
-    ``sharded_optimizer``: the plan's memory counts the optimizer state sharded over DP."""
+    ``sharded_optimizer``: the plan's memory counts the optimizer state sharded over DP;
+    ``offload``: the ``--offload`` its plan chose (a class plan's ``classes:A+B``,
+    planner/class_offload.py), else the candidate's own."""
     c = candidate
-    refused = _refusal(c, spec)
+    refused = _refusal(c, spec) or _class_refusal(c, spec, offload)
     if refused is not None:
         return TrainCommand(None, refused)
     parts = ["pipeoffload train", f"--pp {c.pp}", f"--dp {c.dp}"]
@@ -75,7 +78,7 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
     parts += [f"--microbatches {c.microbatches}",
               f"--batch-size {c.dp * c.microbatches * c.micro_batch}"]
     if preset is None:
-        parts.append(f"--offload {c.offload}")
+        parts.append(f"--offload {offload or c.offload}")
     if c.recompute.value != "none":
         parts.append(f"--recompute {c.recompute.value}")
     if spec is not None:
@@ -89,6 +92,25 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
                       f"--heads {spec.heads}", f"--kv-heads {spec.kv_heads}",
                       f"--ffn-hidden {spec.ffn_hidden}", f"--seq-len {spec.seq_len}"]
     return TrainCommand(" ".join(parts), None)
+
+
+def _class_refusal(c: Candidate, spec: TransformerSpec | None, offload: str | None
+                   ) -> str | None:
+    """Why train cannot run a class plan (training/train_classes.py), or None."""
+    if c.offload != CLASS_OFFLOAD:
+        return None
+    if offload is None:
+        return "the class search chose no --offload for it (a plan not simulated)"
+    if not offload.startswith("classes:"):
+        return None  # it chose whole chunks
+    if c.tp > 1 or c.cp > 1:
+        return (f"train moves tensor classes at tp 1 and cp 1 only (this plan: tp {c.tp}, "
+                f"cp {c.cp}, --offload {offload}); search with --tp 1")
+    if (spec is not None and spec.train_model is not None
+            and spec.model_type not in hf_families.CLASS_MODEL_TYPES):
+        return (f"train moves tensor classes of {', '.join(hf_families.CLASS_MODEL_TYPES)} "
+                f"models, not {spec.model_type} (--offload {offload})")
+    return None
 
 
 def _refusal(c: Candidate, spec: TransformerSpec | None) -> str | None:

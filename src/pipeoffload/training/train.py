@@ -20,12 +20,21 @@ from pipeoffload.offload.targets import TargetKind, parse_target
 from pipeoffload.parallel.dtype_names import DTYPE_NAMES, EXPORT_DTYPE_NAMES
 from pipeoffload.parallel.rank_order import DEFAULT_ORDER, parse_order
 from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
+from pipeoffload.planner.presets import load_model
+from pipeoffload.planner.transformer import TransformerSpec
 from pipeoffload.training.data_config import DataConfig
 from pipeoffload.training.model_config import (
     RECOMPUTE_MODES,
     ModelConfig,
     check_tensor_parallel,
     model_preset,
+)
+from pipeoffload.training.train_classes import (
+    class_names,
+    is_classes,
+    layout_refusal,
+    plan_classes_offload,
+    reference_spec,
 )
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -137,6 +146,9 @@ class TrainConfig:
         except ConfigError as error:
             raise _refuse("{rank_order}: " + str(error)) from None
         train_offload(self.offload)
+        refusal = layout_refusal(self.tp, self.cp) if is_classes(self.offload) else None
+        if refusal is not None:
+            raise _refuse("{offload} " + repr(self.offload) + ": " + refusal)
         if self.eval_every < 0 or self.eval_batches < 1:
             raise _refuse("{eval_every} must be >= 0 and {eval_batches} >= 1, got {every} and "
                           "{batches}", every=self.eval_every, batches=self.eval_batches)
@@ -247,9 +259,12 @@ def train_offload(spec: str | None) -> str | None:
     raises ConfigError listing what it takes."""
     if spec is None:
         return None
-    forms = ("none, all, chunks:K, fraction:X, limit:X, limit:XGiB or "
+    forms = ("none, all, chunks:K, fraction:X, limit:X, limit:XGiB, "
              f"{RECOMPUTE_AND_OFFLOAD} (each rank's longest-lived chunk recomputed, the rest "
-             "offloaded)")
+             "offloaded) or classes:A+B (these tensor classes, training/train_classes.py)")
+    if is_classes(spec):
+        class_names(spec)
+        return spec.strip()
     text = spec.strip().lower() if isinstance(spec, str) else ""
     kind = text.partition(":")[0].strip()
     if kind == TargetKind.GIVEN.value:
@@ -279,5 +294,18 @@ def build_plan(config: TrainConfig) -> OffloadPlan:
         k: v for k, v in (("chunks", config.chunks), ("group_size", config.group_size))
         if v is not None}
     policy = OffloadPolicy(fetch_on_use=config.fetch_on_use)
+    if is_classes(config.offload):
+        assert config.offload is not None
+        return plan_classes_offload(config.offload, _class_spec(config), config.schedule,
+                                    config.pp, config.num_microbatches, policy, options)
     return plan_schedule(config.schedule, config.pp, config.num_microbatches,
                          train_offload(config.offload), policy=policy, **options)
+
+
+def _class_spec(config: TrainConfig) -> TransformerSpec:
+    """The model as the planner sizes its tensor classes (``--offload classes:``)."""
+    dtype_bytes = {"fp32": 4, "bf16": 2, "fp64": 8}[config.dtype]
+    if config.hf_model is None:
+        return reference_spec(config.model, config.data.seq_len, dtype_bytes)
+    return dataclasses.replace(load_model(config.hf_model, seq_len=config.data.seq_len),
+                               activation_bytes=dtype_bytes)

@@ -1,0 +1,86 @@
+"""The planner's offload below the chunk (issue 36): a candidate whose offload is
+``CLASS_OFFLOAD`` is planned by the tensor-class search (offload/class_plan.py) with each rank's
+budget the room its device leaves activations, and runs as the ``classes:A+B`` it found.
+
+Note: [class plans in the search]
+- What is searched: keep or offload per tensor class, one choice for every (stage, microbatch)
+  (``ClassSearch(recompute=False, per_microbatch=False)``): train's runtime moves classes but
+  does not recompute them (runtime/classes.py), and ``--offload classes:A+B`` is uniform, so
+  the plan simulated is the one the printed command runs. Among the choices is the chunk
+  planner's own ``all``; a plan that chose it prints ``--offload all``.
+- Where: recompute none (the classes are a layer's saved tensors without recompute), cp 1,
+  pp > 1, flash attention (planner/tensor_classes.py). A stage's classes are its layers' (each
+  class's share of the stage's bytes: layers x the class's bytes over the stage's); the
+  embedding's and head's saved tensors are kept (the runtime tags them ``other``).
+- When: the search (planner/search.py, rule 2c) simulates such a candidate only after its
+  ``all`` sibling, and not when that sibling fits at its offload-free sibling's time, which no
+  plan of the configuration beats (rule 1). So a class plan is tried where chunk offload
+  stalls (k > 1) or does not fit.
+- Cost: one class search plans ``share_probes`` moved shares and up to about as many more
+  around the best (offload/class_plan.py, step 2), each one chunk-planner run (a few
+  simulations); it is simulated at all m (never reduced: its choice may differ with m).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeoffload.core.classes import TensorClass
+from pipeoffload.core.schedule import Schedule
+from pipeoffload.offload.class_plan import ClassPlan, ClassSearch, plan_classes
+from pipeoffload.planner.costing import split_layers
+from pipeoffload.planner.layer_time import RunConfig
+from pipeoffload.planner.ratio import PieceCost
+from pipeoffload.planner.tensor_classes import layer_classes
+from pipeoffload.planner.transformer import Recompute, TransformerSpec, layer_activation_bytes
+from pipeoffload.sim.costs import CostModel
+
+CLASS_OFFLOAD = "budget:fit"
+"""The search's offload option planned per tensor class (Note: [class plans in the search])."""
+
+#: Moved shares the class search plans before refining around the best (ClassSearch).
+SHARE_PROBES = 5
+
+
+@dataclass(frozen=True)
+class ClassTarget:
+    """What the class search needs for one candidate: each stage's classes and each rank's
+    room for activations (bytes)."""
+
+    classes: dict[int, tuple[TensorClass, ...]]
+    rooms: tuple[float, ...]
+
+
+def searchable(spec: TransformerSpec, recompute: Recompute, pp: int, cp: int) -> bool:
+    """Whether a configuration gets a ``CLASS_OFFLOAD`` variant (the Note's "where")."""
+    return spec.flash_attention and recompute is Recompute.NONE and pp > 1 and cp == 1
+
+
+def stage_classes(spec: TransformerSpec, run: RunConfig, pieces: tuple[PieceCost, ...]
+                  ) -> dict[int, tuple[TensorClass, ...]]:
+    """Each stage's tensor classes, shares of its own activation bytes (its layers' classes;
+    the embedding's and head's bytes are no class and stay)."""
+    layer = layer_classes(spec, run.micro_batch, tp=run.tp,
+                          sequence_parallel=run.sequence_parallel)
+    layer_bytes = layer_activation_bytes(spec, run.micro_batch, "none", tp=run.tp,
+                                         sequence_parallel=run.sequence_parallel)
+    out = {}
+    for stage, (count, piece) in enumerate(zip(split_layers(spec.num_layers, len(pieces)),
+                                                pieces)):
+        scale = count * layer_bytes / piece.activation_bytes
+        out[stage] = tuple(TensorClass(c.name, min(c.share * scale, 1.0), c.recompute_time)
+                           for c in layer)
+    return out
+
+
+def plan_class_offload(schedule: Schedule, costs: CostModel, target: ClassTarget) -> ClassPlan:
+    """The fastest uniform class choice whose every rank fits its room (else the nearest)."""
+    search = ClassSearch(rank_budgets=target.rooms, in_bytes=True, recompute=False,
+                         per_microbatch=False, share_probes=SHARE_PROBES)
+    return plan_classes(schedule, costs, target.classes, search)
+
+
+def offload_spec(found: ClassPlan) -> str:
+    """The ``--offload`` that runs ``found``: its classes, or ``all`` (whole chunks)."""
+    names = found.choice.names[0]
+    return f"classes:{'+'.join(names)}" if names else "all"
