@@ -114,6 +114,21 @@ def test_a_resume_inside_its_own_checkpoint_folder_is_still_accepted(place, caps
     assert "would be written into" not in err and "is the same" not in err, err
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_picture_fifo_nobody_reads_ends_the_run_after_the_wait(place, capsys) -> None:
+    """--png may be a FIFO (the picture is written once, at the end); with no reader the run
+    used to block for ever there. --metrics, written all along, still refuses a FIFO."""
+    os.mkfifo(place / "p.png")
+    argv = [a for a in TRAIN if a != "--no-png"]
+    code, err = run([*argv, "--data", "data", "--eval-fraction", "0", "--png", "p.png",
+                     "--fifo-wait", "0.2"], capsys)
+    assert code == 2, err
+    assert err.splitlines()[-2:] == [
+        "pipeoffload train: note: waiting up to 0.2 s for a reader on FIFO p.png",
+        "pipeoffload train: error: --png p.png: no reader opened this FIFO within 0.2 s "
+        "(--fifo-wait); start its reader first, or name a regular file"]
+
+
 def _complete_step(root: Path, step: int, extra: dict[str, bytes] | None = None) -> Path:
     """A step folder as a save leaves it: stage and rank files, then the manifest."""
     folder = ckpt.step_folder(root, step)

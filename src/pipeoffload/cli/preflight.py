@@ -26,10 +26,12 @@ import os
 import stat
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pipeoffload import errors
 from pipeoffload.errors import ConfigError, PipeoffloadError, writing
 
 INPUT_ERROR = 2  # bad input, refused before any work (argparse uses 2 as well)
@@ -379,6 +381,23 @@ def _clash(output: Path, other: Path, folder: bool, other_output: bool,
     if mine in theirs.parents and folder and other_output:
         return _HOLDS
     return None
+
+
+def add_fifo_wait(parser: argparse.ArgumentParser | Any) -> None:
+    """``--fifo-wait S``: how long an output that is a FIFO waits for its reader."""
+    parser.add_argument("--fifo-wait", type=number(minimum=0, maximum=1e7),
+                        default=errors.READER_WAIT_S, metavar="S",
+                        help="seconds an output that is a FIFO waits for its reader before the "
+                        f"command fails (default {errors.READER_WAIT_S:g})")
+
+
+@contextmanager
+def writing_output(command: str, flag: str, path: str | os.PathLike[str],
+                   fifo_wait_s: float) -> Iterator[None]:
+    """Write output ``path`` (``flag``'s value) inside the block: a FIFO waits up to
+    ``fifo_wait_s`` for its reader, with a note, then fails naming it (errors.writing_output)."""
+    with errors.writing_output(path, flag, fifo_wait_s, lambda text: note(command, text)):
+        yield
 
 
 def note(command: str, text: str) -> None:

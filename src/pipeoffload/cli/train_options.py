@@ -206,6 +206,7 @@ def _runtime_and_output_options(parser: argparse.ArgumentParser) -> None:
                    " skipped with a note without matplotlib)")
     g.add_argument("--no-png", dest="png", action="store_const", const=None,
                    help="write no picture")
+    preflight.add_fifo_wait(g)
     g.add_argument("--log-every", type=count(1), default=10, metavar="N",
                    help="print a progress line every N steps (default 10)")
 
