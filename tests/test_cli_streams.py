@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from cli_calls import run
 
 from pipeoffload.checks import parse_json
 from pipeoffload.cli.main import _grid_width, main
@@ -52,6 +54,40 @@ def test_an_output_fifo_gets_the_csv_when_its_reader_comes_after_the_command(tmp
         command.kill()
         command.wait()
     assert got == plan_csv.read_text()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_an_output_fifo_gets_the_picture_when_its_reader_comes_after_the_command(tmp_path):
+    """matplotlib seeks in the file it writes, which a FIFO cannot: the picture is drawn in
+    memory and written in one go."""
+    fifo = tmp_path / "out.png"
+    os.mkfifo(fifo)
+    command = subprocess.Popen([*SIMULATE, "--png", str(fifo)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        got = fifo.read_bytes()
+        assert command.wait() == 0, command.stderr.read() if command.stderr else ""
+    finally:
+        command.kill()
+        command.wait()
+    assert got.startswith(b"\x89PNG\r\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("flag", ["--csv", "--trace", "--png"])
+def test_an_output_fifo_nobody_reads_ends_in_an_error_after_the_wait(tmp_path, capsys, flag):
+    """A FIFO without a reader used to block the command for ever; now it waits --fifo-wait
+    seconds (said once on stderr), then fails naming the FIFO, which it leaves as it was."""
+    fifo = tmp_path / ("out.png" if flag == "--png" else "out")
+    os.mkfifo(fifo)
+    code, err = run(["simulate", "--pp", "2", "--no-grid", flag, str(fifo), "--fifo-wait",
+                     "0.2"], capsys)
+    assert code == 2
+    assert err.splitlines() == [
+        f"pipeoffload simulate: note: waiting up to 0.2 s for a reader on FIFO {fifo}",
+        f"pipeoffload simulate: error: {flag} {fifo}: no reader opened this FIFO within 0.2 s "
+        "(--fifo-wait); start its reader first, or name a regular file"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
 @pytest.mark.parametrize("how", ["stdin", "pipe"])

@@ -87,6 +87,9 @@ OUTPUT_CASES = [  # (argv, the words of the error line)
     (["--checkpoint-dir", "ck\udcff"], "--checkpoint-dir ck\\xff: is not UTF-8"),
     (["--metrics", "m\udcfe.jsonl"], "--metrics m\\xfe.jsonl: is not UTF-8"),
     (["--metrics", "{fifo}"], "is a pipe or device, which would stall the run"),
+    (["--data", "data", "--png", "data/p.png"], "--png data/p.png would be written into the "
+     "folder of --data data; outputs go outside the checkpoint folder and the data, each to "
+     "its own place: choose another path, or pass --no-png"),
 ]
 
 
@@ -112,6 +115,38 @@ def test_a_resume_inside_its_own_checkpoint_folder_is_still_accepted(place, caps
     code, err = run([*TRAIN, "--checkpoint-dir", "ck", "--resume", "ck/step_00000002",
                      "--metrics", "m.jsonl"], capsys)
     assert "would be written into" not in err and "is the same" not in err, err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_picture_fifo_nobody_reads_ends_the_run_after_the_wait(place, capsys) -> None:
+    """--png may be a FIFO (the picture is written once, at the end); with no reader the run
+    used to block for ever there. --metrics, written all along, still refuses a FIFO."""
+    os.mkfifo(place / "p.png")
+    argv = [a for a in TRAIN if a != "--no-png"]
+    code, err = run([*argv, "--data", "data", "--eval-fraction", "0", "--png", "p.png",
+                     "--fifo-wait", "0.2"], capsys)
+    assert code == 2, err
+    assert err.splitlines()[-2:] == [
+        "pipeoffload train: note: waiting up to 0.2 s for a reader on FIFO p.png",
+        "pipeoffload train: error: --png p.png: no reader opened this FIFO within 0.2 s "
+        "(--fifo-wait); start its reader first, or name a regular file"]
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--data"])
+def test_the_default_picture_is_skipped_where_it_would_land_in_a_chosen_folder(
+        flag, place, capsys, monkeypatch, no_training) -> None:
+    """`train --checkpoint-dir .` (or `--data .`) was refused for the default picture, a file
+    the user never named: now that picture is skipped with a note and the run starts."""
+    monkeypatch.chdir(place / "data")
+    before = snapshot(place)
+    argv = [a for a in TRAIN if a != "--no-png"]
+    code, err = run([*argv, flag, ".", "--eval-fraction", "0"], capsys)
+    assert code == 0 and no_training, err
+    assert (f"pipeoffload train: note: --png pipeoffload-train.png would be written into the "
+            f"folder of {flag} ., so it is not written (a default: pass --png FILE elsewhere "
+            "to have it; --no-png silences this note)") in err.splitlines(), err
+    assert "error:" not in err
+    assert snapshot(place) == before
 
 
 def _complete_step(root: Path, step: int, extra: dict[str, bytes] | None = None) -> Path:

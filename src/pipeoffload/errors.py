@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
-from collections.abc import Iterator, Mapping
+import stat
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -95,3 +98,55 @@ def writing(path: str | os.PathLike[str]) -> Iterator[None]:
         if error.filename is None:
             error.filename = os.fspath(path)
         raise
+
+
+READER_WAIT_S = 60.0
+"""How long an output that is a FIFO waits for its reader to open it (the default of the
+commands' ``--fifo-wait``): a FIFO nobody reads would block the command for ever."""
+
+
+@contextmanager
+def writing_output(path: str | os.PathLike[str], flag: str, wait_s: float,
+                   say: Callable[[str], None]) -> Iterator[None]:
+    """``writing(path)``, where ``path`` (the value of ``flag``) may be a FIFO: then wait up to
+    ``wait_s`` for a reader (``say`` tells the user once that it waits) and raise ConfigError
+    naming the FIFO if none comes. The FIFO stays open for writing until the block ends, so
+    the reader sees one stream (no end of file between the wait and the block's own open,
+    which no longer blocks); inside, the write blocks as any write to a pipe does."""
+    held = _reader_waited(path, flag, wait_s, say) if _is_fifo(path) else None
+    try:
+        with writing(path):
+            yield
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def _is_fifo(path: str | os.PathLike[str]) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _reader_waited(path: str | os.PathLike[str], flag: str, wait_s: float,
+                   say: Callable[[str], None]) -> int:
+    """A write descriptor of FIFO ``path`` once a reader has it open (a non-blocking open
+    fails with ENXIO until then), polled for at most ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as error:
+            if error.errno != errno.ENXIO:
+                raise
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ConfigError(f"{flag} {os.fspath(path)}: no reader opened this FIFO within "
+                              f"{wait_s:g} s (--fifo-wait); start its reader first, or name "
+                              "a regular file")
+        if not waiting:
+            say(f"waiting up to {wait_s:g} s for a reader on FIFO {os.fspath(path)}")
+            waiting = True
+        time.sleep(min(0.05, left))

@@ -162,7 +162,7 @@ def _simulate(args: argparse.Namespace) -> int:
     plan = _schedule_and_plan(args)
     result, report, schedule = plan.result, plan.report, plan.schedule
     if args.csv:
-        with preflight.writing(args.csv):
+        with preflight.writing_output("simulate", "--csv", args.csv, args.fifo_wait):
             write_csv(schedule, args.csv)
         if schedule.classes:
             preflight.note("simulate", f"{args.csv} holds the actions only, not the tensor "
@@ -177,12 +177,12 @@ def _simulate(args: argparse.Namespace) -> int:
         bare = schedule.without(*OFFLOAD_KINDS).with_classes({})
         baseline = simulate(dataclasses.replace(bare, name=f"{bare.name} without offload"),
                             result.costs) if report.offloaded else None
-        with preflight.writing(args.png):
+        with preflight.writing_output("simulate", "--png", args.png, args.fifo_wait):
             render_png(result, args.png, compare=baseline)
     if args.trace:
         from pipeoffload.sim.render_trace import write_trace
 
-        with preflight.writing(args.trace):
+        with preflight.writing_output("simulate", "--trace", args.trace, args.fifo_wait):
             write_trace(result, args.trace)
     preflight.offload_notes("simulate", report, args.fetch_on_use, result.peak_activation)
     if args.json:
@@ -257,7 +257,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     preflight.need_torch("probe")
     from pipeoffload.training.probe import run_probe_cli
 
-    return run_probe_cli(args.output)
+    return run_probe_cli(args.output, args.fifo_wait)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "matplotlib: pipeoffload[plot]; skipped with a note without it)")
     p.add_argument("--trace", metavar="FILE", type=preflight.output_file(),
                    help="write a Chrome / Perfetto trace JSON")
+    preflight.add_fifo_wait(p)
     p.add_argument("--no-grid", action="store_true", help="skip the terminal picture")
     p.add_argument("--width", type=count(MIN_WIDTH, 100_000), default=None, metavar="COLUMNS",
                    help="width of the terminal picture (default: $COLUMNS, else 120)")
@@ -291,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "and print a hardware preset")
     p.add_argument("--output", metavar="FILE", type=preflight.output_file(),
                    help="save the preset as JSON")
+    preflight.add_fifo_wait(p)
     p.set_defaults(handler=cmd_probe)
     add_train_parser(sub)
     add_export_parser(sub)

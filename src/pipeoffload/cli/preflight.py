@@ -26,10 +26,12 @@ import os
 import stat
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pipeoffload import errors
 from pipeoffload.errors import ConfigError, PipeoffloadError, writing
 
 INPUT_ERROR = 2  # bad input, refused before any work (argparse uses 2 as well)
@@ -109,7 +111,15 @@ class CheckedPath(str):
 
 
 class OutputFile(CheckedPath):
-    """A file to write: its folder must take new files, and it must not be a folder."""
+    """A file to write: its folder must take new files, and it must not be a folder. ``off``:
+    the flag that writes none, if the command has one (a refusal names it)."""
+
+    off: str | None = None
+
+
+class DefaultOutputFile(OutputFile):
+    """An output file no flag asked for (train's default picture): where it would land in the
+    checkpoint folder, the data or on another output, it is skipped with a note, not refused."""
 
 
 class OutputDir(CheckedPath):
@@ -134,19 +144,29 @@ class StoredOutputFile(OutputFile):
     new one, never a FIFO or device, which would block the run while nothing reads it."""
 
 
-def output_file(*suffixes: str, stored: bool = False) -> Callable[[str], OutputFile]:
+def output_file(*suffixes: str, stored: bool = False,
+                off: str | None = None) -> Callable[[str], OutputFile]:
     """argparse type: a file to write; with ``suffixes``, its name must end in one of them;
-    ``stored``: a StoredOutputFile (a regular file, not a pipe or device)."""
+    ``stored``: a StoredOutputFile (a regular file, not a pipe or device); ``off``: the flag
+    that writes none. A DefaultOutputFile default stays one."""
     def parse(text: str) -> OutputFile:
-        if not text.strip():
-            raise argparse.ArgumentTypeError("expected a file name, got ''")
-        if suffixes and Path(text).suffix.lower() not in suffixes:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: the file name must end in {' or '.join(suffixes)} (it sets the "
-                "format)")
-        return StoredOutputFile(text) if stored else OutputFile(text)
+        made = _output_file(text, suffixes, stored)
+        made.off = off
+        return made
     parse.__name__ = "output_file"
     return parse
+
+
+def _output_file(text: str, suffixes: tuple[str, ...], stored: bool) -> OutputFile:
+    if isinstance(text, DefaultOutputFile):
+        return text
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file name, got ''")
+    if suffixes and Path(text).suffix.lower() not in suffixes:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the file name must end in {' or '.join(suffixes)} (it sets the "
+            "format)")
+    return StoredOutputFile(text) if stored else OutputFile(text)
 
 
 def _path_type(kind: type[CheckedPath]) -> Callable[[str], CheckedPath]:
@@ -329,8 +349,18 @@ def check_args(args: argparse.Namespace) -> None:
     for dest, value in vars(args).items():
         if isinstance(value, CheckedPath):
             check_path(flag_name(dest), value)
-    check_places([(flag_name(dest), value) for dest, value in vars(args).items()
-                  if isinstance(value, CheckedPath)])
+    paths = [(flag_name(dest), value) for dest, value in vars(args).items()
+             if isinstance(value, CheckedPath)]
+    chosen = [(flag, path) for flag, path in paths if not isinstance(path, DefaultOutputFile)]
+    check_places(chosen)
+    for dest, value in vars(args).items():
+        if isinstance(value, DefaultOutputFile):
+            problem = place_problem([(flag_name(dest), value), *chosen])
+            if problem is not None:
+                setattr(args, dest, None)
+                off = f"; {value.off} silences this note" if value.off else ""
+                note(getattr(args, "command", None) or "", f"{problem}, so it is not written "
+                     f"(a default: pass {flag_name(dest)} FILE elsewhere to have it{off})")
 
 
 def check_places(paths: Sequence[tuple[str, CheckedPath]]) -> None:
@@ -338,6 +368,24 @@ def check_places(paths: Sequence[tuple[str, CheckedPath]]) -> None:
     output folder or an input folder (a data folder reads every file in it; a metrics file
     in a checkpoint folder overwrites its files), or holds another output. A checkpoint to
     resume (ResumePath) may be, or lie inside, an output folder."""
+    problem = place_problem(paths)
+    if problem is not None:
+        raise ConfigError(f"{problem}; outputs go outside the checkpoint folder and the data, "
+                          f"each to its own place: choose another path{_off(paths, problem)}")
+
+
+def _off(paths: Sequence[tuple[str, CheckedPath]], problem: str) -> str:
+    """How to turn off the output ``problem`` names first, if it can be."""
+    for flag, path in paths:
+        if (isinstance(path, OutputFile) and path.off
+                and problem.startswith(f"{flag} {path} ")):
+            return f", or pass {path.off}"
+    return ""
+
+
+def place_problem(paths: Sequence[tuple[str, CheckedPath]]) -> str | None:
+    """What ``check_places`` refuses ("FLAG PATH would be written into the folder of FLAG2
+    PATH2"), or None."""
     for index, (flag, path) in enumerate(paths):
         if not isinstance(path, (OutputFile, OutputDir)):
             continue
@@ -351,10 +399,9 @@ def check_places(paths: Sequence[tuple[str, CheckedPath]]) -> None:
             if clash == _HOLDS:
                 flag, path, other_flag, other = other_flag, other, flag, path
             if clash:
-                raise ConfigError(f"{flag} {path} {_INSIDE if clash == _HOLDS else clash} "
-                                  f"{other_flag} {other}; outputs go outside the checkpoint "
-                                  "folder and the data, each to its own place: choose "
-                                  "another path")
+                return (f"{flag} {path} {_INSIDE if clash == _HOLDS else clash} {other_flag} "
+                        f"{other}")
+    return None
 
 
 _INSIDE = "would be written into the folder of"
@@ -379,6 +426,23 @@ def _clash(output: Path, other: Path, folder: bool, other_output: bool,
     if mine in theirs.parents and folder and other_output:
         return _HOLDS
     return None
+
+
+def add_fifo_wait(parser: argparse.ArgumentParser | Any) -> None:
+    """``--fifo-wait S``: how long an output that is a FIFO waits for its reader."""
+    parser.add_argument("--fifo-wait", type=number(minimum=0, maximum=1e7),
+                        default=errors.READER_WAIT_S, metavar="S",
+                        help="seconds an output that is a FIFO waits for its reader before the "
+                        f"command fails (default {errors.READER_WAIT_S:g})")
+
+
+@contextmanager
+def writing_output(command: str, flag: str, path: str | os.PathLike[str],
+                   fifo_wait_s: float) -> Iterator[None]:
+    """Write output ``path`` (``flag``'s value) inside the block: a FIFO waits up to
+    ``fifo_wait_s`` for its reader, with a note, then fails naming it (errors.writing_output)."""
+    with errors.writing_output(path, flag, fifo_wait_s, lambda text: note(command, text)):
+        yield
 
 
 def note(command: str, text: str) -> None:

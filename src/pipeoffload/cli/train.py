@@ -96,7 +96,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ReportOptio
     peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else None
     report = ReportOptions(json=args.json, png=args.png,
                            log_every=args.log_every, threads=args.threads, metrics=args.metrics,
-                           tensorboard=args.tensorboard, peak_flops_per_s=peak)
+                           tensorboard=args.tensorboard, peak_flops_per_s=peak,
+                           fifo_wait_s=args.fifo_wait)
     return config, report
 
 

@@ -13,6 +13,7 @@ from pipeoffload.cli.preflight import (
     MAX_CHUNKS,
     MAX_MICROBATCHES,
     MAX_RANKS,
+    DefaultOutputFile,
     count,
     data_source,
     input_path,
@@ -202,12 +203,13 @@ def _runtime_and_output_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-baseline", action="store_true",
                    help="skip the extra step that measures peaks without offload")
     g.add_argument("--json", action="store_true", help="print one JSON line at the end")
-    g.add_argument("--png", default="pipeoffload-train.png", metavar="FILE",
-                   type=output_file(".png", ".svg"),
+    g.add_argument("--png", default=DefaultOutputFile("pipeoffload-train.png"), metavar="FILE",
+                   type=output_file(".png", ".svg", off="--no-png"),
                    help="schedule picture to write, .png or .svg (default pipeoffload-train.png;"
                    " skipped with a note without matplotlib)")
     g.add_argument("--no-png", dest="png", action="store_const", const=None,
                    help="write no picture")
+    preflight.add_fifo_wait(g)
     g.add_argument("--log-every", type=count(1), default=10, metavar="N",
                    help="print a progress line every N steps (default 10)")
 

@@ -9,6 +9,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from pipeoffload.cli import preflight
 from pipeoffload.core.actions import Kind
+from pipeoffload.errors import READER_WAIT_S
 from pipeoffload.training.signals import signal_name
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ class ReportOptions:
     metrics: str | None = None  # a JSON-lines file, one record per step
     tensorboard: str | None = None  # a TensorBoard log folder (needs the tensorboard extra)
     peak_flops_per_s: float | None = None  # one device's, for MFU (None: known GPUs only)
+    fifo_wait_s: float = READER_WAIT_S  # how long a FIFO ``png`` waits for its reader
 
 
 def format_bytes(n: float | None) -> str:
@@ -45,7 +47,7 @@ def print_result(result: TrainResult, config: TrainConfig, report: ReportOptions
     """The reporting process's last words: the table (or the --json line), where the
     checkpoint and export are, and the schedule picture."""
     if report.json:
-        png = write_png(result, report.png)
+        png = write_png(result, report.png, report.fifo_wait_s)
         print(json.dumps(summary(result, config, png), sort_keys=True), flush=True)
         return
     print(render_table(result), file=out)
@@ -55,12 +57,13 @@ def print_result(result: TrainResult, config: TrainConfig, report: ReportOptions
         print(f"Hugging Face export: {result.export} (transformers.AutoModelForCausalLM."
               "from_pretrained loads it)", file=out)
     out.flush()
-    png = write_png(result, report.png)
+    png = write_png(result, report.png, report.fifo_wait_s)
     if png:
         print(f"schedule PNG: {png}", file=out, flush=True)
 
 
-def write_png(result: TrainResult, path: str | None) -> str | None:
+def write_png(result: TrainResult, path: str | None,
+              fifo_wait_s: float = READER_WAIT_S) -> str | None:
     """Draw the run's schedule (simulated with the measured sizes) to ``path``, if any."""
     if path is None:
         return None
@@ -70,7 +73,7 @@ def write_png(result: TrainResult, path: str | None) -> str | None:
     from pipeoffload.sim.render_png import render_png
 
     simulation = result.simulation or result.plan.result
-    with preflight.writing(path):
+    with preflight.writing_output("train", "--png", path, fifo_wait_s):
         return str(render_png(simulation, path, compare=result.baseline_simulation))
 
 

@@ -8,6 +8,7 @@ so no display is needed and no global matplotlib state is touched.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -96,7 +97,9 @@ def render_png(result: SimResult, path: str | Path, *, compare: SimResult | None
                bbox_to_anchor=(_LEFT_IN / _WIDTH_IN - 0.005, 1 - (0.62 + extra_in) / height))
     path = Path(path)
     kind = "svg" if path.suffix.lower() == ".svg" else "png"  # any other name: PNG bytes
-    fig.savefig(path, format=kind, dpi=_DPI, facecolor="white")
+    picture = io.BytesIO()  # matplotlib seeks in its file, which a FIFO cannot
+    fig.savefig(picture, format=kind, dpi=_DPI, facecolor="white")
+    path.write_bytes(picture.getvalue())
     return path
 
 

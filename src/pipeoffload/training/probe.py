@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeoffload.errors import READER_WAIT_S, writing_output
 from pipeoffload.planner.gemm import Gemm
 from pipeoffload.planner.hardware import Hardware, device_preset, hardware_preset
 
@@ -245,10 +246,11 @@ def probe(
     return to_hardware(measure(config, device=device), config, base)
 
 
-def run_probe_cli(output_path: str | None) -> int:
+def run_probe_cli(output_path: str | None, fifo_wait_s: float = READER_WAIT_S) -> int:
     """`pipeoffload probe [--output FILE]`: print the measurements and the preset, save it as
-    JSON when asked. Without a CUDA device there is nothing to measure: an error line on
-    stderr and exit status 1 (a script must not take the missing preset for a result)."""
+    JSON when asked (an --output FIFO waits ``fifo_wait_s`` for its reader). Without a CUDA
+    device there is nothing to measure: an error line on stderr and exit status 1 (a script
+    must not take the missing preset for a result)."""
     if not cuda_available():
         print(f"pipeoffload probe: error: {NO_DEVICE_MESSAGE} (run it on the GPU machine; "
               "`pipeoffload plan --hardware` takes the presets a100-80gb, h100-80gb, h200)",
@@ -270,10 +272,15 @@ def run_probe_cli(output_path: str | None) -> int:
     print(hardware.to_json())
     if output_path is not None:
         try:
-            Path(output_path).write_text(hardware.to_json() + "\n")
+            with writing_output(output_path, "--output", fifo_wait_s, _note):
+                Path(output_path).write_text(hardware.to_json() + "\n")
         except OSError as exc:
             print(f"pipeoffload probe: error: --output {output_path}: cannot write it "
                   f"({exc.strerror})", file=sys.stderr)
             return 1
         print(f"saved to {output_path} (use it wherever a hardware name is accepted)")
     return 0
+
+
+def _note(text: str) -> None:
+    print(f"pipeoffload probe: note: {text}", file=sys.stderr, flush=True)
