@@ -8,6 +8,10 @@ rank keeps for the backward is then its 1/cp of every activation plus the gather
 (whole sequence, this rank's heads) that the attention saves: parallel/context.py's share of
 the planner's activation model (planner/transformer.py, docs/planner-model.md).
 
+With --document-mask the keys are masked by document too: the first stage all-gathers the
+ids to number the whole sequence's documents (runtime/sequence.py ``document_segments_of``),
+and each attention takes this rank's rows of the document mask (``document_rows``).
+
 ``apply_context_parallel`` sets the split on the reference model's stages and on Hugging Face
 ``CausalLMStage``s (Llama, Mistral, Qwen2, Qwen3: the attention is HF's own module with its
 attention function replaced through transformers' AttentionInterface).
