@@ -91,3 +91,11 @@ def test_split_backward_is_refused_for_sharded_stages_only() -> None:
     with pytest.raises(ConfigError, match="needs whole backward passes.*or --zero 1"):
         check_unsplit(zbv, {0: object()})
     check_unsplit(zbv, {})  # nothing sharded: nothing to refuse
+
+
+def test_offload_and_recompute_of_sharded_stages_are_refused() -> None:
+    offloaded = list(build_schedule("1f1b", pp=2, microbatches=4, offload="all").ranks[0])
+    assert any(a.kind is Kind.OFFLOAD for a in offloaded)
+    with pytest.raises(ConfigError, match="cannot be offloaded or recomputed yet"):
+        StageShards({0: Recording("s0", [])}, offloaded)
+    check_unsplit(offloaded, {1: object()})  # stage 1 is not on this rank

@@ -305,10 +305,10 @@ def test_zero_1_is_the_default_where_there_is_something_to_shard() -> None:
     (["--tp", "2"], "--zero 3 with --tp > 1 is not implemented"),
     (["--cp", "2"], "--zero 3 with --cp > 1 is not implemented"),
     (["--dtype", "bf16"], "--zero 3 with --dtype bf16 is not implemented"),
-    (["--recompute", "lgd"], "--zero 3 with --recompute is not verified"),
+    (["--recompute", "lgd"], "--zero 3 with --recompute lgd or full is not supported yet"),
     (["--checkpoint-dir", "ck"], "--zero 3 does not write or read checkpoints yet"),
-    (["--offload", "all"], "--zero 3 with --schedule 1f1b and --offload all: offload and "
-                           "recompute of sharded stages are not verified"),
+    (["--offload", "all"], "--zero 3 with --schedule 1f1b and --offload all: the offloader "
+                           "would move what autograd saves of the gathered parameters"),
     (["--schedule", "po-f"], "--zero 3 with --schedule po-f: its backward is split into I and W"),
 ])
 def test_what_zero_3_does_not_compose_with_is_refused_in_one_line(
