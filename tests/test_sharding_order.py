@@ -93,9 +93,15 @@ def test_split_backward_is_refused_for_sharded_stages_only() -> None:
     check_unsplit(zbv, {})  # nothing sharded: nothing to refuse
 
 
-def test_offload_and_recompute_of_sharded_stages_are_refused() -> None:
-    offloaded = list(build_schedule("1f1b", pp=2, microbatches=4, offload="all").ranks[0])
-    assert any(a.kind is Kind.OFFLOAD for a in offloaded)
-    with pytest.raises(ConfigError, match="cannot be offloaded or recomputed yet"):
-        StageShards({0: Recording("s0", [])}, offloaded)
-    check_unsplit(offloaded, {1: object()})  # stage 1 is not on this rank
+def test_offload_actions_pass_through_and_the_order_holds() -> None:
+    actions = list(build_schedule("1f1b", pp=2, microbatches=4, offload="all").ranks[0])
+    assert any(a.kind is Kind.OFFLOAD for a in actions)
+    calls: list[str] = []
+    shards = StageShards({0: Recording("s0", calls)}, actions)
+    for action in actions:
+        shards.before(action)
+        calls.append(str(action))
+        shards.after(action)
+    assert calls[:2] == ["s0.unshard", "0F0"] and calls.count("s0.unshard") == 1
+    assert calls[calls.index("0B3") - 3:calls.index("0B3") + 2] == [
+        "s0.sync=True", "s0.reshard_after=True", "s0.last=True", "0B3", "s0.reshard"]

@@ -305,10 +305,7 @@ def test_zero_1_is_the_default_where_there_is_something_to_shard() -> None:
     (["--tp", "2"], "--zero 3 with --tp > 1 is not implemented"),
     (["--cp", "2"], "--zero 3 with --cp > 1 is not implemented"),
     (["--dtype", "bf16"], "--zero 3 with --dtype bf16 is not implemented"),
-    (["--recompute", "lgd"], "--zero 3 with --recompute lgd or full is not supported yet"),
     (["--checkpoint-dir", "ck"], "--zero 3 does not write or read checkpoints yet"),
-    (["--offload", "all"], "--zero 3 with --schedule 1f1b and --offload all: the offloader "
-                           "would move what autograd saves of the gathered parameters"),
     (["--schedule", "po-f"], "--zero 3 with --schedule po-f: its backward is split into I and W"),
 ])
 def test_what_zero_3_does_not_compose_with_is_refused_in_one_line(
@@ -398,7 +395,9 @@ Z3_STEPS = 6
 
 def _fsdp(rank: int, world: int) -> dict:
     """pp2 x dp2 with zero 0 and zero 3 (FSDP2), on 1f1b and on interleaved 1f1b (two stages
-    per rank), with held-out losses (forward-only passes on sharded stages)."""
+    per rank), with held-out losses (forward-only passes on sharded stages); and 3 steps of
+    1f1b with --offload all (and the step without it measured after) and with --recompute
+    lgd, for their activation peaks."""
     topology = mesh_topology(2, 2, 1, torch.device("cpu"), PATIENCE_S)
     data = dataclasses.replace(BASE.data, eval_fraction=0.2)
     out: dict = {}
@@ -410,6 +409,12 @@ def _fsdp(rank: int, world: int) -> dict:
             out[(schedule, z)] = {"losses": list(result.losses),
                                   "eval": list(result.eval_losses),
                                   "state": list(result.model_state)}
+    for name, change in (("offload", {"offload": "all", "measure_baseline": True}),
+                         ("lgd", {"recompute": "lgd"})):
+        for z in (0, 3):
+            result = train(dataclasses.replace(BASE, steps=3, zero=z, **change), topology)
+            out[(name, z)] = [list(result.losses), result.peak_bytes, result.predicted_bytes,
+                              result.baseline_bytes]
     out["collectives"] = _collectives_per_step(topology)
     return out
 
@@ -467,3 +472,11 @@ def test_zero3_fsdp2_stages_train_like_zero0(tmp_path: Path) -> None:
                     assert max(held) - min(held) < 0.1 * sum(held), (schedule, key, held)
             for row0, row3 in zip(zero0["state"], zero3["state"]):  # the planner's: 1/dp
                 assert 2 * row3["predicted_optimizer_state"] == row0["predicted_optimizer_state"]
+        for name in ("offload", "lgd"):
+            # losses, measured peaks, the simulator's (from the measured sizes) and, offloaded,
+            # the peaks of the step without offload: all zero 0's (the meter counts no view of
+            # a gathered parameter, the offloader keeps them)
+            zero0, zero3 = out[(name, 0)], out[(name, 3)]
+            assert zero3 == zero0, (name, zero0, zero3)
+            assert zero3[1] == tuple(int(b) for b in zero3[2])
+        assert out[("offload", 3)][3] is not None

@@ -16,11 +16,9 @@ This is the order torch.distributed.pipelining drives FSDP2 in (stage.py
 ``backward_maybe_with_nosync``, then ``perform_reduce_grad`` after the last backward; its
 lowering's UNSHARD before a stage's first compute and RESHARD after its last); torch calls
 FSDP's post-backward by hand there because its B / W split bypasses the autograd hooks, so a
-split backward (I / W) is refused here instead (``check_unsplit``), and so are the schedule's
-offload and recompute actions: what autograd saves of a gathered parameter (a view of FSDP's
-all-gather buffer, not the parameter itself) would be metered and offloaded as an activation
-(measured: tiny model, pp 2 x dp 2, 1f1b with ``--offload all``: the same losses, peaks 23-26%
-above ``--zero 0``'s).
+split backward (I / W) is refused here instead (``check_unsplit``). Offload and recompute
+compose: what autograd saves of a gathered parameter is a view of a parameter, which the
+offloader keeps on the device and the meter does not count (runtime/keep.py, meter.py).
 """
 
 from __future__ import annotations
@@ -28,10 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind
+from pipeoffload.core.actions import Action, Kind
 from pipeoffload.errors import ConfigError
-
-_MOVED = frozenset({*OFFLOAD_KINDS, Kind.RECOMPUTE})
 
 
 class ShardedStage(Protocol):
@@ -49,8 +45,7 @@ class ShardedStage(Protocol):
 
 
 def check_unsplit(actions: Sequence[Action], stages: Mapping[int, object]) -> None:
-    """ConfigError when a sharded stage's backward is split into I and W, or its activations
-    are offloaded or recomputed by the schedule (see the Note)."""
+    """ConfigError when a sharded stage's backward is split into I and W (see the Note)."""
     split = next((a for a in actions if a.stage in stages and a.kind in (Kind.I, Kind.W)),
                  None)
     if split is not None:
@@ -58,12 +53,6 @@ def check_unsplit(actions: Sequence[Action], stages: Mapping[int, object]) -> No
                           "backward passes (B); FSDP reduce-scatters its gradients in the "
                           "autograd hooks of a whole backward, which I / W bypass; choose a "
                           "schedule without split backward, or --zero 1")
-    moved = next((a for a in actions if a.stage in stages and a.kind in _MOVED), None)
-    if moved is not None:
-        raise ConfigError(f"action {moved}: a stage sharded with FSDP2 (--zero 3) cannot be "
-                          "offloaded or recomputed yet: what autograd saves of its gathered "
-                          "parameters would be moved as activations; plan the schedule without "
-                          "offload, or use --zero 1")
 
 
 class StageShards:

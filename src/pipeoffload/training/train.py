@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeoffload.api import plan_schedule
 from pipeoffload.checks import check_number, check_optional
-from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
+from pipeoffload.core.actions import Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError, FieldError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
@@ -45,10 +45,6 @@ _ZERO3_LIMITS: tuple[tuple[Callable[[TrainConfig], bool], str], ...] = (
     (lambda c: c.hf_model is not None, "{zero} 3 trains the reference model only: "
      "a Hugging Face model's tied embeddings sum gradients across stages, which sharded "
      "stages do not; use {zero} 1"),
-    (lambda c: c.recompute != "none", "{zero} 3 with {recompute} lgd or full is not "
-     "supported yet: the losses match, but the activation meter counts what the recompute "
-     "saves of the gathered parameters, so the measured peaks miss the simulator's; use "
-     "{zero} 1"),
     (lambda c: c.checkpoint_dir is not None or c.resume is not None,
      "{zero} 3 does not write or read checkpoints yet (its stage files would hold each "
      "replica's parameter shards); use {zero} 1 with {checkpoint_dir}"),
@@ -292,10 +288,9 @@ def train_offload(spec: str | None) -> str | None:
 
 
 def check_zero3_schedule(config: TrainConfig, schedule: Schedule) -> None:
-    """ConfigError where ``--zero 3`` meets a schedule whose actions it cannot drive: a split
-    backward or activations moved or recomputed by the schedule (runtime/sharding.py Note:
-    [sharded stages]); the Pipeline refuses them too (check_unsplit), but only once every
-    process has started."""
+    """ConfigError where ``--zero 3`` meets a schedule whose backward is split into I and W
+    (runtime/sharding.py Note: [sharded stages]); the Pipeline refuses it too
+    (check_unsplit), but only once every process has started."""
     if config.zero_level != 3:
         return
     if schedule.has_kind(Kind.I, Kind.W):
@@ -303,11 +298,6 @@ def check_zero3_schedule(config: TrainConfig, schedule: Schedule) -> None:
                           "into I and W, which bypass the autograd hooks where FSDP "
                           "reduce-scatters; choose a schedule without split backward (1f1b, "
                           "interleaved, ...), or --zero 1")
-    if schedule.has_kind(*OFFLOAD_KINDS, Kind.RECOMPUTE):
-        raise ConfigError(f"--zero 3 with --schedule {config.schedule} and --offload "
-                          f"{config.offload or 'its default'}: the offloader would move what "
-                          "autograd saves of the gathered parameters as activations; pass "
-                          "--offload none (po-f / po-h always offload), or --zero 1")
 
 
 def build_plan(config: TrainConfig) -> OffloadPlan:
