@@ -100,7 +100,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                         "command trains with --zero 1)")
     p.add_argument("--zero", type=int, default=None, choices=(0, 1, 3),
                    help="train's spelling: 1 is --sharded-optimizer, 0 its absence; 3 (FSDP2) "
-                        "is refused: train does not run it")
+                        "is refused: plan does not price it (train runs it in fp32 without "
+                        "split backward)")
     p.add_argument("--reserve", type=number(minimum=0, maximum=1 << 30), default=None,
                    metavar="GiB",
                    help="fixed per-GPU reserve for context, NCCL, workspaces (default 4)")
@@ -202,8 +203,9 @@ def _zero_level(args: argparse.Namespace) -> bool:
     from pipeoffload.errors import ConfigError
 
     if args.zero == 3:
-        raise ConfigError("--zero 3 (FSDP2) is not priced: pipeoffload train does not run it "
-                          "(docs/training.md, optimizer sharding); use --zero 1")
+        raise ConfigError("--zero 3 (FSDP2) is not priced: train runs it only in fp32, without "
+                          "split backward, tp, cp or checkpoints, not the plans this prices "
+                          "(docs/training.md, \"Sharding the optimizer\"); use --zero 1")
     if args.zero == 0 and args.sharded_optimizer:
         raise ConfigError("--zero 0 and --sharded-optimizer disagree; pass one of them")
     return bool(args.sharded_optimizer or args.zero == 1)

@@ -89,7 +89,9 @@ def _parallelism_options(parser: argparse.ArgumentParser) -> None:
                    "optimizer state on every data-parallel replica; 1: float32 masters and "
                    "AdamW moments sharded over the replicas and context-parallel ranks "
                    "(ZeRO-1; its overlapped gradient buckets are verified on gloo only); "
-                   "3 (FSDP2) is not implemented and says why")
+                   "3: FSDP2, each stage's parameters, gradients and moments sharded over the "
+                   "replicas (fp32, no split backward, tp, cp or checkpoints yet; refused in "
+                   "words)")
 
 
 def _model_and_data_options(parser: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ from pipeoffload.runtime.lowering import early_receives, message_of, peer_of
 from pipeoffload.runtime.meter import ActivationMeter
 from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.p2p import DistTransport, LocalTransport, Pending
+from pipeoffload.runtime.sharding import ShardedStage, StageShards
 from pipeoffload.runtime.stage import RngState, StageRunner
 
 TensorTuple = tuple[torch.Tensor, ...]
@@ -59,8 +60,11 @@ class RankExecutor:
         device: torch.device | None = None,
         recv_lookahead: int = 0,
         forward_only: bool = False,
+        sharded: dict[int, ShardedStage] | None = None,
     ) -> None:
         self.rank = rank
+        # FSDP2 stages of this rank: gathered and freed around their actions (runtime/sharding.py)
+        self._shards = (StageShards(sharded, schedule.ranks[rank]) if sharded else None)
         self._forward_only = forward_only  # Pipeline.evaluate: F records no graph
         self._schedule = schedule
         self._stages = stages
@@ -95,7 +99,11 @@ class RankExecutor:
             if early is not None:
                 for recv in early:
                     self._post_recv(recv)
+            if self._shards is not None:
+                self._shards.before(action)
             getattr(self, _HANDLERS[action.kind])(action, step)
+            if self._shards is not None:
+                self._shards.after(action)
         except PipelineRuntimeError:
             raise
         except Exception as error:
@@ -104,9 +112,11 @@ class RankExecutor:
             self._offloader.poll()
 
     def finish(self) -> None:
-        """End of step: nothing may be left half done."""
+        """End of step: nothing may be left half done; sharded stages are resharded."""
         left = {str(k): v for k, v in {**self._inbox, **self._outbox}.items()}
         self._reset()
+        if self._shards is not None:
+            self._shards.finish()
         if left:
             raise PipelineRuntimeError(f"rank {self.rank}: step ended with unconsumed messages "
                                        f"{sorted(left)}; the schedule has a SEND or RECV too many")

@@ -2,8 +2,10 @@
 
 What is measured (Note: [meter definition]): the bytes of distinct device storages that hold
 saved tensors (what autograd keeps for the backward) and that are still held, excluding the
-storages of parameters. A storage is counted while at least one "resident token" for it lives;
-a token lives exactly as long as whoever keeps the saved tensor on the device keeps it:
+storages of parameters and views of parameters (``_is_parameter``: FSDP2's gathered parameters
+are views of its all-gather buffer, which is no parameter's storage). A storage is counted
+while at least one "resident token" for it lives; a token lives exactly as long as whoever
+keeps the saved tensor on the device keeps it:
 - without the offloader, the meter's own pass-through saved_tensors_hooks hand autograd a token
   that holds the tensor, so it dies when autograd frees the saved tensor (end of W or B);
 - with the offloader (whose hooks are innermost and therefore the only ones called), the
@@ -53,6 +55,14 @@ def is_plain(tensor: torch.Tensor) -> bool:
     )
 
 
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter, or a view of one made in the step (as the offloader's KeepRule keeps them:
+    a weight's transpose saved for the backward; FSDP2's gathered parameters, whose storage is
+    its all-gather buffer, not a parameter's)."""
+    return (isinstance(tensor, torch.nn.Parameter)
+            or isinstance(tensor._base, torch.nn.Parameter))
+
+
 class ResidentToken:
     """Keeps one saved tensor's storage counted as resident while this object lives."""
 
@@ -91,11 +101,12 @@ class ActivationMeter:
     def track(self, tensor: torch.Tensor, owner: Hashable) -> ResidentToken | None:
         """Count ``tensor``'s storage for ``owner`` while the returned token lives.
 
-        Returns None for what is not an activation (parameters, empty or non-dense tensors).
+        Returns None for what is not an activation (parameters and their views, empty or
+        non-dense tensors).
         A DTensor counts its local shard's storage, an AsyncCollectiveTensor its waited result
         (runtime/shards.py); the token keeps the tensor as given.
         """
-        if isinstance(tensor, torch.nn.Parameter):
+        if _is_parameter(tensor):
             return None
         counted = local_shard(tensor)
         if not is_plain(counted):
@@ -122,7 +133,7 @@ class ActivationMeter:
         Note: [streaming offload]). The caller notes each storage once: its address may be
         reused as soon as it is freed, so the meter cannot tell repeats apart."""
         tensor = local_shard(tensor)
-        if is_plain(tensor) and not isinstance(tensor, torch.nn.Parameter):
+        if is_plain(tensor) and not _is_parameter(tensor):
             if storage_key(tensor) not in self._excluded:
                 self._attribute(owner, None, tensor.untyped_storage().nbytes())
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.p2p import DistTransport, LocalTransport
 from pipeoffload.runtime.pool import HostBufferPool, plan_need
 from pipeoffload.runtime.sequence import SequenceSplit
+from pipeoffload.runtime.sharding import ShardedStage
 from pipeoffload.runtime.stage import StageRunner
 from pipeoffload.runtime.tied import TiedGradients, TiedSpec, merge_ties
 
@@ -110,7 +111,11 @@ class Pipeline:
       this rank's tokens of every input and target with a sequence dimension (dim 1), and
       returns the mean loss over the context-parallel ranks (the whole sequence's). The stages
       must attend over the group (parallel/context.py), and gradients be averaged over it.
-    - torch's UNSHARD / RESHARD / REDUCE_GRAD markers in the schedule are skipped (no FSDP here).
+    - torch's UNSHARD / RESHARD / REDUCE_GRAD markers in the schedule are skipped. A stage
+      module wrapped with FSDP2's ``fully_shard`` (an ``FSDPModule``, ``reshard_after_forward=
+      False``) is unsharded before its first F of a step and resharded after its last B, its
+      gradients reduce-scattered once, after that B (runtime/sharding.py Note: [sharded
+      stages]); its backward must not be split into I and W.
     - Before the first step: ``connect_peers()`` sets up every P2P connection (the first
       ``step`` calls it), and ``reserve_host_memory(stage_bytes)`` allocates the offloader's
       host buffers from the plan (docs/runtime.md, "GPU rules": on NCCL neither may happen
@@ -141,6 +146,7 @@ class Pipeline:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.ranks = self._ranks_here(schedule, group)
         self._check_stages(stages)
+        self._stages = dict(stages)
         self.device = (torch.device(device) if device is not None else _device_of(
             stages, self.distributed and backend_for(group, "cuda") == "nccl"))
         nccl = self.distributed and uses_nccl(group, self.device)
@@ -233,9 +239,16 @@ class Pipeline:
             rank: RankExecutor(rank, lowered, self._runners_of(rank), self._transport,
                                self._offloader, self.meter, self.config.clone_hand_off,
                                self.config.offload.stream, device=self.device,
-                               recv_lookahead=self._lookahead)
+                               recv_lookahead=self._lookahead, sharded=self._sharded_of(rank))
             for rank in self.ranks
         }
+
+    def _sharded_of(self, rank: int) -> dict[int, ShardedStage]:
+        """The FSDP2 stages of ``rank`` (Note: [sharded stages])."""
+        from torch.distributed.fsdp import FSDPModule
+
+        return {s: cast(ShardedStage, self._stages[s]) for s in self._runners_of(rank)
+                if isinstance(self._stages[s], FSDPModule)}
 
     @property
     def offloader(self) -> ActivationOffloader | None:
@@ -429,7 +442,7 @@ class Pipeline:
                 rank: RankExecutor(rank, lowered, self._runners_of(rank),
                                    self._transport, None, None, self.config.clone_hand_off,
                                    device=self.device, recv_lookahead=self._lookahead,
-                                   forward_only=True)
+                                   forward_only=True, sharded=self._sharded_of(rank))
                 for rank in self.ranks
             }
             self._forward_only = (interleave(lowered, self.ranks), executors)

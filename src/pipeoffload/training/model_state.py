@@ -34,18 +34,19 @@ def model_state(stages: Mapping[int, nn.Module], optimizer: PipelineOptimizer, g
                 topology: Topology, *, zero: int, dtype: str) -> tuple[dict[str, Any], ...]:
     """Per global rank (a collective): ``parameters``, ``gradients``, ``masters``,
     ``moments`` and ``optimizer_state`` (masters + moments) in bytes, measured, and
-    ``predicted_optimizer_state``, the planner's bytes for this process's parameters."""
+    ``predicted_optimizer_state``, the planner's bytes for this process's parameters (under
+    ``zero`` 3 the whole parameters, of which FSDP2 left this process its 1/dp)."""
     trainable = [p for m in stages.values() for p in m.parameters() if p.requires_grad]
+    numel = sum(p.numel() if zero == 3 else local_shard(p).numel() for p in trainable)
     element = 8 if dtype == "fp64" else 4  # float32 masters and moments (fp64 runs: float64)
-    spec = OptimizerSpec(master_bytes=element, state_bytes=2 * element, sharded=zero == 1)
+    spec = OptimizerSpec(master_bytes=element, state_bytes=2 * element, sharded=zero >= 1)
     held = optimizer.state_bytes()
     mine = {"rank": topology.rank,
             "parameters": _nbytes([p for m in stages.values() for p in m.parameters()]),
             "gradients": grad_bytes, **held,
             "optimizer_state": held["masters"] + held["moments"],
             "predicted_optimizer_state": optimizer_bytes(
-                sum(local_shard(p).numel() for p in trainable), spec,
-                dp=topology.grad_replicas if topology.distributed else 1)}
+                numel, spec, dp=topology.grad_replicas if topology.distributed else 1)}
     if not topology.distributed:
         return (mine,)
     return tuple(ckpt._gather_json(mine))

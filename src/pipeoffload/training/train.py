@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeoffload.api import plan_schedule
 from pipeoffload.checks import check_number, check_optional
+from pipeoffload.core.actions import Kind
+from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError, FieldError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
 from pipeoffload.offload.targets import TargetKind, parse_target
@@ -38,13 +40,24 @@ from pipeoffload.training.train_classes import (
 )
 
 DEVICES = ("auto", "cpu", "cuda")
-#: Why ``--zero 3`` is refused. FSDP2's fully_shard itself runs on gloo / CPU in torch 2.13
-#: (checked); what is missing is the Pipeline's part.
-ZERO3_REFUSAL = (
-    "{zero} 3 (FSDP2 fully_shard of each stage) is not implemented: torch 2.13's fully_shard "
-    "runs on gloo and CPU, but the Pipeline does not yet unshard a stage before its first "
-    "compute of a step and reshard it after its last; use {zero} 1, which shards the float32 "
-    "masters and AdamW moments over the data-parallel replicas")
+#: What ``--zero 3`` (FSDP2, parallel/fsdp.py) does not compose with yet, and why: (the
+#: condition, the reason), each refused in one line; check_zero3_schedule adds the schedule's.
+_ZERO3_LIMITS: tuple[tuple[Callable[[TrainConfig], bool], str], ...] = (
+    (lambda c: c.dp < 2, "{zero} 3 shards each stage over the data-parallel replicas, "
+     "and {dp} 1 has none; use {dp} 2 or more"),
+    (lambda c: c.tp > 1, "{zero} 3 with {tp} > 1 is not implemented: the stages' "
+     "tensor-parallel DTensors would be sharded again over a 2-D mesh; use {zero} 1"),
+    (lambda c: c.cp > 1, "{zero} 3 with {cp} > 1 is not implemented: gradients would be "
+     "averaged over context-parallel ranks too (FSDP's replicate x shard mesh); use {zero} 1"),
+    (lambda c: c.dtype == "bf16", "{zero} 3 with {dtype} bf16 is not implemented: "
+     "float32 master weights of bf16 shards need FSDP's mixed-precision policy; use {zero} 1"),
+    (lambda c: c.hf_model is not None, "{zero} 3 trains the reference model only: "
+     "a Hugging Face model's tied embeddings sum gradients across stages, which sharded "
+     "stages do not; use {zero} 1"),
+    (lambda c: c.checkpoint_dir is not None or c.resume is not None,
+     "{zero} 3 does not write or read checkpoints yet (its stage files would hold each "
+     "replica's parameter shards); use {zero} 1 with {checkpoint_dir}"),
+)
 
 
 def _refuse(template: str, **values: object) -> FieldError:
@@ -75,8 +88,10 @@ class TrainConfig:
     folder to write the trained model to as a Hugging Face model, in ``export_dtype`` (None:
     bf16 for a bf16 run, else fp32). ``zero``: 0 keeps the whole optimizer state on every
     data-parallel replica; 1 shards float32 masters and AdamW moments over the replicas and
-    context-parallel ranks (ZeRO-1, parallel/zero.py); None (the default): 1 when dp * cp > 1,
-    else 0 (``zero_level``).
+    context-parallel ranks (ZeRO-1, parallel/zero.py); 3 shards each stage's parameters,
+    gradients and moments over the replicas with FSDP2 (parallel/fsdp.py; what it does not
+    compose with yet is refused: ``_ZERO3_LIMITS``, ``check_zero3_schedule``); None (the
+    default): 1 when dp * cp > 1, else 0 (``zero_level``).
     A value that is wrong raises FieldError naming its field (``TrainConfig.lr``; the command
     line names its flag instead).
     """
@@ -184,12 +199,14 @@ class TrainConfig:
                           warmup=self.warmup_steps)
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise _refuse("{grad_clip} must be > 0 (or none), got {got}", got=self.grad_clip)
-        if self.zero == 3:
-            raise _refuse(ZERO3_REFUSAL)
-        if self.zero not in (None, 0, 1):
-            raise _refuse("{zero} {got}: choose 0 (whole optimizer state on every replica) or 1 "
+        if self.zero not in (None, 0, 1, 3):
+            raise _refuse("{zero} {got}: choose 0 (whole optimizer state on every replica), 1 "
                           "(sharded over the data-parallel replicas and context-parallel "
-                          "ranks)", got=self.zero)
+                          "ranks) or 3 (FSDP2: parameters and gradients too)", got=self.zero)
+        if self.zero == 3:
+            for refused, why in _ZERO3_LIMITS:
+                if refused(self):
+                    raise _refuse(why)
 
     def _check_checkpoints(self) -> None:
         if self.checkpoint_every < 0:
@@ -279,6 +296,19 @@ def train_offload(spec: str | None) -> str | None:
     except ConfigError as error:
         raise ConfigError(f"--offload: {error}") from None
     return text
+
+
+def check_zero3_schedule(config: TrainConfig, schedule: Schedule) -> None:
+    """ConfigError where ``--zero 3`` meets a schedule whose backward is split into I and W
+    (runtime/sharding.py Note: [sharded stages]); the Pipeline refuses it too
+    (check_unsplit), but only once every process has started."""
+    if config.zero_level != 3:
+        return
+    if schedule.has_kind(Kind.I, Kind.W):
+        raise ConfigError(f"--zero 3 with --schedule {config.schedule}: its backward is split "
+                          "into I and W, which bypass the autograd hooks where FSDP "
+                          "reduce-scatters; choose a schedule without split backward (1f1b, "
+                          "interleaved, ...), or --zero 1")
 
 
 def build_plan(config: TrainConfig) -> OffloadPlan:

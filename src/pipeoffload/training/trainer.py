@@ -37,6 +37,7 @@ from pipeoffload.parallel import checkpoint as ckpt
 from pipeoffload.parallel.checkpoint_files import check_root, resolve_resume
 from pipeoffload.parallel.checkpoint_lock import FolderLock
 from pipeoffload.parallel.context import apply_context_parallel
+from pipeoffload.parallel.fsdp import ShardedAdamW, shard_stages
 from pipeoffload.parallel.optimizer import PipelineOptimizer, StageAdamW
 from pipeoffload.parallel.precision import torch_dtype
 from pipeoffload.parallel.topology import Topology
@@ -64,7 +65,7 @@ from pipeoffload.training.results import StepLog, TrainResult
 from pipeoffload.training.signals import StopRequest, signal_name
 from pipeoffload.training.split import build_stage_modules, lm_loss
 from pipeoffload.training.tensor_parallel import apply_tensor_parallel
-from pipeoffload.training.train import TrainConfig, build_plan
+from pipeoffload.training.train import TrainConfig, build_plan, check_zero3_schedule
 from pipeoffload.training.validation import eval_steps, held_out
 
 
@@ -139,10 +140,13 @@ class Trainer:
                               f"this topology has cp={topology.cp}; start pp*dp*tp*cp processes")
         plan = build_plan(config)
         schedule = plan.schedule
+        check_zero3_schedule(config, schedule)
         mine = topology.stages_of(schedule)
         hf = build_hf(config, schedule.num_stages, mine, topology) if config.hf_model else None
         stages = hf.stages if hf is not None else build_stages(config, schedule.num_stages,
                                                                mine, topology)
+        if config.zero_level == 3:
+            stages = shard_stages(stages, topology)
         context = topology.sequence_split()
         apply_context_parallel(stages, context)
         optimizer = make_optimizer(config, stages, topology)
@@ -385,7 +389,11 @@ def make_optimizer(config: TrainConfig, stages: Mapping[int, nn.Module],
                    topology: Topology) -> PipelineOptimizer:
     """The run's optimizer: AdamW per stage over master weights (float32 ones for bf16),
     whole on every replica (``zero_level`` 0) or sharded over the replicas and context-parallel
-    ranks (1, parallel/zero.py)."""
+    ranks (1, parallel/zero.py); with the stages sharded by FSDP2 (3, parallel/fsdp.py) AdamW
+    over their shards."""
+    if config.zero_level == 3:
+        return ShardedAdamW(stages, topology, lr=config.lr, betas=config.betas,
+                            weight_decay=config.weight_decay)
     if config.zero_level == 1:
         return ZeroAdamW(stages, topology, lr=config.lr, betas=config.betas,
                          weight_decay=config.weight_decay, microbatches=config.num_microbatches)
