@@ -113,9 +113,9 @@ def test_plan_prints_a_class_command_that_trains_shrunk(tmp_path: Path, capsys) 
                  "--global-batch", "8", "--reserve", "0", "--memory", repr(memory), "--json",
                  "--quiet"]) == 0
     best = json.loads(capsys.readouterr().out)["best"]
-    assert best["offload"].startswith("classes:"), best
+    assert best["offload"] == CLASS_OFFLOAD and best["offload_run"].startswith("classes:"), best
     argv = shlex.split(best["command"])
-    assert argv[:2] == ["pipeoffload", "train"] and f"--offload {best['offload']}" in \
+    assert argv[:2] == ["pipeoffload", "train"] and f"--offload {best['offload_run']}" in \
         best["command"]
     text = (Path(json.__file__).parent / "decoder.py").read_bytes()
     (tmp_path / "text.txt").write_bytes(text)
