@@ -12,6 +12,7 @@ the papers' ratio: one-way copy time over F + I + W, k = 2 x ratio (k = 1 at rat
     python benchmarks/offload_vs_megatron.py --full     # p = 4, 8, 16, 32
     python benchmarks/offload_vs_megatron.py --quick    # p = 4, k = 0.5 and 2 (tests)
     python benchmarks/offload_vs_megatron.py --pp 16 32 --k 2 --one-shape
+    python benchmarks/offload_vs_megatron.py --pp 16 --long-shape   # seq 32k, hidden 16k
     python benchmarks/offload_vs_megatron.py --schedules zbv --fetch-on-use   # ours by FETCH
 """
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, nargs="+", help="pipeline sizes instead")
     parser.add_argument("--k", type=float, nargs="+", help="copy ratios k instead")
     parser.add_argument("--one-shape", action="store_true", help="seq 4k, hidden 4k only")
+    parser.add_argument("--long-shape", action="store_true", help="seq 32k, hidden 16k only")
     parser.add_argument("--schedules", nargs="+", help="these schedules of the grid only")
     parser.add_argument("--fetch-on-use", action="store_true",
                         help="ours brings activations back by FETCH where the reads hide")
@@ -107,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     pps = (4, 8, 16, 32) if args.full else (4,) if args.quick else (4, 8)
     ks = (0.5, 2.0) if args.quick else (0.5, 1.0, 2.0, 3.0)
     pps, ks = tuple(args.pp or pps), tuple(args.k or ks)
-    shapes = SHAPES[:1] if args.quick or args.one_shape else SHAPES
+    shapes = (SHAPES[:1] if args.quick or args.one_shape else SHAPES[1:] if args.long_shape
+              else SHAPES)
     print("| schedule | p | k | seq | hidden | plain peak | Megatron best | its peak | its "
           "makespan | ours | our peak | our makespan | cut vs Megatron |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

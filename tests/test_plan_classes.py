@@ -1,7 +1,8 @@
 """`pipeoffload plan` searches tensor-class offload (issue 36, planner/class_offload.py): where
 whole chunks cannot hide behind compute (k near 1, a slow host link), only a class plan fits
 the budget; its printed command (`--offload classes:A+B`) trains, shrunk, at a lower measured
-peak than without offload; the class plan's train command is refused where train cannot run it.
+peak than without offload, which the simulator predicts exactly from the measured class bytes;
+the class plan's train command is refused where train cannot run it.
 """
 
 from __future__ import annotations
@@ -112,9 +113,9 @@ def test_plan_prints_a_class_command_that_trains_shrunk(tmp_path: Path, capsys) 
                  "--global-batch", "8", "--reserve", "0", "--memory", repr(memory), "--json",
                  "--quiet"]) == 0
     best = json.loads(capsys.readouterr().out)["best"]
-    assert best["offload"].startswith("classes:"), best
+    assert best["offload"] == CLASS_OFFLOAD and best["offload_run"].startswith("classes:"), best
     argv = shlex.split(best["command"])
-    assert argv[:2] == ["pipeoffload", "train"] and f"--offload {best['offload']}" in \
+    assert argv[:2] == ["pipeoffload", "train"] and f"--offload {best['offload_run']}" in \
         best["command"]
     text = (Path(json.__file__).parent / "decoder.py").read_bytes()
     (tmp_path / "text.txt").write_bytes(text)
@@ -129,6 +130,8 @@ def test_plan_prints_a_class_command_that_trains_shrunk(tmp_path: Path, capsys) 
         result["peak_activation_without_offload_bytes"]
     assert measured[0] < without[0]  # the first rank holds two microbatches: classes moved
     assert all(m <= w for m, w in zip(measured, without))
+    # the simulator, given the measured share each stage's classes move, predicts the meter
+    assert measured == [int(b) for b in result["predicted_peak_activation_bytes"]]
 
 
 @pytest.mark.parametrize(("spec", "change", "says"), [

@@ -1,6 +1,7 @@
 """What ``pipeoffload plan`` prints: the k line, a ranked table, the winner's command, the
 verdict on offload, and the same as one JSON object (the contract: k, best and candidates, each
-plan with pp, tp, dp, schedule, chunks, group_size, offload, recompute, microbatch_size,
+plan with pp, tp, dp, schedule, chunks, group_size, offload (the option searched), offload_run
+(what its command runs: a class plan's classes:A+B), recompute, microbatch_size,
 microbatches, step_time, mfu (= mfu_megatron, the full attention square) and mfu_causal,
 memory_gib, host_gib, host_node_gib, feasible and command: the
 `pipeoffload train` command, or null with ``command_refused`` saying why train cannot run the
@@ -34,7 +35,8 @@ def plan_json(plan: Plan, spec: TransformerSpec | None = None, *,
         "schedule": c.display_name,
         "chunks": c.chunks,
         "group_size": c.group_size,
-        "offload": plan.offload_spec or c.offload,
+        "offload": c.offload,
+        "offload_run": plan.offload_spec or c.offload,
         "recompute": c.recompute.value,
         "microbatch_size": c.micro_batch,
         "microbatches": c.microbatches,

@@ -48,7 +48,8 @@ benchmarks/planner_search.py). With ``tolerance`` 0 and ``Extrapolation(enabled=
 is the exhaustive search: the same best plan (up to ties) as simulating every candidate in
 full, since what it skips provably cannot win.
 Recompute options of equal stage time keep only the one with fewer bytes (lgd before none):
-identical timelines, more memory.
+identical timelines, more memory; the class-plan variant stays at none (planner/class_offload.py,
+Note: [class plans in the search]).
 The other plans returned are the fastest others the search simulated on the way (reduced
 where so marked); the search does not simulate plans only to fill the table.
 """

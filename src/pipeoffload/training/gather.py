@@ -1,6 +1,7 @@
 """What the processes of a training run tell each other around its steps (small all-gathers
 of float64 values on the default group): the loss, peaks, host-pool bytes and stop requests
-after each step, the start step and run id before the first, the per-stage activation sizes;
+after each step, the start step and run id before the first, the per-stage activation sizes
+(and, with class choices, the share of them moved);
 and a failed collective turned into an error naming this rank (``peer_failures``).
 """
 
@@ -9,16 +10,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 
+from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import PipelineRuntimeError, PipeoffloadError
 from pipeoffload.parallel.checkpoint_files import CheckpointError
 from pipeoffload.parallel.topology import Topology
 from pipeoffload.runtime.groups import collective_device
 from pipeoffload.runtime.meter import ActivationMeter
+from pipeoffload.runtime.offloader import ActivationOffloader
 
 
 def gather_floats(topology: Topology, values: list[float]) -> list[list[float]]:
@@ -88,6 +91,36 @@ def stage_sizes(topology: Topology, meter: ActivationMeter,
         measured = {int(v) for v in values if v != -2}
         sizes.append(measured.pop() if len(measured) == 1 else -1)
     return None if min(sizes) < 0 else tuple(sizes)
+
+
+def stage_moved_shares(topology: Topology, offloader: ActivationOffloader | None,
+                       schedule: Schedule) -> dict[int, float] | None:
+    """Per stage, the share of one microbatch's saved bytes its class choice moves, measured
+    on the last step (``ActivationOffloader.class_bytes``), from every process: what the
+    simulator reads for a schedule with class choices (core/classes.py); None when the
+    schedule has none or a stage's microbatches differed."""
+    choices = dict(schedule.classes)
+    if not choices:
+        return None
+    seen: dict[int, set[float]] = {}
+    measured = offloader.class_bytes if offloader is not None else {}
+    for key, tags in measured.items():
+        stage_mb = cast(tuple[int, int], key)
+        choice = choices.get(stage_mb)
+        total = sum(tags.values())
+        if choice is not None and total:
+            moved = sum(tags.get(name, 0) for name in choice.names[0])
+            seen.setdefault(stage_mb[0], set()).add(moved / total)
+    local = [float(next(iter(seen[s])) if len(seen[s]) == 1 else -1) if s in seen else -2.0
+             for s in range(schedule.num_stages)]
+    shares = {}
+    for stage, values in enumerate(zip(*gather_floats(topology, local))):
+        found = {v for v in values if v != -2}
+        if len(found) > 1 or -1 in found:
+            return None
+        if found:
+            shares[stage] = found.pop()
+    return shares
 
 
 @contextmanager

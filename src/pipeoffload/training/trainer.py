@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
+from pipeoffload.core.classes import ClassChoice, TensorClass
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
 from pipeoffload.offload.plan import OffloadPlan
@@ -53,6 +54,7 @@ from pipeoffload.training.gather import (
     agree_on_start,
     gather_step,
     peer_failures,
+    stage_moved_shares,
     stage_sizes,
 )
 from pipeoffload.training.hf_model import HFStages, resolve_model
@@ -103,6 +105,7 @@ class _Record:
     began_s: float = field(default_factory=time.perf_counter)
     losses: list[float] = field(default_factory=list)
     stage_bytes: tuple[int, ...] | None = None
+    moved_shares: dict[int, float] | None = None  # per stage, with class choices (measured)
     busy_s: float = 0.0
     saved: str | None = None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
@@ -286,7 +289,8 @@ class Trainer:
         activation sizes, the peaks without offload, and the export."""
         simulation = baseline_sim = baseline = None
         if record.stage_bytes is not None and not stopped:  # stopping: no extra work
-            simulation, baseline_sim, baseline = self._simulate(record.stage_bytes)
+            simulation, baseline_sim, baseline = self._simulate(record.stage_bytes,
+                                                                record.moved_shares)
         exported = None
         if self.config.export_hf is not None and self.hf is not None and not stopped:
             with self._peer_failures(f"exporting to {self.config.export_hf}"):
@@ -314,6 +318,8 @@ class Trainer:
             with self._peer_failures("gathering activation sizes"):
                 record.stage_bytes = stage_sizes(self.topology, self.meter,
                                                  self.schedule.num_stages)
+                record.moved_shares = stage_moved_shares(self.topology, self.pipe.offloader,
+                                                         self.schedule)
         record.losses.append(gathered.loss)
         record.peaks = [max(a, b) for a, b in zip(record.peaks, gathered.peak_bytes)]
         if self.hooks.on_step is not None and self.reporter:
@@ -336,11 +342,16 @@ class Trainer:
             done == config.steps or stopped
             or (config.checkpoint_every and done % config.checkpoint_every == 0))
 
-    def _simulate(self, stage_bytes: tuple[int, ...]
+    def _simulate(self, stage_bytes: tuple[int, ...], moved: dict[int, float] | None = None
                   ) -> tuple[SimResult, SimResult | None, tuple[int, ...] | None]:
-        """The schedule simulated with the measured per-stage sizes; with offload also
-        without it, simulated and (``measure_baseline``) measured on one extra step."""
+        """The schedule simulated with the measured per-stage sizes (and, with class choices,
+        the measured share of them each moves); with offload also without it, simulated and
+        (``measure_baseline``) measured on one extra step."""
         schedule = self.schedule
+        if moved is not None:
+            schedule = schedule.with_classes({
+                (stage, mb): ClassChoice((TensorClass("measured", moved[stage]),))
+                for (stage, mb), _ in schedule.classes if stage in moved})
         costs = CostModel(stage_activation_bytes=stage_bytes)
         simulation = simulate(schedule, costs)
         if not schedule.has_kind(Kind.OFFLOAD):
