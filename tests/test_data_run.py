@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,50 @@ def test_a_folder_of_every_kind_trains_on_two_processes_through_the_token_cache(
     assert len(stores) == 1  # the check tokenised once; both ranks memory-mapped it
     header = json.loads((stores[0] / "tokens.json").read_text())
     assert header["eos"] == 0 and header["documents"] == len(documents) + 1
+
+
+def cached_hub_dataset(hf_home: Path, repo_id: str, rows: list[str]) -> None:
+    """``repo_id`` in ``hf_home``'s datasets cache as ``load_dataset(repo_id)`` online leaves it
+    (``<owner>___<name>/default/0.0.0/<hash>/<name>-train.arrow``), written offline by the
+    library's own JSON builder."""
+    from datasets.packaged_modules.json.json import Json
+
+    hf_home.mkdir()
+    data = hf_home / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    builder = Json(cache_dir=str(hf_home / "datasets"), dataset_name=repo_id.split("/")[1],
+                   data_files={"train": str(data)}, hash="0123abcd", config_id="default")
+    builder.repo_id = repo_id  # the hub name: a data file not in the repo is refused by __init__
+    builder._cache_dir = builder._build_cache_dir()
+    builder.download_and_prepare()
+
+
+def test_a_saved_dataset_and_a_cached_hub_name_train_on_two_processes(tmp_path):
+    """`--data DATASET_FOLDER` (save_to_disk) and `--data hf:OWNER/NAME` (the local cache, with
+    downloads off) each train 3 steps on 2 gloo processes; one Python process runs both
+    commands, so their start-up is paid once."""
+    datasets = pytest.importorskip("datasets")
+    rows = [f"row {i}: the quick brown fox jumps over the lazy dog. " * 3 for i in range(40)]
+    datasets.Dataset.from_dict({"body": rows}).save_to_disk(tmp_path / "saved")
+    cached_hub_dataset(tmp_path / "hf", "pipeoffload-test/tiny", rows)
+    common = ["--model", "tiny", "--pp", "2", "--steps", "3", "--seq-len", "16",
+              "--batch-size", "4", "--eval-fraction", "0", "--no-png", "--no-baseline",
+              "--p2p-timeout", "60", "--json"]
+    runs = [["train", "--data", str(tmp_path / "saved"), "--text-key", "body", *common],
+            ["train", "--data", "hf:pipeoffload-test/tiny", *common]]
+    script = ("import sys\nfrom pipeoffload.cli.main import main\n"
+              f"sys.exit(max(main(argv) for argv in {runs!r}))\n")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2, proc.stdout[-4000:]
+    for result in results:
+        assert len(result["losses"]) == 3 and all(x == x for x in result["losses"])
+    # the same rows through both sources: the same tokens, the same training
+    assert results[0]["losses"] == results[1]["losses"]
 
 
 def store_config(source: Path, **changes) -> TrainConfig:

@@ -6,6 +6,7 @@ split by whole documents, and an exact mid-epoch resume from a streamed store.""
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -185,6 +186,32 @@ def test_the_token_cache_tokenises_once_with_eos_between_documents(tmp_path: Pat
     assert token_cache.cache_key(config) != key
 
 
+def test_a_cached_run_reports_its_data_from_the_store_without_reading_the_text(
+        tmp_path: Path, monkeypatch) -> None:
+    """The data line of a run whose tokens are cached is the one reading the text gives
+    (files, bytes, binary files skipped, the cut), taken from the store's header."""
+    from pipeoffload.cli import notes
+    from pipeoffload.training import data as data_module
+
+    tok = word_tokenizer(tmp_path / "tok")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_bytes(jsonl([{"text": "a b"}, {"text": "c"}]))
+    (data / "b.txt").write_text("d a b c " * 20)
+    (data / "0.png").write_bytes(PNG)  # read first: skipped before the cap too
+    for cap in (None, 40):
+        config = DataConfig(source=data, tokenizer=str(tok), cache_dir=str(tmp_path / "cache"),
+                            max_bytes=cap)
+        assert token_cache.cached_report(config) is None  # nothing cached yet
+        read = notes.data_line(config)
+        load_tokens(config)
+        monkeypatch.setattr(data_module, "load_corpus",
+                            lambda _: pytest.fail("the text read again"))
+        assert notes.data_line(config) == read
+        assert "1 binary file(s) skipped" in read and ("cut at" in read) == (cap is not None)
+        monkeypatch.undo()
+
+
 def test_held_out_split_takes_whole_documents_by_seed() -> None:
     docs = [bytes([65 + i % 26]) * (10 + i) for i in range(40)]
     data = b"".join(docs)
@@ -204,6 +231,56 @@ def test_held_out_split_takes_whole_documents_by_seed() -> None:
         assert covered[0][0] == 0 and covered[-1][1] == len(store)
         assert all(x[1] == y[0] for x, y in zip(covered, covered[1:]))
     assert split_documents(store, 0.1, 0)[1] != split_documents(store, 0.1, 1)[1]
+
+
+def readable_split(ends: tuple[int, ...], eval_fraction: float, seed: int
+                   ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """[held-out split] as it reads (data.py): documents drawn in a seeded order until they
+    hold the target, never every document; each split's documents merged into runs."""
+    import math
+    import random
+
+    target = math.floor(ends[-1] * eval_fraction)
+    spans = list(zip((0, *ends[:-1]), ends))
+    order = list(range(len(spans)))
+    random.Random(f"{seed}:held-out").shuffle(order)
+    held: set[int] = set()
+    size = 0
+    for d in order[:-1]:
+        if size >= target:
+            break
+        held.add(d)
+        size += spans[d][1] - spans[d][0]
+
+    def runs(chosen: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        merged: list[tuple[int, int]] = []
+        for a, b in chosen:
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        return merged
+
+    return (runs([s for d, s in enumerate(spans) if d not in held]),
+            runs([s for d, s in enumerate(spans) if d in held]))
+
+
+@pytest.mark.parametrize("documents", [2, 3, 17, 400])
+def test_the_held_out_split_equals_its_readable_rule(documents: int) -> None:
+    """split_documents (work in the held documents only) against the rule it shortcuts, over
+    document sizes from one token up and fractions up to nearly all of the data."""
+    import random
+
+    from pipeoffload.training.token_store import TokenStore
+
+    rng = random.Random(documents)
+    for trial in range(20):
+        sizes = [rng.choice((1, 2, rng.randrange(1, 500))) for _ in range(documents)]
+        ends = tuple(itertools.accumulate(sizes))
+        store = TokenStore(torch.zeros(ends[-1], dtype=torch.uint16), ends, None, 2, "t", "x")
+        for fraction in (0.01, 0.05, 0.3, 0.9, 0.99):
+            assert split_documents(store, fraction, trial) == readable_split(
+                ends, fraction, trial), (sizes, fraction)
 
 
 def test_resume_mid_epoch_from_a_memory_mapped_store_is_exact(tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ OUTPUT_CASES = [  # (argv, the words of the error line)
      "into the folder of --tensorboard tb"),
     (["--export-hf", "out", "--tensorboard", "out/tb"], "--tensorboard out/tb would be written "
      "into the folder of --export-hf out"),
-    (["--config", "{nul}"], "--checkpoint-dir 'c\\x00k': contains a NUL"),
+    (["--config", "{nul}"], "--config nul.toml: checkpoint-dir 'c\\x00k': contains a NUL"),
     (["--checkpoint-dir", "ck\udcff"], "--checkpoint-dir ck\\xff: is not UTF-8"),
     (["--metrics", "m\udcfe.jsonl"], "--metrics m\\xfe.jsonl: is not UTF-8"),
     (["--metrics", "{fifo}"], "is a pipe or device, which would stall the run"),

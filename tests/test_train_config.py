@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeoffload.cli import config_file
+from pipeoffload.cli import config_file, preflight
 from pipeoffload.cli.main import build_parser, main
 from pipeoffload.cli.train import config_from_args
 from pipeoffload.cli.train_options import train_parser
@@ -46,12 +46,13 @@ def test_a_config_file_sets_any_train_flag_and_the_command_line_wins(tmp_path: P
                  'resume = "auto"\n')
     args = parse(["train", "--config", toml, "--pp", "4"])
     assert (args.pp, args.model, args.batch_size, args.lr) == (4, "tiny", 8, 1e-3)
-    assert (args.checkpoint_dir, args.png, args.inline, args.resume) == ("ck", None, False,
+    ck = str(tmp_path / "ck")  # beside the file
+    assert (args.checkpoint_dir, args.png, args.inline, args.resume) == (ck, None, False,
                                                                         "auto")
     # Flags before --config win too: the file's settings go first, whatever the order.
     assert parse(["train", "--pp", "1", f"--config={toml}"]).pp == 1
     config, _ = config_from_args(args)
-    assert (config.pp, config.resume, config.checkpoint_dir) == (4, "auto", "ck")
+    assert (config.pp, config.resume, config.checkpoint_dir) == (4, "auto", ck)
 
 
 def test_keys_come_from_the_parser_so_a_flag_added_later_needs_no_code(tmp_path: Path) -> None:
@@ -89,6 +90,63 @@ def test_a_bad_setting_names_the_file_and_the_key(tmp_path: Path, capsys, text: 
     assert re.search(message, err), err
 
 
+def test_paths_in_a_config_file_resolve_against_its_folder(tmp_path: Path,
+                                                          monkeypatch) -> None:
+    """Relative paths in the file against the file's folder, absolute ones as they are, the
+    command line's against the current folder; words that are not paths stay words."""
+    folder = tmp_path / "runs" / "a"
+    folder.mkdir(parents=True)
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    toml = write(folder / "run.toml", 'checkpoint-dir = "ck"\nmetrics = "logs/m.jsonl"\n'
+                 'data = "../corpus"\ntokenizer = "tok.json"\nmodel = "llama/config.json"\n'
+                 f'export-hf = "{tmp_path / "out"}"\npng = "p.svg"\nresume = "auto"\n')
+    args = parse(["train", "--config", "../runs/a/run.toml", "--cache-dir", "cache"])
+    here = os.path.join("..", "runs", "a")
+    assert (args.checkpoint_dir, args.metrics, args.data, args.tokenizer, args.model, args.png) \
+        == tuple(os.path.join(here, p) for p in ("ck", "logs/m.jsonl", "../corpus", "tok.json",
+                                                  "llama/config.json", "p.svg"))
+    assert (args.export_hf, args.resume, args.cache_dir) == (str(tmp_path / "out"), "auto",
+                                                             "cache")
+    assert parse(["train", "--config", toml]).resume == "auto"
+    write(folder / "words.toml", 'model = "tiny"\ndata = "hf:wikitext:train"\n'
+          'resume = "ck/step_00000002"\n')
+    args = parse(["train", "--config", str(folder / "words.toml")])
+    assert (args.model, args.data, args.resume) == ("tiny", "hf:wikitext:train",
+                                                    str(folder / "ck" / "step_00000002"))
+
+
+@pytest.mark.parametrize("text, flag, words", [
+    ('checkpoint-dir = "afile"\n', None, "checkpoint-dir {folder}/afile: is a file; name a "
+     "folder"),
+    ('data = "missing"\n', None, "data {folder}/missing: does not exist"),
+    ('model = "missing.json"\n', None, "model {folder}/missing.json: not a model preset"),
+    ('checkpoint-dir = "ck"\nmetrics = "ck/m.jsonl"\n', None,
+     "metrics {folder}/ck/m.jsonl would be written into the folder of --config "
+     "{folder}/run.toml: checkpoint-dir {folder}/ck"),
+    ('data = "missing"\n', ["--data", "gone"], "--data gone: does not exist"),
+])
+def test_a_bad_path_in_a_config_file_names_the_file_and_the_key(
+        tmp_path: Path, capsys, no_training, text: str, flag: list[str] | None,
+        words: str) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "afile").write_text("x")
+    (folder / "ck").mkdir()
+    toml = write(folder / "run.toml", text + 'model = "tiny"\n' * ("model" not in text))
+    assert main(["train", "--config", toml, "--no-png", *(flag or [])]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    expected = words.format(folder=folder)
+    if flag is None:  # set by the file: named by the file and the key
+        expected = f"pipeoffload train: error: --config {toml}: {expected}"
+    else:  # the command line overrides the file: named by its flag
+        expected = f"pipeoffload train: error: {expected}"
+    assert len(lines) == 1 and lines[0].startswith(expected), err
+    assert no_training == []
+
+
 def test_a_missing_config_file_is_an_input_error(tmp_path: Path, capsys) -> None:
     assert main(["train", "--config", str(tmp_path / "none.toml")]) == 2
     assert "none.toml" in capsys.readouterr().err
@@ -114,7 +172,10 @@ def test_the_saved_settings_read_back_as_the_same_run(tmp_path: Path, argv: list
     again = parse(["train", "--config", toml])
     for key in vars(args):
         if key not in ("config", "handler", "on_interrupt"):
-            assert getattr(again, key) == getattr(args, key), key
+            value = getattr(args, key)
+            # paths are saved absolute: the same files, read back from the settings' folder
+            expected = os.path.abspath(value) if preflight.is_path(value) else value
+            assert getattr(again, key) == expected, key
     changed = config_file.changed_flags(train_parser(), args)
     assert all(flag in changed for flag in ("--pp 2", "--inline", "--no-png")
                if flag.split()[0] in argv)
@@ -135,15 +196,22 @@ def test_model_flops_are_6n_plus_attention_per_token_on_the_real_model() -> None
     assert model_flops_per_step(model, seq, batch) == pytest.approx(expected, rel=1e-12)
 
 
-def run_example(cwd: Path, *extra: str) -> int:
-    """docs/run.toml as the docs run it, in one process (`--inline`: the same training, quicker
-    than two processes for a test)."""
+def in_folder(cwd: Path, argv: list[str]) -> int:
+    """``main(argv)`` run from folder ``cwd``."""
     before = Path.cwd()
     os.chdir(cwd)
     try:
-        return main(["train", "--config", str(EXAMPLE), "--inline", *extra])
+        return main(argv)
     finally:
         os.chdir(before)
+
+
+def run_example(cwd: Path, *extra: str) -> int:
+    """docs/run.toml as the docs run it: copied into the run's folder ``run`` and started from
+    its parent, in one process (`--inline`: the same training, quicker than two processes)."""
+    (cwd / "run").mkdir(exist_ok=True)
+    (cwd / "run" / "run.toml").write_text(EXAMPLE.read_text())
+    return in_folder(cwd, ["train", "--config", "run/run.toml", "--inline", *extra])
 
 
 def test_the_example_config_runs_resumes_keeps_two_and_writes_metrics(tmp_path: Path,
@@ -151,10 +219,13 @@ def test_the_example_config_runs_resumes_keeps_two_and_writes_metrics(tmp_path: 
     assert run_example(tmp_path, "--steps", "6") == 0
     first = capsys.readouterr()
     assert "settings: --pp 2 " in first.out and "--keep-last 2" in first.out
-    assert "no checkpoint in checkpoints yet: starting from scratch (--resume auto)" in first.out
+    # the file's paths resolve against its folder: the outputs land beside it
+    assert ("no checkpoint in run/checkpoints yet: starting from scratch (--resume auto)"
+            in first.out)
     assert run_example(tmp_path) == 0  # the file's 8 steps: continues from step 6
     second = capsys.readouterr()
-    assert "resuming from checkpoints/step_00000006 (step 6)" in second.out
+    assert "resuming from run/checkpoints/step_00000006 (step 6)" in second.out
+    tmp_path = tmp_path / "run"
     root = tmp_path / "checkpoints"
     # beside the step folders only the folder's lock (parallel/checkpoint_lock.py)
     assert sorted(p.name for p in root.iterdir()) == [".pipeoffload.lock", "step_00000006",
@@ -179,16 +250,17 @@ def test_the_example_config_runs_resumes_keeps_two_and_writes_metrics(tmp_path: 
     values = tomllib.loads(saved.read_text())
     assert (values["pp"], values["steps"], values["resume"], values["inline"]) == (2, 8, "auto",
                                                                                   True)
+    # saved absolute: the saved file names the run's own folders wherever it is read from
+    assert (values["checkpoint-dir"], values["metrics"]) == (str(root),
+                                                             str(tmp_path / "metrics.jsonl"))
     # Requeued after the end: --resume auto has nothing to train, says so, exits 0.
     assert run_example(tmp_path, "--config", str(saved)) == 2  # one --config only
     assert "given 2 times" in capsys.readouterr().err
-    before = Path.cwd()
-    os.chdir(tmp_path)
-    try:
-        assert main(["train", "--config", str(saved)]) == 0
-    finally:
-        os.chdir(before)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert in_folder(elsewhere, ["train", "--config", str(saved)]) == 0
     assert "nothing to train" in capsys.readouterr().err
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_a_hugging_face_model_is_counted_at_its_own_shape(tmp_path: Path) -> None:

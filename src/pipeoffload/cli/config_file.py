@@ -7,6 +7,13 @@ accepted with no code here. Each key becomes ``--key=value`` placed before the c
 own flags, so a flag given on the command line wins (argparse keeps the last); a switch
 (``no-png = true``) becomes ``--no-png``, and ``false`` leaves it out. Values are checked with
 the flag's own type and choices first, so an error names the file and the key.
+
+A relative path in the file (a value the flag's type marks as a path, preflight.is_path)
+resolves against the file's folder, as Cargo and torchtitan read theirs: a run's file moves
+with its outputs and runs the same from any folder; command-line paths stay relative to the
+current folder. The effective settings written back (``settings_toml``) hold absolute paths, so
+a saved file names the same files wherever it lies. An error about such a path names the file
+and the key (``expand_settings``' origins, preflight.flag_of).
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ import os
 import stat
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+from pipeoffload.cli.preflight import is_path
 from pipeoffload.errors import ConfigError
 
 CONFIG_FLAG = "--config"
@@ -61,24 +69,58 @@ def _config_path(argv: Sequence[str], start: int) -> str | None:
     return paths[0] if paths else None
 
 
+class Setting(NamedTuple):
+    """One key of a settings file: the command-line tokens it stands for, and for a path its
+    value as resolved against the file's folder (else None)."""
+
+    dest: str
+    where: str
+    tokens: list[str]
+    path: str | None
+
+
+# {dest: (where, resolved path)} of the paths a settings file gave
+Origins = dict[str, tuple[str, str]]
+
+
 def expand(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
     """``argv`` with the settings of its ``--config FILE`` inserted right after the subcommand
     (so the command line's flags override them); unchanged without ``--config``."""
+    return expand_settings(parser, argv)[0]
+
+
+def expand_settings(parser: argparse.ArgumentParser,
+                    argv: Sequence[str]) -> tuple[list[str], Origins]:
+    """``expand``, and where each path the file gave came from (``--config FILE: key``)."""
     argv = list(argv)
     command = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
     if command is None:
-        return argv
+        return argv, {}
     sub = _subparser(parser, argv[command])
     if sub is None or CONFIG_FLAG not in sub._option_string_actions:
-        return argv
+        return argv, {}
     path = _config_path(argv, command + 1)
     if path is None:
-        return argv
-    return argv[:command + 1] + config_tokens(sub, path) + argv[command + 1:]
+        return argv, {}
+    settings = file_settings(sub, path)
+    tokens = [token for setting in settings for token in setting.tokens]
+    origins = {s.dest: (s.where, s.path) for s in settings if s.path is not None}
+    return argv[:command + 1] + tokens + argv[command + 1:], origins
+
+
+def kept_origins(args: argparse.Namespace, origins: Origins) -> dict[str, str]:
+    """{dest: ``--config FILE: key``} of the file's paths the command line did not override."""
+    return {dest: where for dest, (where, path) in origins.items()
+            if getattr(args, dest, None) == path}
 
 
 def config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
     """The command-line tokens ``path``'s settings stand for (checked, see the module doc)."""
+    return [token for setting in file_settings(parser, path) for token in setting.tokens]
+
+
+def file_settings(parser: argparse.ArgumentParser, path: str) -> list[Setting]:
+    """``path``'s settings, checked (see the module doc), in the file's order."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:
@@ -90,7 +132,8 @@ def config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
     values = _parse(tomllib, path, _settings_text(path))
     _refuse_spelled_twice(path, values)
     actions = setting_actions(parser)
-    tokens: list[str] = []
+    folder = os.path.dirname(path)
+    settings = []
     for key, value in values.items():
         name = key.replace("_", "-")
         action = actions.get(name)
@@ -103,8 +146,9 @@ def config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"{where} is not a setting of this command{hint}; the settings "
                               "are its long options without the leading --")
-        tokens += _tokens(where, f"--{name}", action, value)
-    return tokens
+        tokens, resolved = _tokens(where, f"--{name}", action, value, folder)
+        settings.append(Setting(action.dest, f"{CONFIG_FLAG} {path}: {key}", tokens, resolved))
+    return settings
 
 
 def _settings_text(path: str) -> str:
@@ -154,11 +198,14 @@ def _refuse_spelled_twice(path: str, values: dict[str, Any]) -> None:
         seen[name] = key
 
 
-def _tokens(where: str, option: str, action: argparse.Action, value: Any) -> list[str]:
+def _tokens(where: str, option: str, action: argparse.Action, value: Any,
+            folder: str) -> tuple[list[str], str | None]:
+    """The tokens of one setting, and its value if it is a path, resolved against ``folder``
+    (the settings file's)."""
     takes_value = action.nargs != 0
     if isinstance(value, bool):
         if not takes_value or action.nargs == "?":  # a switch, or --resume with no value
-            return [option] if value else []
+            return ([option] if value else []), None
         raise ConfigError(f"{where} = {str(value).lower()}: expected a value, not true/false")
     if not takes_value:
         raise ConfigError(f"{where} = {value!r}: a switch, write true or false")
@@ -173,7 +220,10 @@ def _tokens(where: str, option: str, action: argparse.Action, value: Any) -> lis
     if action.choices is not None and checked not in action.choices:
         raise ConfigError(f"{where} = {value!r}: choose one of "
                           f"{', '.join(map(str, action.choices))}")
-    return [f"{option}={text}"]
+    if not is_path(checked):
+        return [f"{option}={text}"], None
+    resolved = text if os.path.isabs(text) else os.path.join(folder, text)
+    return [f"{option}={resolved}"], resolved
 
 
 def toml_value(value: Any) -> str:
@@ -214,10 +264,11 @@ def effective_settings(parser: argparse.ArgumentParser,
 
 def settings_toml(parser: argparse.ArgumentParser, args: argparse.Namespace,
                   header: str = "") -> str:
-    """Every effective setting as a TOML file that ``--config`` reads back."""
+    """Every effective setting as a TOML file that ``--config`` reads back, paths absolute
+    (the current folder's files, read back from any folder)."""
     lines = [f"# {line}" for line in header.splitlines()]
-    lines += [f"{key} = {toml_value(value)}" for key, value, _ in
-              effective_settings(parser, args)]
+    lines += [f"{key} = {toml_value(os.path.abspath(value) if is_path(value) else value)}"
+              for key, value, _ in effective_settings(parser, args)]
     return "\n".join(lines) + "\n"
 
 

@@ -314,12 +314,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:  # --config FILE.toml: its settings go before the command line's own flags
-        argv = config_file.expand(parser, argv)
+        argv, origins = config_file.expand_settings(parser, argv)
     except ConfigError as error:
         command = next((t for t in argv if not t.startswith("-")), "")
         print(f"pipeoffload {command}: error: {error}", file=sys.stderr)
         return preflight.INPUT_ERROR
     args = parser.parse_args(argv)
+    setattr(args, preflight.SETTING_ORIGINS, config_file.kept_origins(args, origins))
     handler: Handler = args.handler
     return preflight.run_command(args.command, handler, args,
                                  getattr(args, "on_interrupt", None))

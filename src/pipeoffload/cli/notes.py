@@ -63,7 +63,13 @@ def data_line(data: DataConfig) -> str:
         eos = "no end-of-document id" if store.eos is None else f"end-of-document id {store.eos}"
         return (f"data: {len(store):,} pre-tokenised tokens in {len(store.ends):,} documents "
                 f"from {store.origin} (memory-mapped; {eos})")
-    corpus = load_corpus(data)
+    corpus = None
+    if data.tokenizer is not None:  # tokenised by the up-front check: its store says
+        from pipeoffload.training.token_cache import cached_report
+
+        corpus = cached_report(data)
+    if corpus is None:
+        corpus = load_corpus(data)
     cut = " (cut at --max-bytes)" if corpus.truncated else ""
     skipped = (f"; {corpus.skipped} binary file(s) skipped" if corpus.skipped else "")
     between = ""

@@ -50,6 +50,9 @@ MAX_STAGE_MICROBATCHES = 1 << 18
 # Local processes `train` starts per CPU core (each imports torch, ~0.3 GB); more is a job for
 # torchrun across machines.
 LOCAL_PROCESSES_PER_CPU = 8
+# The namespace attribute main sets: {dest: "--config FILE: key"} for each path a --config file
+# gave (and the command line did not override), so errors about it name the file and key.
+SETTING_ORIGINS = "setting_origins"
 
 
 def count(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
@@ -144,6 +147,17 @@ class StoredOutputFile(OutputFile):
     new one, never a FIFO or device, which would block the run while nothing reads it."""
 
 
+class ModelPath(str):
+    """``--model``'s value when it names no preset: a path, which the model loader checks (its
+    error says what it accepts), not ``check_path``."""
+
+
+def is_path(value: object) -> bool:
+    """Whether a flag's parsed value is a file-system path (what a ``--config`` file's
+    relative values resolve against the file's folder for)."""
+    return isinstance(value, (CheckedPath, ModelPath))
+
+
 def output_file(*suffixes: str, stored: bool = False,
                 off: str | None = None) -> Callable[[str], OutputFile]:
     """argparse type: a file to write; with ``suffixes``, its name must end in one of them;
@@ -232,6 +246,23 @@ def check_local_processes(pp: int, dp: int, tp: int, cp: int = 1) -> None:
 
 def flag_name(dest: str) -> str:
     return "--" + dest.replace("_", "-")
+
+
+def flag_of(args: argparse.Namespace, dest: str) -> str:
+    """What an error calls the setting ``dest``: its flag, or for a path a ``--config`` file
+    set, the file and key (``--config run.toml: checkpoint-dir``, main's ``setting_origins``)."""
+    origins: dict[str, str] = getattr(args, SETTING_ORIGINS, None) or {}
+    return origins.get(dest, flag_name(dest))
+
+
+def named_by_origin(message: str, args: argparse.Namespace) -> str:
+    """``message`` with a leading flag (``--data X: ...``) that a ``--config`` file set
+    replaced by the file and key, for the errors found after the up-front checks."""
+    origins: dict[str, str] = getattr(args, SETTING_ORIGINS, None) or {}
+    for dest, origin in origins.items():
+        if message.startswith(flag_name(dest) + " "):
+            return origin + message[len(flag_name(dest)):]
+    return message
 
 
 def _writable_folder(folder: Path) -> str | None:
@@ -345,22 +376,22 @@ def check_args(args: argparse.Namespace) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{flag_name(dest)} must be a finite number, got {value}")
         if isinstance(value, str):
-            check_text(flag_name(dest), value)
+            check_text(flag_of(args, dest), value)
     for dest, value in vars(args).items():
         if isinstance(value, CheckedPath):
-            check_path(flag_name(dest), value)
-    paths = [(flag_name(dest), value) for dest, value in vars(args).items()
+            check_path(flag_of(args, dest), value)
+    paths = [(flag_of(args, dest), value) for dest, value in vars(args).items()
              if isinstance(value, CheckedPath)]
     chosen = [(flag, path) for flag, path in paths if not isinstance(path, DefaultOutputFile)]
     check_places(chosen)
     for dest, value in vars(args).items():
         if isinstance(value, DefaultOutputFile):
-            problem = place_problem([(flag_name(dest), value), *chosen])
+            problem = place_problem([(flag_of(args, dest), value), *chosen])
             if problem is not None:
                 setattr(args, dest, None)
                 off = f"; {value.off} silences this note" if value.off else ""
                 note(getattr(args, "command", None) or "", f"{problem}, so it is not written "
-                     f"(a default: pass {flag_name(dest)} FILE elsewhere to have it{off})")
+                     f"(a default: pass {flag_of(args, dest)} FILE elsewhere to have it{off})")
 
 
 def check_places(paths: Sequence[tuple[str, CheckedPath]]) -> None:
@@ -549,7 +580,7 @@ def run_command(command: str, handler: Callable[[argparse.Namespace], int],
         print(f"{prefix} {where}{error.strerror or error}", file=sys.stderr)
         return FAILED
     except PipeoffloadError as error:
-        print(f"{prefix} {error}", file=sys.stderr)
+        print(f"{prefix} {named_by_origin(str(error), args)}", file=sys.stderr)
         return INPUT_ERROR
     except UnicodeDecodeError as error:
         print(f"{prefix} an input file is not UTF-8 text ({error.reason} at byte "

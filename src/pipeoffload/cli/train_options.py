@@ -14,6 +14,7 @@ from pipeoffload.cli.preflight import (
     MAX_MICROBATCHES,
     MAX_RANKS,
     DefaultOutputFile,
+    ModelPath,
     count,
     data_source,
     input_path,
@@ -23,6 +24,7 @@ from pipeoffload.cli.preflight import (
     resume_path,
 )
 from pipeoffload.errors import ConfigError, FieldError
+from pipeoffload.training.model_config import MODEL_PRESETS
 
 _SHAPE_FLAGS = {"n_layers": "--layers", "dim": "--dim", "n_heads": "--heads",
                 "n_kv_heads": "--kv-heads", "ffn_hidden": "--ffn-hidden"}
@@ -94,10 +96,15 @@ def _parallelism_options(parser: argparse.ArgumentParser) -> None:
                    "words)")
 
 
+def _model_choice(text: str) -> str:
+    """argparse type of --model: a preset's name, or a path (preflight.ModelPath)."""
+    return text if text.lower() in MODEL_PRESETS else ModelPath(text)
+
+
 def _model_and_data_options(parser: argparse.ArgumentParser) -> None:
     """The model (a preset with overrides, or a Hugging Face model), the text and held-out data."""
     g = parser.add_argument_group("model and data")
-    g.add_argument("--model", default="small", metavar="PRESET|PATH",
+    g.add_argument("--model", type=_model_choice, default="small", metavar="PRESET|PATH",
                    help="reference model preset tiny | small | medium (default small), or a "
                    "Hugging Face config.json (random init) or a folder with one and its "
                    "safetensors weights (loaded: fine-tuning)")

@@ -6,7 +6,9 @@ SHA-256 over what the tokens are a function of: the tokenizer file's bytes, the 
 byte cap, and the source's identity: per file its path, size, mtime and sampled hash
 (token_store.sampled_identity), so finding the store costs a stat and a few reads per file,
 not a read of the corpus. An edit that keeps a file's size, mtime and sampled blocks is not
-seen; `pipeoffload tokenize` writes a store whose identity is its own content.
+seen; `pipeoffload tokenize` writes a store whose identity is its own content. The store's
+header also says what the text was read from (``corpus``: files, bytes of each, binary files
+skipped, cut by the byte cap), so a cached run reports its data without reading the text again.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from pipeoffload.training.documents import (
     load_tokenizer,
     tokenizer_file,
 )
-from pipeoffload.training.sources import is_hf_source, read_corpus, user_files
+from pipeoffload.training.sources import Corpus, is_hf_source, read_corpus, user_files
 from pipeoffload.training.token_store import HEADER, TokenStore, open_store, sampled_identity
 
 CACHE_ENV = "PIPEOFFLOAD_CACHE"
+REPORT = "corpus"
+"""The header key of what the text was read from (``cached_report``)."""
 ENCODE_BATCH = 512
 """Documents per encode_batch call: between calls the progress line moves."""
 Progress = Callable[[int, int], None]
@@ -81,9 +85,25 @@ def cached_store(config: DataConfig, progress: Progress | None = None) -> TokenS
     return open_store(folder)
 
 
+def cached_report(config: DataConfig) -> Corpus | None:
+    """What the configuration's cached tokens were read from (a Corpus without its text), from
+    the store's header; None when nothing is cached, or the store's header does not say."""
+    header_path = cache_root(config) / "tokens" / cache_key(config) / HEADER
+    try:
+        header = json.loads(header_path.read_text(encoding="utf-8"))
+        report = header[REPORT]
+        return Corpus(data=b"", files=tuple(str(f) for f in report["files"]),
+                      origin=str(header["origin"]), truncated=bool(report["truncated"]),
+                      file_bytes=tuple(int(n) for n in report["file_bytes"]),
+                      skipped=int(report["skipped"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def tokenized_documents(config: DataConfig, progress: Progress | None = None
-                        ) -> tuple[Iterator[list[int]], int | None, int, str]:
-    """(each document's ids, the EOS id, the vocabulary, where from) for the configured text."""
+                        ) -> tuple[Iterator[list[int]], int | None, int, Corpus]:
+    """(each document's ids, the EOS id, the vocabulary, the text read) for the configured
+    text."""
     path = config.tokenizer
     assert path is not None
     tokenizer = load_tokenizer(path)
@@ -97,7 +117,7 @@ def tokenized_documents(config: DataConfig, progress: Progress | None = None
                 progress(min(first + ENCODE_BATCH, len(documents)), len(documents))
 
     vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
-    return encoded(), eos_token_id(tokenizer, path), vocab, corpus.origin
+    return encoded(), eos_token_id(tokenizer, path), vocab, corpus
 
 
 def write_tokens(config: DataConfig, folder: Path, progress: Progress | None = None) -> Path:
@@ -105,12 +125,15 @@ def write_tokens(config: DataConfig, folder: Path, progress: Progress | None = N
     renamed into place, so a reader never sees half a store)."""
     from pipeoffload.training.token_store import write_store
 
-    documents, eos, vocab, origin = tokenized_documents(config, progress)
+    documents, eos, vocab, corpus = tokenized_documents(config, progress)
+    report = {"files": list(corpus.files), "file_bytes": list(corpus.file_bytes),
+              "skipped": corpus.skipped, "truncated": corpus.truncated}
     folder.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         write_store(temporary, documents, eos=eos, vocab_size=vocab,
-                    extra={"origin": origin, "tokenizer": str(config.tokenizer),
+                    extra={"origin": corpus.origin, REPORT: report,
+                           "tokenizer": str(config.tokenizer),
                            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         os.replace(temporary, folder)  # a store appears whole; an existing one stays
     except OSError as error:
