@@ -151,3 +151,84 @@ def test_an_empty_batch_is_refused_instead_of_a_nan_loss() -> None:
                        "whose loss would be nan; pass at least 2 rows"):
         pipe.step(torch.ones(0, 4), target=torch.ones(0, 4))
     assert torch.isfinite(pipe.step(torch.ones(2, 4), target=torch.ones(2, 4)))
+
+
+def _schedule() -> po.Schedule:
+    return po.build_schedule("1f1b", pp=2, microbatches=2)
+
+
+def _pipeline(**changes: object) -> po.Pipeline:
+    arguments: dict = dict(stages={0: nn.Linear(4, 4), 1: nn.Linear(4, 4)},
+                           schedule=_schedule(), loss_fn=nn.MSELoss())
+    return po.Pipeline(**{**arguments, **changes})
+
+
+def _distributed(name: str):
+    import pipeoffload.distributed as distributed
+    return getattr(distributed, name)
+
+
+def _hf(name: str):
+    import pipeoffload.hf as hf
+    return getattr(hf, name)
+
+
+def _torch_api(name: str):
+    import pipeoffload.torch as pt
+    return getattr(pt, name)
+
+
+# (call, error, words of its message): each raised an AttributeError (or nothing) from deep
+# inside before (issue 40 item 22, "3 of 7 raw exceptions in the API cases" and the rest of a
+# sweep of pipeoffload.__all__, .distributed, .hf and .torch with None, numbers, strings).
+WRONG_ARGUMENTS = [
+    (lambda: po.build_schedule(None, pp=2, microbatches=2), TypeError,
+     "schedule name must be a str"),
+    (lambda: po.simulate(None), TypeError, "simulate: schedule must be a Schedule, got NoneType"),
+    (lambda: po.simulate(_schedule(), "fast"), TypeError,
+     "simulate: costs must be a CostModel or None, got str"),
+    (lambda: po.simulate(_schedule(), 0), TypeError, "simulate: costs must be a CostModel"),
+    (lambda: po.validate("1f1b"), TypeError, "validate: schedule must be a Schedule, got str"),
+    (lambda: po.add_offload(-1), TypeError, "add_offload: schedule must be a Schedule, got int"),
+    (lambda: po.add_offload(_schedule(), float("nan")), TypeError,
+     "add_offload: costs must be a CostModel"),
+    (lambda: po.write_csv([], "x.csv"), TypeError, "write_csv: schedule must be a Schedule"),
+    (lambda: _pipeline(schedule="1f1b"), TypeError, "Pipeline: schedule must be a Schedule"),
+    (lambda: _pipeline(loss_fn="mse"), TypeError, "Pipeline: loss_fn must be callable"),
+    (lambda: _pipeline(config=300.0), TypeError,
+     "Pipeline: config must be a RuntimeConfig or None"),
+    (lambda: po.split_blocks([nn.Linear(2, 2)] * 4, None), TypeError,
+     "split_blocks: schedule must be a Schedule"),
+    (lambda: po.OffloadConfig(min_offload_elements=float("nan")), ValueError,
+     "OffloadConfig.min_offload_elements must be a whole number"),
+    (lambda: po.OffloadConfig(pin_memory="yes"), TypeError,
+     "OffloadConfig.pin_memory must be True or False"),
+    (lambda: po.RuntimeConfig(p2p_timeout_s=float("nan")), ValueError,
+     "RuntimeConfig.p2p_timeout_s must be a finite number"),
+    (lambda: po.RuntimeConfig(p2p_timeout_s=True), ValueError,
+     "RuntimeConfig.p2p_timeout_s must be a finite number"),
+    (lambda: po.RuntimeConfig(offload=None), TypeError,
+     "RuntimeConfig.offload must be an OffloadConfig"),
+    (lambda: _distributed("tie_copies")(None), TypeError,
+     "tie_copies: stages must be a dict {stage index: nn.Module}"),
+    (lambda: _hf("balanced_layers")(8, True), ValueError, "num_stages must be a whole number"),
+    (lambda: _hf("causal_lm_loss")(None, None), TypeError,
+     "causal_lm_loss: logits must be a torch.Tensor, got NoneType"),
+    (lambda: _hf("check_causal_lm")(3), TypeError,
+     "expected a transformers model or its config, got int"),
+    (lambda: _hf("split_causal_lm")(None, 2), TypeError,
+     "expected a transformers model or its config, got NoneType"),
+    (lambda: _torch_api("get_schedule_class")(None), TypeError, "schedule name must be a str"),
+    (lambda: _torch_api("check_torch_version")(2.4), TypeError, "version must be a str"),
+]
+
+
+@pytest.mark.parametrize("call, error, words", WRONG_ARGUMENTS,
+                         ids=[w for _, _, w in WRONG_ARGUMENTS])
+def test_a_wrong_argument_is_a_value_or_type_error_naming_it(call, error, words, tmp_path,
+                                                               monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error) as raised:
+        call()
+    assert words in str(raised.value)
+    assert list(tmp_path.iterdir()) == []  # write_csv wrote nothing

@@ -105,6 +105,8 @@ def test_cp_is_checked_where_it_enters(tmp_path):
         config(*TINY, "--rank-order", "pp,dp")
     with pytest.raises(ConfigError, match="--seq-len 30 must be a multiple of 4"):
         config(*[a if a != "32" else "30" for a in TINY], "--cp", "2")
+    # without context parallelism any length runs (an odd one was refused, blaming --cp 1)
+    assert config(*[a if a != "32" else "31" for a in TINY]).data.seq_len == 31
 
 
 # -- one launch: cp = 2 runs against cp = 1 in this process ----------------------------------

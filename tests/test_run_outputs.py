@@ -333,9 +333,10 @@ def test_tensorboard_on_a_full_disk_stops_its_events_with_one_note(tmp_path: Pat
 
 def test_the_picture_draws_one_collection_per_lane_and_colour(tmp_path: Path,
                                                               monkeypatch) -> None:
-    """Not one per action: at p = 64, m = 512 that was over 300 s of CPU (docs/benchmarks.md)."""
+    """Not one per action: at p = 64, m = 512 that was over 300 s of CPU (docs/benchmarks.md);
+    nor one per copy that takes no time (a tick), which kept po-f there at 49 s."""
     pytest.importorskip("matplotlib")
-    from matplotlib.collections import PolyCollection
+    from matplotlib.collections import LineCollection, PolyCollection
     from matplotlib.figure import Figure
 
     import pipeoffload as po
@@ -359,6 +360,13 @@ def test_the_picture_draws_one_collection_per_lane_and_colour(tmp_path: Path,
                  for t in timed}
         assert len(bars) == len(kinds) < len(timed)
         assert sum(len(c.get_paths()) for c in bars) == len(timed)  # every action drawn
+        ticks = [c for c in ax.collections if isinstance(c, LineCollection)]
+        free = [t for t in result.timeline[rank]
+                if t.end == t.start and t.lane.value in ("d2h", "h2d")]
+        groups = {(t.lane, t.action.kind, result.schedule.chunk_of(t.action.stage))
+                  for t in free}
+        assert free and len(ticks) == len(groups) < len(free)
+        assert sum(len(c.get_segments()) for c in ticks) == len(free)
 
 
 def test_an_interrupted_export_with_its_tokenizer_files_is_cleared_but_a_foreign_file_is_not(

@@ -43,6 +43,18 @@ def check_optional(where: str, value: object, *, minimum: float | None = None,
                      integer=integer)
 
 
+def check_instance(where: str, value: object, kind: type | tuple[type, ...], what: str, *,
+                   optional: bool = False) -> None:
+    """Raise TypeError naming ``where`` unless ``value`` is a ``kind`` (``what`` says which in
+    words), or None when ``optional``: a wrong kind of thing is refused where it enters the API
+    instead of failing later as an AttributeError deep inside."""
+    if optional and value is None:
+        return
+    if not isinstance(value, kind):
+        raise TypeError(f"{where} must be {what}{' or None' if optional else ''}, got "
+                        f"{type(value).__name__} {value!r:.60}")
+
+
 def parse_json(text: str, source: str) -> Any:
     """``json.loads`` whose failures are ConfigErrors naming ``source`` (file:line:column),
     including nesting too deep for the parser (a RecursionError)."""

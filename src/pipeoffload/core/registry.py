@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from pipeoffload.checks import check_instance
 from pipeoffload.core.collector import cyclic_gc_paused
 from pipeoffload.core.errors import ConfigError
 from pipeoffload.core.families import (
@@ -42,6 +43,7 @@ _TORCH_PREFIX = "schedule"
 
 def normalise(name: str) -> str:
     """The key names are compared by: lower case, without hyphens, underscores and spaces."""
+    check_instance("schedule name", name, str, "a str (schedule_names() lists them)")
     return "".join(ch for ch in name.strip().lower() if ch not in "-_ ")
 
 

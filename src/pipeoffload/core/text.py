@@ -13,6 +13,7 @@ import io
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeoffload.checks import check_instance
 from pipeoffload.core.actions import (
     MARKER_KINDS,
     OFFLOAD_KINDS,
@@ -84,4 +85,6 @@ def to_csv_text(schedule: Schedule, *, compute_only: bool = False) -> str:
 
 
 def write_csv(schedule: Schedule, path: str | Path, *, compute_only: bool = False) -> None:
+    """Write ``schedule`` to ``path`` as ``to_csv_text`` gives it."""
+    check_instance("write_csv: schedule", schedule, Schedule, "a Schedule")
     Path(path).write_text(to_csv_text(schedule, compute_only=compute_only))

@@ -13,6 +13,7 @@ import collections
 import itertools
 import operator
 
+from pipeoffload.checks import check_instance
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.deps import Dependencies, numbering
 from pipeoffload.core.errors import ScheduleError
@@ -24,6 +25,7 @@ _STAGE, _KIND, _MICROBATCH = operator.itemgetter(0), operator.itemgetter(1), ope
 def validate(schedule: Schedule) -> Schedule:
     """Raise ScheduleError with rank, position and action if ``schedule`` cannot run; else
     return it unchanged (so it chains: ``validate(build(...))``)."""
+    check_instance("validate: schedule", schedule, Schedule, "a Schedule")
     plain = _placed_plainly(schedule)
     if not plain:
         _check_indices_and_placement(schedule)

@@ -167,6 +167,10 @@ def check_causal_lm(model_or_config: Any) -> str:
     """The ``model_type`` of a model (or its config) that split_causal_lm knows; raises
     IntegrationError otherwise. Call it before creating any process group, so an unsupported
     model is refused once, not by every rank of the job."""
+    if not (isinstance(model_or_config, nn.Module)
+            or any(hasattr(model_or_config, a) for a in ("config", "model_type"))):
+        raise TypeError(f"expected a transformers model or its config, got "
+                        f"{type(model_or_config).__name__} {model_or_config!r:.60}")
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -231,6 +235,10 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
     """Next-token cross entropy: position t predicts label t+1; labels equal to
     ``ignore_index`` (padding) are left out of the mean. Computed in ``logits``' dtype (HF
     upcasts to float32; keeping float64 keeps exactness tests exact)."""
+    for name, value in (("logits", logits), ("labels", labels)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"causal_lm_loss: {name} must be a torch.Tensor, got "
+                            f"{type(value).__name__}")
     vocab = logits.shape[-1]
     shifted = logits[:, :-1].reshape(-1, vocab)
     targets = labels[:, 1:].reshape(-1).to(logits.device)

@@ -55,6 +55,9 @@ SUPPORTED_TORCH: tuple[str, ...] = tuple(row.version for row in TESTED)
 def torch_pipelining(version: str) -> TorchPipelining:
     """The row for ``version`` (a ``torch.__version__`` such as ``2.15.0+cu132``); raise
     IntegrationError naming the tested versions if it has none."""
+    if not isinstance(version, str):
+        raise TypeError(f"version must be a str such as torch.__version__, got "
+                        f"{type(version).__name__} {version!r:.60}")
     major_minor = ".".join(version.split("+")[0].split(".")[:2])
     for row in TESTED:
         if row.version == major_minor:

@@ -37,7 +37,7 @@ from itertools import chain
 from operator import itemgetter
 from typing import cast
 
-from pipeoffload.checks import check_number, check_optional
+from pipeoffload.checks import check_instance, check_number, check_optional
 from pipeoffload.core.actions import OFFLOAD_KINDS, Action, Kind, positions_of
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
@@ -114,6 +114,10 @@ def add_offload(
     """Plan activation offload into ``schedule`` (see the module docstring for the contract).
     ``base``: the simulation of ``schedule`` without its transfers under ``costs``, when the
     caller has it (a planner pricing several targets of one schedule); else it is simulated."""
+    check_instance("add_offload: schedule", schedule, Schedule, "a Schedule")
+    check_instance("add_offload: costs", costs, CostModel, "a CostModel", optional=True)
+    check_instance("add_offload: policy", policy, OffloadPolicy, "an OffloadPolicy",
+                   optional=True)
     with cyclic_gc_paused():
         return _add_offload(schedule, costs, target, policy, base)
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeoffload.parallel.arguments import stage_modules
 from pipeoffload.parallel.topology import Topology
 from pipeoffload.runtime.shards import is_dtensor, local_shard
 from pipeoffload.runtime.tied import TiedSpec, merge_ties
@@ -33,6 +34,7 @@ def tie_copy_names(stages: Mapping[int, nn.Module],
 def tie_copies(stages: Mapping[int, nn.Module], tied: TiedSpec | None = None) -> set[int]:
     """ids of the parameters tie_copy_names names (a Parameter this process shares with the
     tie's lowest stage belongs to that stage and is not among them)."""
+    stage_modules("tie_copies: stages", stages)
     names = tie_copy_names(stages, tied)
     copies: set[int] = set()
     owned: set[int] = set()

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from pipeoffload.checks import check_instance, check_number
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError
 
@@ -20,6 +21,8 @@ from pipeoffload.errors import ConfigError
 def balanced_ranges(num_blocks: int, num_stages: int, what: str = "blocks") -> list[range]:
     """Contiguous block ranges per stage, sizes differing by at most one (earlier stages get
     the extra blocks; the last stage also carries the head)."""
+    check_number(f"the number of {what}", num_blocks, minimum=0, integer=True)
+    check_number("num_stages", num_stages, minimum=1, integer=True)
     if num_stages < 1:
         raise ConfigError(f"num_stages must be >= 1, got {num_stages}")
     if num_blocks < num_stages:
@@ -42,6 +45,7 @@ def split_blocks(blocks: nn.Sequential | nn.ModuleList | Iterable[nn.Module], sc
     last stage; each block takes one tensor and returns one (the stage contract,
     docs/runtime.md). Pass ``Pipeline(split_blocks(...), schedule, loss_fn)``.
     """
+    check_instance("split_blocks: schedule", schedule, Schedule, "a Schedule")
     blocks = list(blocks)
     if not all(isinstance(b, nn.Module) for b in blocks):
         raise ConfigError("split_blocks takes nn.Modules (an nn.Sequential, an nn.ModuleList "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeoffload.errors import ConfigError
+from pipeoffload.checks import check_instance, check_number, check_optional
 
 
 @dataclass(frozen=True)
@@ -43,16 +43,14 @@ class OffloadConfig:
     measure_classes: bool = False
 
     def __post_init__(self) -> None:
-        if self.min_offload_elements < 0:
-            raise ConfigError(
-                f"OffloadConfig.min_offload_elements must be >= 0, got {self.min_offload_elements}"
-            )
-        if self.max_pending_copy_bytes is not None and self.max_pending_copy_bytes < 0:
-            raise ConfigError("OffloadConfig.max_pending_copy_bytes must be >= 0 or None, got "
-                              f"{self.max_pending_copy_bytes}")
-        if self.pending_copy_activations is not None and not self.pending_copy_activations >= 0:
-            raise ConfigError("OffloadConfig.pending_copy_activations must be >= 0 or None, got "
-                              f"{self.pending_copy_activations}")
+        check_number("OffloadConfig.min_offload_elements", self.min_offload_elements,
+                     minimum=0, integer=True)
+        check_optional("OffloadConfig.max_pending_copy_bytes", self.max_pending_copy_bytes,
+                       minimum=0, integer=True)
+        check_optional("OffloadConfig.pending_copy_activations", self.pending_copy_activations,
+                       minimum=0)
+        for name in ("pin_memory", "stream", "measure_classes"):
+            check_instance(f"OffloadConfig.{name}", getattr(self, name), bool, "True or False")
 
 
 @dataclass(frozen=True)
@@ -83,8 +81,9 @@ class RuntimeConfig:
     recv_lookahead: int = 8
 
     def __post_init__(self) -> None:
-        if self.p2p_timeout_s <= 0:
-            raise ConfigError(f"RuntimeConfig.p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
-        if self.recv_lookahead < 0:
-            raise ConfigError(
-                f"RuntimeConfig.recv_lookahead must be >= 0, got {self.recv_lookahead}")
+        check_number("RuntimeConfig.p2p_timeout_s", self.p2p_timeout_s, above=0)
+        check_number("RuntimeConfig.recv_lookahead", self.recv_lookahead, minimum=0,
+                     integer=True)
+        check_instance("RuntimeConfig.offload", self.offload, OffloadConfig, "an OffloadConfig")
+        check_instance("RuntimeConfig.clone_hand_off", self.clone_hand_off, bool,
+                       "True or False")

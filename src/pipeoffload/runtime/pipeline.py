@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeoffload.checks import check_instance
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.core.validate import validate
@@ -138,6 +139,12 @@ class Pipeline:
         tied: TiedSpec | None = None,
         context: SequenceSplit | None = None,
     ) -> None:
+        check_instance("Pipeline: schedule", schedule, Schedule, "a Schedule")
+        if not callable(loss_fn):
+            raise TypeError(f"Pipeline: loss_fn must be callable (loss_fn(output, *target)), "
+                            f"got {type(loss_fn).__name__} {loss_fn!r:.60}")
+        check_instance("Pipeline: config", config, RuntimeConfig, "a RuntimeConfig",
+                       optional=True)
         self.config = config or RuntimeConfig()
         self.context = context
         self.schedule = validate(schedule)

@@ -136,6 +136,7 @@ def _draw_gantt(ax: Any, result: SimResult, rank: int, lanes: list[Lane],
     heights = [1.0] + [0.48] * (len(lanes) - 1)  # transfer lanes are thinner
     bottoms = [sum(heights[:i]) for i in range(len(lanes))]
     bars: dict[tuple[int, tuple[float, float, float]], list[tuple[float, float]]] = {}
+    ticks: dict[tuple[int, tuple[float, float, float]], list[float]] = {}
     for item in result.timeline[rank]:
         if item.lane not in rows:
             continue
@@ -147,7 +148,7 @@ def _draw_gantt(ax: Any, result: SimResult, rank: int, lanes: list[Lane],
         y = bottoms[lane] + 0.08 * heights[lane]
         h = 0.84 * heights[lane]
         if width == 0 and lane:  # a copy that takes no time: a tick where it happens
-            ax.vlines(item.start, y, y + h, colors=[color], linewidth=1.6)
+            ticks.setdefault((lane, color), []).append(item.start)
             continue
         bars.setdefault((lane, color), []).append((item.start, width))
         label = str(item.action.microbatch)  # the kind is the colour
@@ -158,6 +159,9 @@ def _draw_gantt(ax: Any, result: SimResult, rank: int, lanes: list[Lane],
     for (lane, color), spans in bars.items():  # one collection per lane and colour: fast
         ax.broken_barh(spans, (bottoms[lane] + 0.08 * heights[lane], 0.84 * heights[lane]),
                        facecolors=[color], edgecolors="white", linewidth=0.4, zorder=1)
+    for (lane, color), times in ticks.items():  # likewise one collection of ticks
+        y = bottoms[lane] + 0.08 * heights[lane]
+        ax.vlines(times, y, y + 0.84 * heights[lane], colors=[color], linewidth=1.6)
     ax.set_ylim(sum(heights), 0)
     ax.set_yticks([b + h / 2 for b, h in zip(bottoms, heights)])
     ax.set_yticklabels([{Lane.COMPUTE: "compute", Lane.D2H: "D2H", Lane.H2D: "H2D"}[lane]

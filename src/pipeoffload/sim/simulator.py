@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import itemgetter, sub
 
+from pipeoffload.checks import check_instance
 from pipeoffload.core.actions import MARKER_KINDS, Action, Kind, positions_of
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.sim.collector import cyclic_gc_paused
@@ -168,6 +169,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *,
     the result (Note: [torch markers], core/actions.py). ``keep_changes``: keep each rank's
     memory changes on the result (``SimResult.memory_changes``; about 100 bytes a change,
     ~4 per offloaded activation) for a caller that reads them all again."""
+    check_instance("simulate: schedule", schedule, Schedule, "a Schedule")
+    check_instance("simulate: costs", costs, CostModel, "a CostModel", optional=True)
     costs = costs or CostModel()
     schedule = schedule.without(*MARKER_KINDS)  # itself when it has none
     with cyclic_gc_paused():

@@ -150,7 +150,8 @@ class TrainConfig:
         if self.dtype not in DTYPE_NAMES:
             raise _refuse("{dtype} {got}: choose one of {choices}", got=repr(self.dtype),
                           choices=", ".join(DTYPE_NAMES))
-        if not isinstance(self.cp, int) or self.cp < 1 or self.data.seq_len % (2 * self.cp):
+        if not isinstance(self.cp, int) or self.cp < 1 or (
+                self.cp > 1 and self.data.seq_len % (2 * self.cp)):
             raise _refuse("{cp} {cp_value}: context parallelism cuts each sequence into 2 * cp "
                           "chunks, so {data.seq_len} {seq} must be a multiple of {twice}",
                           cp_value=self.cp, seq=self.data.seq_len, twice=2 * self.cp)
