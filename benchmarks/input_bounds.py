@@ -1,10 +1,10 @@
-"""Wall time and peak memory at the bounds of issue 40's items 7, 8 and 10: the largest input
-each accepts, and the refusal just past it.
+"""Wall time and peak memory at the bounds of issue 40's items 7 to 10: the largest input each
+accepts, and the refusal just past it.
 
 Run: python benchmarks/input_bounds.py
 Each case runs in a child process of its own and prints one table row: what it runs, its exit
-status, wall and CPU seconds and peak resident memory (the child's ru_maxrss, from os.wait4). Item 9
-(JSON lines) belongs to the data issue (38) and is not measured here.
+status, wall and CPU seconds and peak resident memory (the child's ru_maxrss, from os.wait4). The
+JSON-lines cases (item 9) write files of 64 MiB and 300 MB into a temporary folder.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from pipeoffload.training.sources import MAX_LINE_BYTES
 
 LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=16, intermediate_size=32,
              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -43,6 +45,19 @@ def config(folder: Path, name: str, **changes: object) -> str:
     return str(path)
 
 
+def json_lines(path: Path, line_bytes: int) -> str:
+    """A JSON-lines file of one record whose line (newline included) is ``line_bytes`` long."""
+    head, tail = b'{"text": "', b'"}\n'
+    with open(path, "wb") as f:
+        f.write(head)
+        left = line_bytes - len(head) - len(tail)
+        while left > 0:
+            f.write(b"a" * min(left, 1 << 24))
+            left -= 1 << 24
+        f.write(tail)
+    return str(path)
+
+
 def cases(folder: Path) -> list[tuple[str, list[str]]]:
     cli = [sys.executable, "-m", "pipeoffload.cli"]
     train = [*cli, "train", "--pp", "1", "--steps", "1", "--no-png", "--data",
@@ -58,6 +73,8 @@ def cases(folder: Path) -> list[tuple[str, list[str]]]:
     hardware = json.loads(hardware_preset("h100-80gb").to_json())
     (folder / "h_max.json").write_text(json.dumps({**hardware, "gpus_per_node": 65536}))
     (folder / "h_over.json").write_text(json.dumps({**hardware, "gpus_per_node": 1e300}))
+    data = [*cli, "train", "--model", "tiny", "--pp", "1", "--steps", "1", "--no-png",
+            "--no-baseline", "--eval-fraction", "0", "--data"]
     plan = [*cli, "plan", "--model", "gpt3-2.7b", "--gpus", "8", "--quiet", "--no-verdict",
             "--hardware"]
     return [
@@ -73,6 +90,12 @@ def cases(folder: Path) -> list[tuple[str, list[str]]]:
          [*train, "--config", str(settings)]),
         ("8: --config over 1 MiB refused unread", [*train, "--config", str(over)]),
         ("8: --config /dev/zero refused unread", [*train, "--config", "/dev/zero"]),
+        ("9: train on a JSON line of 64 MiB (MAX_LINE_BYTES, the bound)",
+         [*data, json_lines(folder / "line_max.jsonl", MAX_LINE_BYTES)]),
+        ("9: train refuses a JSON line of 64 MiB + 1 byte",
+         [*data, json_lines(folder / "line_over.jsonl", MAX_LINE_BYTES + 1)]),
+        ("9: train refuses a JSON line of 300 MB (issue 40's case)",
+         [*data, json_lines(folder / "line_huge.jsonl", 300_000_000)]),
         ("10: plan with gpus_per_node 65536 (the bound)", [*plan, str(folder / "h_max.json")]),
         ("10: plan refuses gpus_per_node 1e300", [*plan, str(folder / "h_over.json")]),
     ]

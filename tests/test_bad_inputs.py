@@ -116,7 +116,7 @@ TRAIN_CASES = [
     (["--dp", "2", "--inline"], "--inline"),
     (["--decay-steps", "5"], "--decay-steps"),
     (["--chunks", "3"], "stages"),
-    (["--heads", "3"], "n_heads"),
+    (["--heads", "3"], "is not divisible by --heads 3"),
     (["--model", "huge"], "model preset"),
     (["--data", "{tmp}/empty.txt"], "empty"),
     (["--tp", "0"], "--tp"),

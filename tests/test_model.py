@@ -57,9 +57,9 @@ def test_presets_are_named_and_unknown_names_are_refused() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"dim": 30}, "not divisible by n_heads"),
-        ({"dim": 36, "n_heads": 4}, "head_dim .* is odd"),
-        ({"n_kv_heads": 3}, "not a multiple of n_kv_heads"),
+        ({"dim": 30}, "ModelConfig.dim 30 is not divisible by ModelConfig.n_heads 4"),
+        ({"dim": 36, "n_heads": 4}, "head width ModelConfig.dim / ModelConfig.n_heads = 9 is odd"),
+        ({"n_kv_heads": 3}, "not a multiple of ModelConfig.n_kv_heads 3"),
         ({"n_layers": 0}, "n_layers must be >= 1"),
         ({"norm_eps": 0.0}, "must be > 0"),
     ],

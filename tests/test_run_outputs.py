@@ -385,3 +385,26 @@ def test_an_interrupted_export_with_its_tokenizer_files_is_cleared_but_a_foreign
     with pytest.raises(ConfigError, match="'notes.txt', which no export writes"):
         clear_unfinished_export(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "tokenizer.json"]
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["export", ".", "out"], "pipeoffload export: error: DIR out would be written into the "
+     "folder of CHECKPOINT .; outputs go outside the checkpoint folder and the data, each to "
+     "its own place: choose another path"),
+    (["tokenize", "missing", "out", "--tokenizer", "t.json"],
+     "pipeoffload tokenize: error: DATA missing: does not exist"),
+    (["train", "--model", "tiny", "--steps", "1", "--no-png"],
+     "pipeoffload train: error: the reference model's 4 layers (--layers) cannot fill 8 "
+     "pipeline stages (--pp 4 x 2 stages per rank; each needs a layer); lower --pp or --chunks, "
+     "or raise --layers"),
+    (["train", "--model", "tiny", "--pp", "1", "--steps", "1", "--no-png", "--dim", "31"],
+     "pipeoffload train: error: --dim 31 is not divisible by --heads 4; choose --dim = --heads "
+     "x the head width"),
+])
+def test_refusals_name_what_the_user_typed(argv, line, place, capsys, no_training) -> None:
+    """A positional argument was named as a flag no command has (`--output out`, `--checkpoint
+    .`), too few layers for the default layout named no flag at all, and a model shape named
+    ModelConfig's fields, not the flags (issue 40 item 22)."""
+    code, err = run(argv, capsys)
+    assert code == 2 and no_training == []
+    assert err.strip().splitlines()[-1] == line

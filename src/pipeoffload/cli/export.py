@@ -27,6 +27,7 @@ def add_export_parser(subparsers: Any) -> None:
     p.add_argument("--tokenizer", type=input_path, default=None, metavar="PATH",
                    help="the tokenizer.json (or its folder) the run trained with: written "
                    "with tokenizer_config.json and special_tokens_map.json, as --export-hf does")
+    p.set_defaults(arg_names={"checkpoint": "CHECKPOINT", "output": "DIR"})  # as errors say
     p.set_defaults(handler=cmd_export)
 
 

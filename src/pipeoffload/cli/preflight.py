@@ -371,27 +371,33 @@ def check_text(flag: str, value: str) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse non-finite floats and NUL bytes or undecodable bytes in any flag, check every
     marked path (see the module doc), and refuse outputs that would overwrite an input or
-    another output, or land inside an input or output folder (``check_places``)."""
+    another output, or land inside an input or output folder (``check_places``). A positional
+    argument is named by its metavar where the parser's defaults list it (``arg_names``)."""
+    names: dict[str, str] = getattr(args, "arg_names", {})
+
+    def name(dest: str) -> str:
+        return names.get(dest) or flag_of(args, dest)
+
     for dest, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{flag_name(dest)} must be a finite number, got {value}")
+            raise ConfigError(f"{name(dest)} must be a finite number, got {value}")
         if isinstance(value, str):
-            check_text(flag_of(args, dest), value)
+            check_text(name(dest), value)
     for dest, value in vars(args).items():
         if isinstance(value, CheckedPath):
-            check_path(flag_of(args, dest), value)
-    paths = [(flag_of(args, dest), value) for dest, value in vars(args).items()
+            check_path(name(dest), value)
+    paths = [(name(dest), value) for dest, value in vars(args).items()
              if isinstance(value, CheckedPath)]
     chosen = [(flag, path) for flag, path in paths if not isinstance(path, DefaultOutputFile)]
     check_places(chosen)
     for dest, value in vars(args).items():
         if isinstance(value, DefaultOutputFile):
-            problem = place_problem([(flag_of(args, dest), value), *chosen])
+            problem = place_problem([(name(dest), value), *chosen])
             if problem is not None:
                 setattr(args, dest, None)
                 off = f"; {value.off} silences this note" if value.off else ""
                 note(getattr(args, "command", None) or "", f"{problem}, so it is not written "
-                     f"(a default: pass {flag_of(args, dest)} FILE elsewhere to have it{off})")
+                     f"(a default: pass {name(dest)} FILE elsewhere to have it{off})")
 
 
 def check_places(paths: Sequence[tuple[str, CheckedPath]]) -> None:

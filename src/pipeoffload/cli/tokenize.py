@@ -31,6 +31,7 @@ def add_tokenize_parser(subparsers: Any) -> None:
     p.add_argument("--max-bytes", type=count(1), default=None,
                    help="read at most this much text (default: all)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(arg_names={"data": "DATA", "output": "OUT"})  # as errors name them
     p.set_defaults(handler=cmd_tokenize)
 
 

@@ -136,7 +136,12 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, str | None,
 
             overrides["vocab_size"] = vocab_needed(DataConfig(source=args.data,
                                                               tokenizer=args.tokenizer))
-        model = dataclasses.replace(model, **overrides)
+        try:
+            model = dataclasses.replace(model, **overrides)
+        except FieldError as error:  # ModelConfig's fields, named by the flags that set them
+            flags = field_flags()
+            raise ConfigError(error.render({f: flags.get(f"model.{f}", f)
+                                            for f in error.fields})) from None
     return model, hf_model, seq_len
 
 

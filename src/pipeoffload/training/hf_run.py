@@ -43,6 +43,11 @@ def check_model(config: TrainConfig, num_stages: int) -> None:
     process starts: one error, not one per rank)."""
     needed = vocab_needed(config.data)
     if config.hf_model is None:
+        if config.model.n_layers < num_stages:  # said with the flags that set both
+            raise ConfigError(f"the reference model's {config.model.n_layers} layers (--layers) "
+                              f"cannot fill {num_stages} pipeline stages (--pp {config.pp} x "
+                              f"{num_stages // config.pp} stages per rank; each needs a layer); "
+                              "lower --pp or --chunks, or raise --layers")
         stage_layer_ranges(config.model.n_layers, num_stages)
         if config.model.vocab_size < needed:
             raise ConfigError(f"the reference model's vocabulary ({config.model.vocab_size}) "

@@ -43,23 +43,17 @@ class ModelConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
                      "max_seq_len"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise _refuse(f"{{{name}}} must be >= 1, got {{got}}", got=getattr(self, name))
         if self.dim % self.n_heads:
-            raise ConfigError(
-                f"ModelConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}; "
-                "choose dim = n_heads * head_dim"
-            )
+            raise _refuse("{dim} {d} is not divisible by {n_heads} {h}; choose {dim} = "
+                          "{n_heads} x the head width", d=self.dim, h=self.n_heads)
         if self.head_dim % 2:
-            raise ConfigError(
-                f"head_dim = dim / n_heads = {self.head_dim} is odd; rotary embeddings rotate "
-                "pairs of features, so choose an even head_dim"
-            )
+            raise _refuse("the head width {dim} / {n_heads} = {w} is odd; rotary embeddings "
+                          "rotate pairs of features, so choose an even head width", w=self.head_dim)
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"ModelConfig.n_heads={self.n_heads} is not a multiple of "
-                f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number "
-                "of query heads"
-            )
+            raise _refuse("{n_heads} {h} is not a multiple of {n_kv_heads} {kv}; each key/value "
+                          "head must serve the same number of query heads", h=self.n_heads,
+                          kv=self.n_kv_heads)
         if self.document_eos is not None and not 0 <= self.document_eos < self.vocab_size:
             raise ConfigError(f"ModelConfig.document_eos={self.document_eos} is not an id of "
                               f"the vocabulary (0..{self.vocab_size - 1})")
@@ -120,3 +114,9 @@ def check_tensor_parallel(config: ModelConfig, tp: int, seq_len: int | None = No
                              "{name}={value} (from " + source + ") evenly; choose a multiple "
                              "of {n} or a {tp} that divides it",
                              {"n": tp, "name": name, "value": value})
+
+
+def _refuse(template: str, **values: object) -> FieldError:
+    """A ModelConfig error: ``{field}`` placeholders name its fields (the command line says
+    them as its flags: --dim, --heads, ...)."""
+    return FieldError("ModelConfig", template, values)
