@@ -2,17 +2,20 @@
 tokenizer (first run, which tokenises into the token cache; and again, cached), and from a
 pre-tokenised store (`pipeoffload tokenize`, timed on its own).
 
-Each row is the wall time of `pipeoffload train --model tiny --steps 1 --no-baseline --no-png`
-in a fresh process (pp 2 inline, one process: the data path, not the launcher, is what is measured),
-so it includes Python and torch start-up, the up-front checks and one training step. The corpus
-is JSON lines of random words (a fixed seed); the tokenizer a byte-level BPE of 1,000 ids
-trained on its first MiB. Sizes above --max-tokenize-mb skip the tokenizer rows and time a
-store of random ids of that size written directly (the pre-tokenised row needs no text).
+Each cell is the wall time and the CPU time (user + system) of `pipeoffload train --model tiny
+--steps 1 --no-baseline --no-png` in a fresh process (pp 2 inline, one process: the data path,
+not the launcher, is what is measured), so it includes Python and torch start-up, the up-front
+checks and one training step. On a shared machine the wall time follows the other load; the CPU
+time much less. The corpus is JSON lines of random words (a fixed seed); the tokenizer a
+byte-level BPE of 1,000 ids trained on its first MiB. Sizes above --max-tokenize-mb skip the
+tokenizer rows and time a store of random ids of that size written directly, in documents of
+about 1,000 tokens (the pre-tokenised row needs no text).
 
     python benchmarks/data_startup.py --sizes-mb 1 100 1000 --max-tokenize-mb 100
 
-``--baseline-src`` times the tokenizer row with another checkout's package too (its
-``--max-bytes`` set to the corpus size, since before this change 1 MiB was the default cap).
+``--baseline-src SRC`` times the cached and pre-tokenised cells with another checkout's package
+too (``git archive COMMIT src | tar -x -C DIR``, then ``--baseline-src DIR/src``), alternating
+run by run with this code's, so both see the same load.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -60,34 +64,58 @@ def write_tokenizer(folder: Path, corpus: Path) -> Path:
 
 
 def write_random_store(folder: Path, size_mb: float) -> None:
+    """A store of ``size_mb`` of random ids in documents of 64 .. 2047 tokens (about 1,000 on
+    average, as web text has: 500k documents per GB), so costs per document are measured."""
     import torch
 
     from pipeoffload.training.token_store import write_store
 
     tokens = int(size_mb * (1 << 20)) // 2
     generator = torch.Generator().manual_seed(0)
-    per_doc = 1 << 16
+    lengths = random.Random(0)
 
     def documents():
-        for first in range(0, tokens, per_doc):
-            n = min(per_doc, tokens - first)
+        first = 0
+        while first < tokens:
+            n = min(lengths.randrange(64, 2048), tokens - first)
             yield torch.randint(2, 1000, (n,), generator=generator).tolist()
+            first += n
 
     write_store(folder, documents(), eos=1, vocab_size=1000)
 
 
-def timed(argv: list[str], env: dict[str, str], reps: int = 1) -> float:
-    """The fastest of ``reps`` runs (the least disturbed by other load)."""
+def timed(argv: list[str], env: dict[str, str], reps: int = 1) -> tuple[float, float]:
+    """(wall, CPU) seconds of the fastest of ``reps`` runs (the least disturbed by other load);
+    CPU is the process's user + system time, which other load disturbs far less."""
     return min(_timed(argv, env) for _ in range(reps))
 
 
-def _timed(argv: list[str], env: dict[str, str]) -> float:
+def _timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pipeoffload.cli", *argv], env=env,
                           capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def cell(times: tuple[float, float], baseline: tuple[float, float] | None = None) -> str:
+    """``wall / CPU`` seconds, with the baseline's after an arrow's tail (``before -> now``)."""
+    now = f"{times[0]:.1f} / {times[1]:.1f}"
+    return now if baseline is None else f"{baseline[0]:.1f} / {baseline[1]:.1f} -> {now}"
+
+
+def compared(argv: list[str], env: dict[str, str], old: dict[str, str] | None,
+             reps: int) -> str:
+    """The cell of ``argv``: this code, and with ``old`` the baseline's, run alternately (so
+    both see the same load); the fastest of ``reps`` each."""
+    if old is None:
+        return cell(timed(argv, env, reps))
+    runs = [(timed(argv, old), timed(argv, env)) for _ in range(reps)]
+    return cell(min(r[1] for r in runs), min(r[0] for r in runs))
 
 
 def train_argv(data: Path, tokenizer: Path | None) -> list[str]:
@@ -100,25 +128,23 @@ def train_argv(data: Path, tokenizer: Path | None) -> list[str]:
 def measure(size_mb: float, root: Path, tokenize: bool, reps: int, baseline: str | None
             ) -> list[object]:
     env = {**os.environ, "PIPEOFFLOAD_CACHE": str(root / "cache")}
+    old = None if baseline is None else {**env, "PYTHONPATH": baseline}
     store = root / "store"
     row: list[object] = [f"{size_mb:g} MB"]
     if tokenize:
         corpus = root / "corpus.jsonl"
         write_corpus(corpus, size_mb)
         tok = write_tokenizer(root / "tok", corpus)
-        if baseline is not None:
-            old = {**env, "PYTHONPATH": baseline}
-            limit = ["--max-bytes", str(int(size_mb * (1 << 20)) + 1)]
-            row.append(f"{timed(train_argv(corpus, tok) + limit, old, reps):.1f}")
-        row.append(f"{timed(train_argv(corpus, tok), env):.1f}")
-        row.append(f"{timed(train_argv(corpus, tok), env, reps):.1f}")
-        row.append(f"{timed(['tokenize', str(corpus), str(store), '--tokenizer', str(tok), '--quiet'], env):.1f}")  # noqa: E501
+        row.append(cell(timed(train_argv(corpus, tok), env)))  # fills the cache: once
+        row.append(compared(train_argv(corpus, tok), env, old, reps))
+        row.append(cell(timed(["tokenize", str(corpus), str(store), "--tokenizer", str(tok),
+                               "--quiet"], env)))
     else:
         start = time.perf_counter()
         write_random_store(store, size_mb)
-        row += ["-"] * (3 if baseline else 2)
-        row.append(f"({time.perf_counter() - start:.1f} written directly)")
-    row.append(f"{timed(train_argv(store, None), env, reps):.1f}")
+        row += ["-", "-", f"(a store of random ids, written directly in "
+                f"{time.perf_counter() - start:.0f} s)"]
+    row.append(compared(train_argv(store, None), env, old, reps))
     return row
 
 
@@ -131,8 +157,9 @@ def main() -> None:
                         help="runs per cached / pre-tokenised / baseline cell; the fastest is "
                         "shown (the first run with a tokenizer runs once: it fills the cache)")
     parser.add_argument("--baseline-src", default=None, metavar="SRC",
-                        help="also time the tokenizer run with the package in SRC (another "
-                        "checkout's src/, e.g. the code before the token cache)")
+                        help="also time the cached and pre-tokenised runs with the package in "
+                        "SRC (another checkout's src/: the code before a change), alternating "
+                        "with this code's runs")
     args = parser.parse_args()
     print(machine_summary())
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
@@ -142,9 +169,9 @@ def main() -> None:
             rows.append(measure(size, Path(folder), size <= args.max_tokenize_mb, args.reps,
                                 args.baseline_src))
             print(f"  {rows[-1]}", file=sys.stderr, flush=True)
-    before = ["tokenizer, --baseline-src (s)"] if args.baseline_src else []
-    print(format_table(["corpus", *before, "tokenizer, first run (s)", "tokenizer, cached (s)",
-                        "pipeoffload tokenize (s)", "pre-tokenised (s)"], rows))
+    print("cells: wall / CPU seconds (with --baseline-src: baseline -> this code)")
+    print(format_table(["corpus", "tokenizer, first run", "tokenizer, cached",
+                        "pipeoffload tokenize", "pre-tokenised"], rows))
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 

@@ -147,7 +147,7 @@ def file_settings(parser: argparse.ArgumentParser, path: str) -> list[Setting]:
             raise ConfigError(f"{where} is not a setting of this command{hint}; the settings "
                               "are its long options without the leading --")
         tokens, resolved = _tokens(where, f"--{name}", action, value, folder)
-        settings.append(Setting(action.dest, f"{CONFIG_FLAG} {path}: {key}", tokens, resolved))
+        settings.append(Setting(action.dest, where, tokens, resolved))
     return settings
 
 
