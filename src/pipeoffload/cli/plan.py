@@ -202,7 +202,7 @@ def _zero_level(args: argparse.Namespace) -> bool:
 
     if args.zero == 3:
         raise ConfigError("--zero 3 (FSDP2) is not priced: train runs it only in fp32, without "
-                          "split backward, tp, cp or checkpoints, not the plans this prices "
+                          "split backward, tp or cp, not the plans this prices "
                           "(docs/training.md, \"Sharding the optimizer\"); use --zero 1")
     if args.zero == 0 and args.sharded_optimizer:
         raise ConfigError("--zero 0 and --sharded-optimizer disagree; pass one of them")
