@@ -305,7 +305,6 @@ def test_zero_1_is_the_default_where_there_is_something_to_shard() -> None:
     (["--tp", "2"], "--zero 3 with --tp > 1 is not implemented"),
     (["--cp", "2"], "--zero 3 with --cp > 1 is not implemented"),
     (["--dtype", "bf16"], "--zero 3 with --dtype bf16 is not implemented"),
-    (["--checkpoint-dir", "ck"], "--zero 3 does not write or read checkpoints yet"),
     (["--schedule", "po-f"], "--zero 3 with --schedule po-f: its backward is split into I and W"),
 ])
 def test_what_zero_3_does_not_compose_with_is_refused_in_one_line(
@@ -393,7 +392,7 @@ def test_zero1_shards_over_context_parallel_ranks_and_resumes_with_cp1(tmp_path:
 Z3_STEPS = 6
 
 
-def _fsdp(rank: int, world: int) -> dict:
+def _fsdp(rank: int, world: int, tmp_root: str) -> dict:
     """pp2 x dp2 with zero 0 and zero 3 (FSDP2), on 1f1b and on interleaved 1f1b (two stages
     per rank), with held-out losses (forward-only passes on sharded stages); and 3 steps of
     1f1b with --offload all (and the step without it measured after) and with --recompute
@@ -415,6 +414,18 @@ def _fsdp(rank: int, world: int) -> dict:
             result = train(dataclasses.replace(BASE, steps=3, zero=z, **change), topology)
             out[(name, z)] = [list(result.losses), result.peak_bytes, result.predicted_bytes,
                               result.baseline_bytes]
+    root = Path(str(tmp_root))
+    saving = dataclasses.replace(BASE, steps=Z3_STEPS, zero=3, checkpoint_dir=str(root / "z3"),
+                                 checkpoint_every=3)
+    out["straight"] = list(train(saving, topology).losses)
+    train(dataclasses.replace(saving, steps=3, zero=1, checkpoint_dir=str(root / "z1")),
+          topology)
+    out["resumed"] = {z: list(train(dataclasses.replace(
+        saving, zero=z, checkpoint_dir=str(root / f"again{z}"),
+        resume=str(root / "z3" / "step_00000003")), topology).losses) for z in (3, 0, 1)}
+    out["from_zero1"] = list(train(dataclasses.replace(  # a zero 1 checkpoint, resumed by 3
+        BASE, steps=Z3_STEPS, zero=3, checkpoint_dir=str(root / "from1"),
+        resume=str(root / "z1" / "step_00000003")), topology).losses)
     out["collectives"] = _collectives_per_step(topology)
     return out
 
@@ -450,7 +461,7 @@ def test_zero3_fsdp2_stages_train_like_zero0(tmp_path: Path) -> None:
     and resharded after its last B, one reduce-scatter per step: the losses and held-out
     losses are zero 0's (bitwise at dp 2 as measured; asserted within 1e-6), and each process
     holds half of the parameters, gradients, masters and moments."""
-    results = launch(_fsdp, 4, tmp_path, join_timeout_s=PATIENCE_S)
+    results = launch(_fsdp, 4, tmp_path, str(tmp_path), join_timeout_s=PATIENCE_S)
     assert sorted(results) == [0, 1, 2, 3], results
     for outcome in results.values():
         assert "ok" in outcome, outcome.get("trace")
@@ -480,3 +491,14 @@ def test_zero3_fsdp2_stages_train_like_zero0(tmp_path: Path) -> None:
             assert zero3 == zero0, (name, zero0, zero3)
             assert zero3[1] == tuple(int(b) for b in zero3[2])
         assert out[("offload", 3)][3] is not None
+        # checkpoints: a zero 3 one of step 3 resumes to 6 bitwise with zero 3, and with zero 0
+        # and 1 (joined, re-sharded); a zero 1 one resumes with zero 3
+        straight = out["straight"]
+        assert len(straight) == 6
+        assert out["resumed"][3] == straight[3:]
+        for resumed in (out["resumed"][0], out["resumed"][1], out["from_zero1"]):
+            assert max(abs(a - b) / abs(b) for a, b in zip(resumed, straight[3:])) < 1e-6
+    manifest = ckpt.read_manifest(tmp_path / "z3" / "step_00000003")
+    assert sorted(n for n in manifest.files if n.startswith("stage_")) == [
+        "stage_000_dp0.pt", "stage_000_dp1.pt", "stage_001_dp0.pt", "stage_001_dp1.pt"]
+    assert manifest.info["zero"] == 3

@@ -203,9 +203,10 @@ def _zero_level(args: argparse.Namespace) -> bool:
     from pipeoffload.errors import ConfigError
 
     if args.zero == 3:
-        raise ConfigError("--zero 3 (FSDP2) is not priced: train runs it only in fp32, without "
-                          "split backward, tp, cp or checkpoints, not the plans this prices "
-                          "(docs/training.md, \"Sharding the optimizer\"); use --zero 1")
+        raise ConfigError("--zero 3 (FSDP2) is not priced: train keeps each stage whole through "
+                          "the step, so its peak is no lower than --zero 1's, and runs it only "
+                          "in fp32, without split backward, tp or cp (docs/training.md, "
+                          "\"Sharding the optimizer\"); use --zero 1")
     if args.zero == 0 and args.sharded_optimizer:
         raise ConfigError("--zero 0 and --sharded-optimizer disagree; pass one of them")
     return bool(args.sharded_optimizer or args.zero == 1)

@@ -23,6 +23,8 @@ layout (each parameter's numel and shape, the buckets), and shard 0's also the s
 state; the manifest, written last, lists them all. Loading joins the shards into the whole
 stage state StageAdamW saves (``load_stage``), which either optimizer loads at any dp and cp:
 a resume may change dp, cp and ``--zero``, and `pipeoffload export` reads the joined state.
+FSDP2 stages (``--zero 3``, parallel/fsdp.py) write the same shard form, their model state
+gathered whole.
 Tensor-parallel shards are not re-sharded (same tp only).
 """
 
@@ -56,6 +58,7 @@ from pipeoffload.parallel.checkpoint_files import (
     step_of,
     tidy,
 )
+from pipeoffload.parallel.fsdp import is_sharded_stage, load_whole, whole_state
 from pipeoffload.parallel.optimizer import CheckpointedOptimizer
 from pipeoffload.parallel.rank_order import DIMS, RankOrder, parse_order
 from pipeoffload.parallel.sharded_state import load_tensors, local_state
@@ -393,7 +396,11 @@ def _stage_payloads(state: TrainingState, where: Topology) -> list[tuple[str, di
     for s, module in sorted(state.stages.items()):
         optimizer = state.optimizer.stage_state(s)
         payload: dict[str, Any] = {"optimizer": optimizer.optimizer}
-        if shard == 0:
+        if is_sharded_stage(module):  # FSDP2 (--zero 3): gathered whole by every replica
+            model = whole_state(module)
+            if shard == 0:
+                payload["model"] = model
+        elif shard == 0:
             payload["model"] = module.state_dict()
         if optimizer.masters is not None:
             payload["masters"] = optimizer.masters
@@ -463,7 +470,8 @@ def restore(state: TrainingState, resume: str | Path, root: str | Path | None,
     for s, module in sorted(state.stages.items()):
         saved = load_stage(manifest, s, tp_index, _device(where))
         try:
-            load_tensors(module.state_dict(), saved["model"])
+            load = load_whole if is_sharded_stage(module) else load_tensors
+            load(module.state_dict(), saved["model"])
             state.optimizer.load_stage_state(s, saved)
         except (KeyError, RuntimeError, ValueError) as error:
             raise CheckpointError(f"{manifest.folder / stage_file(s, tp_index)} does not fit "

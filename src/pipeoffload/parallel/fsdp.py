@@ -9,6 +9,13 @@ where FSDP reduce-scatters the step's summed gradient once, averaged over the re
 (runtime/sharding.py Note: [sharded stages]). The optimizer then updates the local shards
 elementwise, as AdamW updates whole parameters, so in fp32 a step is the replicated optimizer's
 up to the order of the reduction's sums (two values at dp = 2: bitwise).
+
+Checkpoints: every replica writes its stage file in ZeRO-1's shard form (parallel/zero.py
+Note: [zero-1 layout], one bucket per stage), made from the parameters and moments gathered
+whole, and replica 0 the stage's model state gathered whole (``whole_state``); loading joins
+them into the whole state (parallel/checkpoint.py Note: [sharded optimizer checkpoint]), of
+which each process takes its FSDP shards (``load_whole``), so a checkpoint moves between
+``--zero`` 0, 1 and 3 and another dp.
 """
 
 from __future__ import annotations
@@ -20,16 +27,44 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.errors import ConfigError
 from pipeoffload.parallel.gradients import scale_gradients
 from pipeoffload.parallel.optimizer import StageState
 from pipeoffload.parallel.topology import Topology
-from pipeoffload.runtime.shards import local_shard
+from pipeoffload.parallel.zero import MOMENTS, FlatLayout, bucket_indices
+from pipeoffload.runtime.shards import is_dtensor, local_shard
 
-#: Why a checkpoint of sharded stages is refused (the trainer checks for it before it starts).
-NO_CHECKPOINT = ("--zero 3 does not write checkpoints yet: its stage files would hold each "
-                 "replica's parameter shards, which the checkpoint format does not name; use "
-                 "--zero 1 to checkpoint")
+
+def is_sharded_stage(module: nn.Module) -> bool:
+    """Whether ``module`` is wrapped with FSDP2's ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def whole_state(module: nn.Module) -> dict[str, Any]:
+    """``module``'s state dict with every DTensor gathered whole (a collective over the
+    data-parallel group for an FSDP2 stage; call it on every replica)."""
+    return {k: v.full_tensor() if is_dtensor(v) else v
+            for k, v in module.state_dict().items()}
+
+
+@torch.no_grad()
+def load_whole(targets: Mapping[Any, torch.Tensor], saved: Mapping[Any, torch.Tensor]) -> None:
+    """Copy whole tensors ``saved`` into ``targets``: a DTensor takes its own shard of it (no
+    communication), a plain tensor all of it; names and whole shapes must match."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if set(targets) != set(saved):
+        raise KeyError(f"names differ: {sorted(map(str, set(targets) ^ set(saved)))[:3]}")
+    for key, target in targets.items():
+        value = saved[key]
+        if tuple(target.shape) != tuple(value.shape):
+            raise ValueError(f"{key}: shape {list(value.shape)} saved, {list(target.shape)} here")
+        if is_dtensor(target):
+            mesh, placements = target.device_mesh, target.placements  # type: ignore[attr-defined]
+            value = distribute_tensor(value.to(target.device), mesh, placements,
+                                      src_data_rank=None).to_local()
+        local_shard(target).copy_(value)
 
 
 def shard_stages(stages: Mapping[int, nn.Module], topology: Topology) -> dict[int, nn.Module]:
@@ -113,7 +148,39 @@ class ShardedAdamW:
                 for s, ps in self._params.items()}
 
     def stage_state(self, stage: int) -> StageState:
-        raise ConfigError(NO_CHECKPOINT)
+        """This replica's part of the stage in ZeRO-1's shard form (one bucket), cut from the
+        parameters and moments gathered whole: a collective over the data-parallel group."""
+        params = self._params[stage]
+        saved = self._optimizers[stage].state_dict()
+        state = saved["state"]
+        whole = {"master": [p.full_tensor() for p in params]}  # type: ignore[attr-defined]
+        if state:
+            for key in MOMENTS:
+                whole[key] = [state[i][key].full_tensor() for i in range(len(params))]
+        numels = [p.numel() for p in params]
+        indices = bucket_indices(numels, max(sum(numels), 1))[0] if params else []
+        layout = FlatLayout(tuple(numels[i] for i in indices), self.topology.dp,
+                            self.topology.dp_index, params[0].dtype if params else torch.float32)
+        shard: dict[str, Any] = {
+            "numels": numels, "shapes": [list(p.shape) for p in params], "buckets": [indices],
+            "param_group": {k: v for k, v in saved["param_groups"][0].items() if k != "params"},
+            "step": state[0]["step"] if state else None,
+            **{k: layout.mine(layout.flatten([v[i] for i in indices]))
+               for k, v in whole.items()}}
+        return StageState({"shard": shard}, None)
 
     def load_stage_state(self, stage: int, saved: Mapping[str, Any]) -> None:
-        raise ConfigError(NO_CHECKPOINT)
+        """Restore from a stage's whole state (StageAdamW's form, as checkpoint.py joins it):
+        each parameter and moment takes this replica's shard."""
+        params, optimizer = self._params[stage], saved["optimizer"]
+        masters = saved["masters"]
+        if len(masters) != len(params):
+            raise ValueError(f"{len(masters)} master tensors saved, {len(params)} here")
+        load_whole(dict(enumerate(params)), dict(enumerate(masters)))
+        group = {**optimizer["param_groups"][0], "params": list(range(len(params)))}
+        state = {}
+        for i, values in optimizer["state"].items():
+            moments = {k: torch.zeros_like(params[int(i)]) for k in MOMENTS}
+            load_whole(moments, {k: values[k] for k in MOMENTS})
+            state[int(i)] = {"step": values["step"], **moments}
+        self._optimizers[stage].load_state_dict({"state": state, "param_groups": [group]})

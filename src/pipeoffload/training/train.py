@@ -54,9 +54,6 @@ _ZERO3_LIMITS: tuple[tuple[Callable[[TrainConfig], bool], str], ...] = (
     (lambda c: c.hf_model is not None, "{zero} 3 trains the reference model only: "
      "a Hugging Face model's tied embeddings sum gradients across stages, which sharded "
      "stages do not; use {zero} 1"),
-    (lambda c: c.checkpoint_dir is not None or c.resume is not None,
-     "{zero} 3 does not write or read checkpoints yet (its stage files would hold each "
-     "replica's parameter shards); use {zero} 1 with {checkpoint_dir}"),
 )
 
 
