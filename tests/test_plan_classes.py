@@ -63,6 +63,16 @@ def test_only_a_class_plan_fits_and_whole_chunks_do_not() -> None:
         train_command(best.candidate, TINY, offload=best.offload_spec))
 
 
+def test_configurations_over_class_items_are_not_class_searched_and_a_note_says_so() -> None:
+    config = SearchConfig(gpus=2, global_batch=8, budget_bytes=_budget(0.9), memory=NO_RESERVE,
+                          class_items=15)  # 2 stages x 8 microbatches = 16 items
+    result = search(TINY, SLOW, config, SPACE)
+    assert result.best is not None and not result.best.feasible  # only a class plan fit
+    assert all(p.candidate.offload != CLASS_OFFLOAD for p in result.candidates)
+    assert any("tensor-class offload not searched for 1 configurations of more than 15"
+               in note for note in result.notes), result.notes
+
+
 def test_class_plans_are_not_searched_where_whole_chunks_hide(monkeypatch) -> None:
     """A fast host link: `all` fits at the offload-free time, so no class search runs."""
     from pipeoffload.planner import runs

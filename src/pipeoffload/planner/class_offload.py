@@ -12,10 +12,11 @@ Note: [class plans in the search]
   pp > 1, flash attention (planner/tensor_classes.py). A stage's classes are its layers' (each
   class's share of the stage's bytes: layers x the class's bytes over the stage's); the
   embedding's and head's saved tensors are kept (the runtime tags them ``other``).
-- When: the search (planner/search.py, rule 2c) simulates such a candidate only after its
-  ``all`` sibling, and not when that sibling fits at its offload-free sibling's time, which no
+- When: the search (planner/search.py, rule 2c) reaches such a candidate only after its
+  ``all`` sibling, and stops first when that sibling fits at the offload-free time, which no
   plan of the configuration beats (rule 1). So a class plan is tried where chunk offload
-  stalls (k > 1) or does not fit.
+  stalls (k > 1) or does not fit, and not for more than ``SearchConfig.class_items``
+  (stage, microbatch) items.
 - Cost: one class search plans ``share_probes`` moved shares and up to about as many more
   around the best (offload/class_plan.py, step 2), each one chunk-planner run (a few
   simulations); it is simulated at all m (never reduced: its choice may differ with m).

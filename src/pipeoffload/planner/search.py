@@ -33,10 +33,10 @@ time key, and the search takes the smallest key first:
    the offload planner runs: when that is above its key, it goes back into the queue under it.
    A plan that fits is no faster, and one that does not fit is never returned, so the key stays
    a lower bound of what the candidate could contribute.
-2c. a class-plan candidate (offload ``CLASS_OFFLOAD``, planner/class_offload.py) is simulated
-   only when no ``all`` variant of its configuration fits at its offload-free sibling's time
-   (that variant priced first if it was not): by rule 1 no plan of that configuration is
-   faster, and a class search costs several offload plans. One with more than
+2c. a class-plan candidate (offload ``CLASS_OFFLOAD``, planner/class_offload.py) is the last
+   variant of its configuration, so at equal keys its ``all`` sibling comes off the queue
+   first: if that fits at the offload-free time (the key both share by rule 1), the search
+   stops by rule 3 before a class search (several offload plans) runs. One with more than
    ``SearchConfig.class_items`` (stage, microbatch) items is not simulated (a note says how
    many): the returned plan is then the best of the rest, not of them.
 3. the search stops when the smallest key times (1 + ``SearchConfig.tolerance``) reaches the
@@ -143,9 +143,6 @@ class SearchState:
         self.queue = _Queue()
         self.too_big: list[tuple[float, Candidate]] = []  # pruned by memory: nearest plans
         self.free_of = _siblings(groups)
-        # Class-plan variants -> their configuration's whole-chunk "all" variants (rule 2c).
-        self.chunk_all = {c: [o for o in variants if o.offload == "all"]
-                          for variants in groups for c in variants if c.offload == CLASS_OFFLOAD}
         # Offload-free siblings this search does not itself try (a space without "none"):
         # priced on demand for their time, which bounds their variants (rule 1).
         self.outside = {free for free in self.free_of.values()} - set(self.free_of)
@@ -263,14 +260,11 @@ class SearchState:
                 return None
         if free in self.unpriced and self._sibling_outruns(key, candidate, free):
             return None
-        if candidate.offload == CLASS_OFFLOAD:
-            if candidate.pp * candidate.chunks * candidate.microbatches > \
-                    self.config.class_items:
-                self.classes_too_big += 1
-                return None
-            if self._chunks_suffice(candidate, free):
-                self.stats.dominated += 1
-                return None
+        if candidate.offload == CLASS_OFFLOAD and (
+                candidate.pp * candidate.chunks * candidate.microbatches
+                > self.config.class_items):
+            self.classes_too_big += 1
+            return None
         memory = self.evaluator.first_count_memory(candidate) if offloaded else None
         if memory is not None and memory > self.budget * (
                 1 + self.config.extrapolation.memory_tolerance):
@@ -279,21 +273,6 @@ class SearchState:
             return None
         self.stats.finalists += memory is not None
         return self.evaluator.evaluate(candidate, full=offloaded)
-
-    def _chunks_suffice(self, candidate: Candidate, free: Candidate) -> bool:
-        """Rule 2c: whether an ``all`` variant of ``candidate``'s configuration fits at the
-        offload-free time, which no class plan beats (priced now if it was not)."""
-        floor = self.sibling_floor.get(free)
-        if floor is None:
-            return False
-        for other in self.chunk_all.get(candidate, ()):
-            try:
-                plan = self.evaluator.evaluate(other, full=True)
-            except ConfigError:
-                continue
-            if plan.feasible and plan.step_time <= floor * (1 + 1e-12):
-                return True
-        return False
 
     def _sibling_outruns(self, key: float, candidate: Candidate, free: Candidate) -> bool:
         """Price the offload-free sibling over the budget now that a variant needs its time;
