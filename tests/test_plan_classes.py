@@ -149,6 +149,9 @@ def test_plan_prints_a_class_command_that_trains_shrunk(tmp_path: Path, capsys) 
     ("classes:qkv+bogus", {}, "unknown tensor class 'bogus'"),
     ("classes:", {}, "no class"),
     ("classes:qkv", {"tp": 2}, "tp 1 and cp 1 only (got tp 2, cp 1)"),
+    # lgd / full regions save outside the modules that name the classes: nothing would move
+    ("classes:qkv", {"recompute": "lgd"}, "does not recompute (got --recompute lgd"),
+    ("classes:qkv", {"recompute": "full"}, "does not recompute (got --recompute full"),
 ])
 def test_train_refuses_class_offload_it_cannot_run(spec: str, change: dict, says: str) -> None:
     from pipeoffload.errors import ConfigError

@@ -159,7 +159,8 @@ class TrainConfig:
         except ConfigError as error:
             raise _refuse("{rank_order}: " + str(error)) from None
         train_offload(self.offload)
-        refusal = layout_refusal(self.tp, self.cp) if is_classes(self.offload) else None
+        refusal = (layout_refusal(self.tp, self.cp, self.recompute)
+                   if is_classes(self.offload) else None)
         if refusal is not None:
             raise _refuse("{offload} " + repr(self.offload) + ": " + refusal)
         if self.eval_every < 0 or self.eval_batches < 1:

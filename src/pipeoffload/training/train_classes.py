@@ -3,7 +3,8 @@ hides (the uniform class plan the planner prints, planner/class_offload.py), kee
 
 The runtime moves classes by the module that saved each tensor (runtime/classes.py, tested on
 the reference model and Hugging Face Llama at tp 1, cp 1) and recomputes none of them, so
-``/recompute:`` and other layouts and families are refused here, before any process starts.
+``/recompute:``, ``--recompute lgd`` / ``full`` (layout_refusal says why) and other layouts and
+families are refused here, before any process starts.
 Each stage's classes take one layer's shares (planner/tensor_classes.py, the model's shape at
 the run's sequence length): they time the copies the offload planner places; the runtime moves
 the named classes whatever their measured sizes.
@@ -47,12 +48,21 @@ def class_names(spec: str) -> tuple[str, ...]:
     return names
 
 
-def layout_refusal(tp: int, cp: int) -> str | None:
+def layout_refusal(tp: int, cp: int, recompute: str = "none") -> str | None:
     """Why train cannot move tensor classes at this layout (the class runtime is tested at
-    tp 1, cp 1), or None."""
+    tp 1, cp 1) or with this ``--recompute``, or None.
+
+    lgd and full recompute regions (training/layer_recompute.py) save their inputs, and their
+    outputs' consumers save theirs, outside the modules whose names give the classes
+    (runtime/classes.py): nearly all of a layer is tagged ``other`` and kept, so the named
+    classes would not move while the plan times them moved."""
     if tp > 1 or cp > 1:
         return (f"train moves tensor classes at tp 1 and cp 1 only (got tp {tp}, cp {cp}); "
                 "use whole-chunk offload (all, chunks:K)")
+    if recompute in ("lgd", "full"):
+        return (f"train moves tensor classes of layers it does not recompute (got --recompute "
+                f"{recompute}: its regions save outside the modules that name the classes); "
+                "use --recompute none, or whole-chunk offload (all, chunks:K)")
     return None
 
 
