@@ -67,16 +67,28 @@ def load_whole(targets: Mapping[Any, torch.Tensor], saved: Mapping[Any, torch.Te
         local_shard(target).copy_(value)
 
 
-def shard_stages(stages: Mapping[int, nn.Module], topology: Topology) -> dict[int, nn.Module]:
+def shard_stages(stages: Mapping[int, nn.Module], topology: Topology, *,
+                 mixed: bool = False) -> dict[int, nn.Module]:
     """Each stage module wrapped in place with FSDP2's ``fully_shard`` over ``topology``'s
     data-parallel group, kept whole from its first forward of a step to its last backward
-    (``reshard_after_forward=False``; the Pipeline reshards it)."""
+    (``reshard_after_forward=False``; the Pipeline reshards it).
+
+    ``mixed`` (``--dtype bf16``, stages built in bfloat16): the shards become the float32
+    master weights (the bfloat16 values, exactly, as ``MasterWeights`` copies them) and FSDP's
+    mixed-precision policy gathers them as bfloat16 for compute and reduce-scatters the
+    gradients in float32 (parallel/precision.py Note: [mixed precision])."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = topology.device or torch.device("cpu")
     mesh = DeviceMesh.from_group(topology.dp_group, device.type, mesh_dim_names=("dp",))
-    return {s: fully_shard(module, mesh=mesh, reshard_after_forward=False)  # type: ignore[misc]
+    policy = MixedPrecisionPolicy()
+    if mixed:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for module in stages.values():
+            module.float()
+    return {s: fully_shard(module, mesh=mesh, reshard_after_forward=False,  # type: ignore[misc]
+                           mp_policy=policy)
             for s, module in stages.items()}
 
 
