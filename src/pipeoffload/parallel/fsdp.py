@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.parallel.gradients import scale_gradients
+from pipeoffload.parallel.gradients import scale_gradients, tie_copies
 from pipeoffload.parallel.optimizer import StageState
 from pipeoffload.parallel.topology import Topology
 from pipeoffload.parallel.zero import MOMENTS, FlatLayout, bucket_indices
@@ -103,6 +103,7 @@ class ShardedAdamW:
         self.topology = topology
         self._params: dict[int, list[torch.Tensor]] = {
             s: [p for p in m.parameters() if p.requires_grad] for s, m in sorted(stages.items())}
+        self._copies = tie_copies(stages)  # counted once in the norm, at the tie's lowest stage
         self._optimizers = {s: torch.optim.AdamW(ps, lr=lr, betas=betas,
                                                  weight_decay=weight_decay)
                             for s, ps in self._params.items()}
@@ -119,12 +120,15 @@ class ShardedAdamW:
 
     def clip_grads(self, max_norm: float | None) -> float:
         """Scale the gradient shards so the global norm (every shard once: summed over the
-        data-parallel group, then the pipeline) is at most ``max_norm``; returns it."""
+        data-parallel group, then the pipeline; a tie's copies on higher stages not at all) is at
+        most ``max_norm``; returns it."""
         topology = self.topology
-        grads = [p.grad for ps in self._params.values() for p in ps if p.grad is not None]
+        held = [p for ps in self._params.values() for p in ps if p.grad is not None]
+        grads = [p.grad for p in held if p.grad is not None]
         total = torch.zeros((), dtype=torch.float64, device=topology.device)
-        for g in grads:
-            total += local_shard(g).double().pow(2).sum()
+        for p in held:
+            if id(p) not in self._copies and p.grad is not None:
+                total += local_shard(p.grad).double().pow(2).sum()
         dist.all_reduce(total, group=topology.dp_group)
         if topology.pp > 1:
             dist.all_reduce(total, group=topology.pp_group)

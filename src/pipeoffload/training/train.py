@@ -47,9 +47,6 @@ _ZERO3_LIMITS: tuple[tuple[Callable[[TrainConfig], bool], str], ...] = (
      "tensor-parallel DTensors would be sharded again over a 2-D mesh; use {zero} 1"),
     (lambda c: c.cp > 1, "{zero} 3 with {cp} > 1 is not implemented: gradients would be "
      "averaged over context-parallel ranks too (FSDP's replicate x shard mesh); use {zero} 1"),
-    (lambda c: c.hf_model is not None, "{zero} 3 trains the reference model only: "
-     "a Hugging Face model's tied embeddings sum gradients across stages, which sharded "
-     "stages do not; use {zero} 1"),
 )
 
 
