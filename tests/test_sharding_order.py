@@ -3,12 +3,9 @@ checked with a recording stand-in for ``FSDPModule``: no process group, no torch
 
 from __future__ import annotations
 
-import pytest
-
 from pipeoffload import build_schedule
 from pipeoffload.core.actions import Action, Kind
-from pipeoffload.errors import ConfigError
-from pipeoffload.runtime.sharding import StageShards, check_unsplit
+from pipeoffload.runtime.sharding import StageShards
 
 
 class Recording:
@@ -33,14 +30,20 @@ class Recording:
         self.calls.append(f"{self.name}.last={value}")
 
 
+def plain(stages: dict, actions: list[Action]) -> StageShards:
+    """StageShards with no FSDP behind: nothing to cast, nothing to reduce by hand."""
+    return StageShards(stages, actions, reduce=lambda stage: None,
+                       unsharded=lambda stage: None)
+
+
 def drive(schedule_name: str, rank: int, **options: int) -> list[str]:
     """A step of ``rank``'s actions with every stage sharded: the recorded calls, each
     action's name in between."""
     schedule = build_schedule(schedule_name, pp=2, microbatches=4, **options)
     actions = list(schedule.ranks[rank])
     calls: list[str] = []
-    shards = StageShards({s: Recording(f"s{s}", calls) for s in schedule.stages_on_rank(rank)},
-                         actions)
+    shards = plain({s: Recording(f"s{s}", calls) for s in schedule.stages_on_rank(rank)},
+                   actions)
     for action in actions:
         shards.before(action)
         calls.append(str(action))
@@ -77,7 +80,7 @@ def test_each_stage_of_an_interleaved_rank_has_its_own_first_f_and_last_b() -> N
 def test_a_forward_only_pass_unshards_once_and_reshards_at_the_end() -> None:
     actions = [Action(0, Kind.F, mb) for mb in range(3)]
     calls: list[str] = []
-    shards = StageShards({0: Recording("s0", calls)}, actions)
+    shards = plain({0: Recording("s0", calls)}, actions)
     for action in actions:
         shards.before(action)
         calls.append(str(action))
@@ -86,18 +89,37 @@ def test_a_forward_only_pass_unshards_once_and_reshards_at_the_end() -> None:
     assert calls == ["s0.unshard", "0F0", "0F1", "0F2", "s0.reshard"]
 
 
-def test_split_backward_is_refused_for_sharded_stages_only() -> None:
-    zbv = list(build_schedule("zbv", pp=2, microbatches=4).ranks[0])
-    with pytest.raises(ConfigError, match="needs whole backward passes.*or --zero 1"):
-        check_unsplit(zbv, {0: object()})
-    check_unsplit(zbv, {})  # nothing sharded: nothing to refuse
+def test_a_split_backward_runs_unsynced_and_reduces_by_hand_after_the_last_w() -> None:
+    """zbv (I / W): no I, W or B asks FSDP to sync; after the stage's last W of the step its
+    post-backward runs by hand (the reduce-scatter), then it reshards; the other stage of the
+    rank (V placement: stages 0 and 3 on rank 0) likewise after its own last W."""
+    schedule = build_schedule("zbv", pp=2, microbatches=4)
+    actions = list(schedule.ranks[0])
+    calls: list[str] = []
+    stages = {s: Recording(f"s{s}", calls) for s in schedule.stages_on_rank(0)}
+    shards = StageShards(stages, actions,
+                         reduce=lambda stage: calls.append(f"{stage.name}.reduce"),
+                         unsharded=lambda stage: calls.append(f"{stage.name}.float32"))
+    for action in actions:
+        shards.before(action)
+        calls.append(str(action))
+        shards.after(action)
+    assert not any(c.endswith("=True") for c in calls)
+    for stage in stages:
+        mine = [c for c in calls if c.startswith((f"s{stage}.", f"{stage}"))]
+        assert mine[:3] == [f"s{stage}.unshard", f"s{stage}.float32", f"{stage}F0"]
+        weights = [i for i, c in enumerate(mine) if c[len(str(stage)):].startswith("W")]
+        assert len(weights) == 4 and mine.count(f"s{stage}.reduce") == 1
+        assert mine[weights[-1] + 1:weights[-1] + 3] == [f"s{stage}.reduce", f"s{stage}.reshard"]
+        assert mine.index(f"s{stage}.reduce") > max(
+            i for i, c in enumerate(mine) if c[len(str(stage)):][:1] in "BIW")
 
 
 def test_offload_actions_pass_through_and_the_order_holds() -> None:
     actions = list(build_schedule("1f1b", pp=2, microbatches=4, offload="all").ranks[0])
     assert any(a.kind is Kind.OFFLOAD for a in actions)
     calls: list[str] = []
-    shards = StageShards({0: Recording("s0", calls)}, actions)
+    shards = plain({0: Recording("s0", calls)}, actions)
     for action in actions:
         shards.before(action)
         calls.append(str(action))

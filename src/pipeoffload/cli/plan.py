@@ -204,8 +204,8 @@ def _zero_level(args: argparse.Namespace) -> bool:
 
     if args.zero == 3:
         raise ConfigError("--zero 3 (FSDP2) is not priced: train keeps each stage whole through "
-                          "the step, so its peak is no lower than --zero 1's, and runs it only "
-                          "in fp32, without split backward, tp or cp (docs/training.md, "
+                          "the step, so its peak is no lower than --zero 1's, and runs it "
+                          "without tp or cp (docs/training.md, "
                           "\"Sharding the optimizer\"); use --zero 1")
     if args.zero == 0 and args.sharded_optimizer:
         raise ConfigError("--zero 0 and --sharded-optimizer disagree; pass one of them")

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeoffload.parallel.gradients import scale_gradients
+from pipeoffload.parallel.gradients import scale_gradients, tie_copies
 from pipeoffload.parallel.optimizer import StageState
 from pipeoffload.parallel.topology import Topology
 from pipeoffload.parallel.zero import MOMENTS, FlatLayout, bucket_indices
@@ -67,16 +67,28 @@ def load_whole(targets: Mapping[Any, torch.Tensor], saved: Mapping[Any, torch.Te
         local_shard(target).copy_(value)
 
 
-def shard_stages(stages: Mapping[int, nn.Module], topology: Topology) -> dict[int, nn.Module]:
+def shard_stages(stages: Mapping[int, nn.Module], topology: Topology, *,
+                 mixed: bool = False) -> dict[int, nn.Module]:
     """Each stage module wrapped in place with FSDP2's ``fully_shard`` over ``topology``'s
     data-parallel group, kept whole from its first forward of a step to its last backward
-    (``reshard_after_forward=False``; the Pipeline reshards it)."""
+    (``reshard_after_forward=False``; the Pipeline reshards it).
+
+    ``mixed`` (``--dtype bf16``, stages built in bfloat16): the shards become the float32
+    master weights (the bfloat16 values, exactly, as ``MasterWeights`` copies them) and FSDP's
+    mixed-precision policy gathers them as bfloat16 for compute and reduce-scatters the
+    gradients in float32 (parallel/precision.py Note: [mixed precision])."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = topology.device or torch.device("cpu")
     mesh = DeviceMesh.from_group(topology.dp_group, device.type, mesh_dim_names=("dp",))
-    return {s: fully_shard(module, mesh=mesh, reshard_after_forward=False)  # type: ignore[misc]
+    policy = MixedPrecisionPolicy()
+    if mixed:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for module in stages.values():
+            module.float()
+    return {s: fully_shard(module, mesh=mesh, reshard_after_forward=False,  # type: ignore[misc]
+                           mp_policy=policy)
             for s, module in stages.items()}
 
 
@@ -91,6 +103,7 @@ class ShardedAdamW:
         self.topology = topology
         self._params: dict[int, list[torch.Tensor]] = {
             s: [p for p in m.parameters() if p.requires_grad] for s, m in sorted(stages.items())}
+        self._copies = tie_copies(stages)  # counted once in the norm, at the tie's lowest stage
         self._optimizers = {s: torch.optim.AdamW(ps, lr=lr, betas=betas,
                                                  weight_decay=weight_decay)
                             for s, ps in self._params.items()}
@@ -107,12 +120,15 @@ class ShardedAdamW:
 
     def clip_grads(self, max_norm: float | None) -> float:
         """Scale the gradient shards so the global norm (every shard once: summed over the
-        data-parallel group, then the pipeline) is at most ``max_norm``; returns it."""
+        data-parallel group, then the pipeline; a tie's copies on higher stages not at all) is at
+        most ``max_norm``; returns it."""
         topology = self.topology
-        grads = [p.grad for ps in self._params.values() for p in ps if p.grad is not None]
+        held = [p for ps in self._params.values() for p in ps if p.grad is not None]
+        grads = [p.grad for p in held if p.grad is not None]
         total = torch.zeros((), dtype=torch.float64, device=topology.device)
-        for g in grads:
-            total += local_shard(g).double().pow(2).sum()
+        for p in held:
+            if id(p) not in self._copies and p.grad is not None:
+                total += local_shard(p.grad).double().pow(2).sum()
         dist.all_reduce(total, group=topology.dp_group)
         if topology.pp > 1:
             dist.all_reduce(total, group=topology.pp_group)

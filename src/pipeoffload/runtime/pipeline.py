@@ -114,9 +114,9 @@ class Pipeline:
       must attend over the group (parallel/context.py), and gradients be averaged over it.
     - torch's UNSHARD / RESHARD / REDUCE_GRAD markers in the schedule are skipped. A stage
       module wrapped with FSDP2's ``fully_shard`` (an ``FSDPModule``, ``reshard_after_forward=
-      False``) is unsharded before its first F of a step and resharded after its last B, its
-      gradients reduce-scattered once, after that B (runtime/sharding.py Note: [sharded
-      stages]); its backward must not be split into I and W.
+      False``) is unsharded before its first F of a step and resharded after its last B (or,
+      where the schedule splits the backward into I and W, its last W), its gradients
+      reduce-scattered once, after that action (runtime/sharding.py Note: [sharded stages]).
     - Before the first step: ``connect_peers()`` sets up every P2P connection (the first
       ``step`` calls it), and ``reserve_host_memory(stage_bytes)`` allocates the offloader's
       host buffers from the plan (docs/runtime.md, "GPU rules": on NCCL neither may happen

@@ -14,6 +14,13 @@ in this step all-reduced (sum) over the pipeline group, ranks without the tie ad
 accumulated gradients are kept as they were (no double counting). The copies stay equal if they
 start equal and the optimizer is the same on every rank. Every tensor posted lives on the
 pipeline's device (NCCL refuses host tensors; tests/test_device_collectives.py).
+
+Note: [sharded ties] Stages sharded by FSDP2 (``--zero 3``) hold a tied parameter as a DTensor
+of 1/dp rows, and by ``finish_step`` FSDP has reduce-scattered its gradient into the same
+layout (averaged over the replicas). The tie's holders of one data-parallel index hold the same
+rows of the same shape (dim-0 shards over groups of the same size), so summing the local shards
+over the pipeline group (whose ranks share the data-parallel index) sums the tie's gradient
+shard by shard: what summing the whole gradients then sharding would give, elementwise.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import nn
 
 from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError, PipelineRuntimeError
+from pipeoffload.runtime.shards import ShardLayout, is_dtensor, local_shard
 
 TiedSpec = Mapping[str, Mapping[int, str]]
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -102,12 +110,14 @@ class TiedGradients:
             total = torch.zeros(numel, dtype=dtype, device=self._device)
             for p in params:
                 if p.grad is not None:
-                    total += p.grad.reshape(-1)
+                    total += local_shard(p.grad).reshape(-1)
             if name in self._across:
                 self._all_reduce(total, f"the gradient of tied parameter {name!r}")
             for p in params:
                 before = self._before.get(id(p))
-                summed = total.view(p.shape).clone()
+                summed = total.view(local_shard(p).shape).clone()
+                if is_dtensor(p):  # an FSDP2 shard (Note: [sharded ties])
+                    summed = ShardLayout.of(p).rebuild(summed)
                 p.grad = summed if before is None else before + summed
         self._before = {}
 
@@ -124,7 +134,7 @@ class TiedGradients:
         if name in self._meta:
             return self._meta[name]
         params = self._params[name]
-        numel = params[0].numel() if params else 0
+        numel = local_shard(params[0]).numel() if params else 0
         code = _DTYPES.index(_grad_dtype(params[0])) if params else 0
         if name not in self._across:
             self._meta[name] = numel, _grad_dtype(params[0])

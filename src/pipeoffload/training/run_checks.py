@@ -12,7 +12,7 @@ from pipeoffload.parallel.checkpoint_lock import check_unlocked
 from pipeoffload.parallel.export import check_export_folder
 from pipeoffload.training.data import TextDataset
 from pipeoffload.training.hf_run import check_model
-from pipeoffload.training.train import TrainConfig, build_plan, check_zero3_schedule
+from pipeoffload.training.train import TrainConfig, build_plan
 from pipeoffload.training.trainer import checkpoint_identity
 
 
@@ -21,7 +21,6 @@ def check_run(config: TrainConfig, processes: int) -> OffloadPlan:
     run; a checkpoint counts them without context parallelism, whose ranks hold the same
     state, so a run resumes with another ``cp``); returns the plan the run will use."""
     plan = build_plan(config)
-    check_zero3_schedule(config, plan.schedule)
     if plan.schedule.routes:
         raise ConfigError(f"--schedule {config.schedule}: its microbatches take several routes "
                           "whose stages share weights (DualPipe's two copies), which train does "

@@ -14,8 +14,6 @@ from typing import Any
 
 from pipeoffload.api import plan_schedule
 from pipeoffload.checks import check_number, check_optional
-from pipeoffload.core.actions import Kind
-from pipeoffload.core.schedule import Schedule
 from pipeoffload.errors import ConfigError, FieldError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
 from pipeoffload.offload.targets import TargetKind, parse_target
@@ -41,7 +39,7 @@ from pipeoffload.training.train_classes import (
 
 DEVICES = ("auto", "cpu", "cuda")
 #: What ``--zero 3`` (FSDP2, parallel/fsdp.py) does not compose with yet, and why: (the
-#: condition, the reason), each refused in one line; check_zero3_schedule adds the schedule's.
+#: condition, the reason), each refused in one line.
 _ZERO3_LIMITS: tuple[tuple[Callable[[TrainConfig], bool], str], ...] = (
     (lambda c: c.dp < 2, "{zero} 3 shards each stage over the data-parallel replicas, "
      "and {dp} 1 has none; use {dp} 2 or more"),
@@ -49,11 +47,6 @@ _ZERO3_LIMITS: tuple[tuple[Callable[[TrainConfig], bool], str], ...] = (
      "tensor-parallel DTensors would be sharded again over a 2-D mesh; use {zero} 1"),
     (lambda c: c.cp > 1, "{zero} 3 with {cp} > 1 is not implemented: gradients would be "
      "averaged over context-parallel ranks too (FSDP's replicate x shard mesh); use {zero} 1"),
-    (lambda c: c.dtype == "bf16", "{zero} 3 with {dtype} bf16 is not implemented: "
-     "float32 master weights of bf16 shards need FSDP's mixed-precision policy; use {zero} 1"),
-    (lambda c: c.hf_model is not None, "{zero} 3 trains the reference model only: "
-     "a Hugging Face model's tied embeddings sum gradients across stages, which sharded "
-     "stages do not; use {zero} 1"),
 )
 
 
@@ -87,7 +80,7 @@ class TrainConfig:
     data-parallel replica; 1 shards float32 masters and AdamW moments over the replicas and
     context-parallel ranks (ZeRO-1, parallel/zero.py); 3 shards each stage's parameters,
     gradients and moments over the replicas with FSDP2 (parallel/fsdp.py; what it does not
-    compose with yet is refused: ``_ZERO3_LIMITS``, ``check_zero3_schedule``); None (the
+    compose with yet is refused: ``_ZERO3_LIMITS``); None (the
     default): 1 when dp * cp > 1, else 0 (``zero_level``).
     A value that is wrong raises FieldError naming its field (``TrainConfig.lr``; the command
     line names its flag instead).
@@ -295,19 +288,6 @@ def train_offload(spec: str | None) -> str | None:
     except ConfigError as error:
         raise ConfigError(f"--offload: {error}") from None
     return text
-
-
-def check_zero3_schedule(config: TrainConfig, schedule: Schedule) -> None:
-    """ConfigError where ``--zero 3`` meets a schedule whose backward is split into I and W
-    (runtime/sharding.py Note: [sharded stages]); the Pipeline refuses it too
-    (check_unsplit), but only once every process has started."""
-    if config.zero_level != 3:
-        return
-    if schedule.has_kind(Kind.I, Kind.W):
-        raise ConfigError(f"--zero 3 with --schedule {config.schedule}: its backward is split "
-                          "into I and W, which bypass the autograd hooks where FSDP "
-                          "reduce-scatters; choose a schedule without split backward (1f1b, "
-                          "interleaved, ...), or --zero 1")
 
 
 def build_plan(config: TrainConfig) -> OffloadPlan:

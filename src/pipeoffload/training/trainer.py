@@ -67,7 +67,7 @@ from pipeoffload.training.results import StepLog, TrainResult
 from pipeoffload.training.signals import StopRequest, signal_name
 from pipeoffload.training.split import build_stage_modules, lm_loss
 from pipeoffload.training.tensor_parallel import apply_tensor_parallel
-from pipeoffload.training.train import TrainConfig, build_plan, check_zero3_schedule
+from pipeoffload.training.train import TrainConfig, build_plan
 from pipeoffload.training.validation import eval_steps, held_out
 
 
@@ -143,13 +143,12 @@ class Trainer:
                               f"this topology has cp={topology.cp}; start pp*dp*tp*cp processes")
         plan = build_plan(config)
         schedule = plan.schedule
-        check_zero3_schedule(config, schedule)
         mine = topology.stages_of(schedule)
         hf = build_hf(config, schedule.num_stages, mine, topology) if config.hf_model else None
         stages = hf.stages if hf is not None else build_stages(config, schedule.num_stages,
                                                                mine, topology)
         if config.zero_level == 3:
-            stages = shard_stages(stages, topology)
+            stages = shard_stages(stages, topology, mixed=config.dtype == "bf16")
         context = topology.sequence_split()
         apply_context_parallel(stages, context)
         optimizer = make_optimizer(config, stages, topology)
