@@ -36,6 +36,14 @@ def plain(stages: dict, actions: list[Action]) -> StageShards:
                        unsharded=lambda stage: None)
 
 
+def run(shards: StageShards, actions: list[Action], calls: list[str]) -> None:
+    """Each action recorded between the ``before`` and ``after`` the Pipeline calls."""
+    for action in actions:
+        shards.before(action)
+        calls.append(str(action))
+        shards.after(action)
+
+
 def drive(schedule_name: str, rank: int, **options: int) -> list[str]:
     """A step of ``rank``'s actions with every stage sharded: the recorded calls, each
     action's name in between."""
@@ -44,10 +52,7 @@ def drive(schedule_name: str, rank: int, **options: int) -> list[str]:
     calls: list[str] = []
     shards = plain({s: Recording(f"s{s}", calls) for s in schedule.stages_on_rank(rank)},
                    actions)
-    for action in actions:
-        shards.before(action)
-        calls.append(str(action))
-        shards.after(action)
+    run(shards, actions, calls)
     shards.finish()
     return calls
 
@@ -81,10 +86,7 @@ def test_a_forward_only_pass_unshards_once_and_reshards_at_the_end() -> None:
     actions = [Action(0, Kind.F, mb) for mb in range(3)]
     calls: list[str] = []
     shards = plain({0: Recording("s0", calls)}, actions)
-    for action in actions:
-        shards.before(action)
-        calls.append(str(action))
-        shards.after(action)
+    run(shards, actions, calls)
     shards.finish()
     assert calls == ["s0.unshard", "0F0", "0F1", "0F2", "s0.reshard"]
 
@@ -100,10 +102,7 @@ def test_a_split_backward_runs_unsynced_and_reduces_by_hand_after_the_last_w() -
     shards = StageShards(stages, actions,
                          reduce=lambda stage: calls.append(f"{stage.name}.reduce"),
                          unsharded=lambda stage: calls.append(f"{stage.name}.float32"))
-    for action in actions:
-        shards.before(action)
-        calls.append(str(action))
-        shards.after(action)
+    run(shards, actions, calls)
     assert not any(c.endswith("=True") for c in calls)
     for stage in stages:
         mine = [c for c in calls if c.startswith((f"s{stage}.", f"{stage}"))]
@@ -120,10 +119,7 @@ def test_offload_actions_pass_through_and_the_order_holds() -> None:
     assert any(a.kind is Kind.OFFLOAD for a in actions)
     calls: list[str] = []
     shards = plain({0: Recording("s0", calls)}, actions)
-    for action in actions:
-        shards.before(action)
-        calls.append(str(action))
-        shards.after(action)
+    run(shards, actions, calls)
     assert calls[:2] == ["s0.unshard", "0F0"] and calls.count("s0.unshard") == 1
     assert calls[calls.index("0B3") - 3:calls.index("0B3") + 2] == [
         "s0.sync=True", "s0.reshard_after=True", "s0.last=True", "0B3", "s0.reshard"]

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.parallel.gradients import scale_gradients, tie_copies
-from pipeoffload.parallel.optimizer import StageState
+from pipeoffload.parallel.optimizer import StageState, set_learning_rate
 from pipeoffload.parallel.topology import Topology
 from pipeoffload.parallel.zero import MOMENTS, FlatLayout, bucket_indices
 from pipeoffload.runtime.shards import is_dtensor, local_shard
@@ -137,9 +137,7 @@ class ShardedAdamW:
         return norm
 
     def set_lr(self, lr: float) -> None:
-        for optimizer in self._optimizers.values():
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+        set_learning_rate(self._optimizers.values(), lr)
 
     def step(self) -> None:
         for optimizer in self._optimizers.values():

@@ -13,7 +13,7 @@ load_checkpoint).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -79,6 +79,13 @@ class PipelineOptimizer(CheckpointedOptimizer, Protocol):
         """Update ``params`` and write them into the stages' parameters."""
 
     def zero_grad(self) -> None: ...
+
+
+def set_learning_rate(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
+    """Every parameter group of ``optimizers`` at learning rate ``lr`` (the step's schedule)."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
 
 
 class StageOptimizers:
@@ -151,9 +158,7 @@ class StageAdamW:
         return {"masters": masters, "moments": moments}
 
     def set_lr(self, lr: float) -> None:
-        for optimizer in self._optimizers.values():
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+        set_learning_rate(self._optimizers.values(), lr)
 
     def step(self) -> None:
         for optimizer in self._optimizers.values():

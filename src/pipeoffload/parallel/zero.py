@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.parallel.gradients import scale_gradients, tie_copies
-from pipeoffload.parallel.optimizer import StageState
+from pipeoffload.parallel.optimizer import StageState, set_learning_rate
 from pipeoffload.parallel.precision import accumulate_in_float32
 from pipeoffload.parallel.topology import Topology
 from pipeoffload.runtime.shards import ShardLayout, is_dtensor, local_shard
@@ -295,9 +295,7 @@ class ZeroAdamW:
         return norm
 
     def set_lr(self, lr: float) -> None:
-        for optimizer in self._optimizers.values():
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+        set_learning_rate(self._optimizers.values(), lr)
 
     @torch.no_grad()
     def step(self) -> None:
