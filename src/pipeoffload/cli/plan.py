@@ -99,10 +99,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                    help="ZeRO-1: shard fp32 master weights and Adam moments over DP (the "
                         "command trains with --zero 1)")
     p.add_argument("--zero", type=int, default=None, choices=(0, 1, 3),
-                   help="train's spelling: 1 is --sharded-optimizer, 0 its absence; 3 prices "
-                        "train's FSDP2 stages (as --zero 1, term by term: each stage is whole "
-                        "inside the step) and searches tp 1, cp 1 unless --tp / --cp say; "
-                        "commands carry --zero 3, plans train cannot run so are refused")
+                   help="train's spelling: 1 is --sharded-optimizer, 0 its absence; 3: "
+                        "train's FSDP2 stages, priced as --zero 1 (stages whole inside the "
+                        "step), searched at tp 1, cp 1 (train's limits) unless --tp / --cp say")
     p.add_argument("--reserve", type=number(minimum=0, maximum=1 << 30), default=None,
                    metavar="GiB",
                    help="fixed per-GPU reserve for context, NCCL, workspaces (default 4)")

@@ -57,9 +57,10 @@ class OptimizerSpec:
     ``sharded``: ZeRO-1 / Megatron's distributed optimizer splits master weights and moments
     over the data-parallel group. ``fsdp``: ``--zero 3`` (FSDP2 stages, Note [zero 3 terms]);
     it implies ``sharded`` and is priced as it, term by term. ``overlap_grad_reduce``: DP
-    reduces gradients while the last microbatch's backward runs (Note [step outside the pipeline]); False: after the pipeline
-    drains, as ``pipeoffload train`` does. ``dp_copy_bytes``: device-memory bytes per parameter
-    per step that the data-parallel implementation moves around its exchange (``DP_COPY_BYTES``).
+    reduces gradients while the last microbatch's backward runs (Note [step outside the
+    pipeline]); False: after the pipeline drains, as ``pipeoffload train`` does.
+    ``dp_copy_bytes``: device-memory bytes per parameter per step that the data-parallel
+    implementation moves around its exchange (``DP_COPY_BYTES``).
     """
 
     grad_bytes: int = 4
