@@ -324,12 +324,16 @@ def test_what_zero_3_does_not_compose_with_is_refused_in_one_line(
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_plan_refuses_to_price_zero_3(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_zero_3_disagreeing_with_zero_0_flags_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """plan prices --zero 3 (tests/test_plan_cli.py); --zero 0 with --sharded-optimizer, which
+    disagree, is one error line."""
     from pipeoffload.cli.main import main
 
-    assert main(["plan", "--model", "gpt3-2.7b", "--gpus", "8", "--zero", "3"]) == 2
+    assert main(["plan", "--model", "gpt3-2.7b", "--gpus", "8", "--zero", "0",
+                 "--sharded-optimizer"]) == 2
     err = capsys.readouterr().err
-    assert "--zero 3 (FSDP2) is not priced" in err and "Traceback" not in err
+    assert "--zero 0 and --sharded-optimizer disagree" in err and "Traceback" not in err
 
 
 CP_STEPS = 6
