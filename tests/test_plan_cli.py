@@ -130,6 +130,44 @@ def test_sharded_optimizer_plans_train_with_zero_1(capsys: pytest.CaptureFixture
         assert data["sharding"].startswith("sharding: --zero 1 keeps"), data["sharding"]
 
 
+def test_zero3_plans_are_priced_as_zero1_and_print_zero_3(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """plan --zero 3 searches tp 1 and cp 1 (what train runs it with), prices each plan as
+    --zero 1 term by term (planner/optimizer.py Note [zero 3 terms]: the same memory parts and
+    step time) and prints --zero 3 where dp > 1; its sharding line says the peak is no lower."""
+    argv = ["--model", "gpt3-2.7b", "--seq", "4096", "--gpus", "8", "--global-batch", "32",
+            "--top", "5", "--no-verdict"]
+    code, data = _plan([*argv, "--zero", "3"], capsys)
+    code1, data1 = _plan([*argv, "--zero", "1", "--tp", "1", "--cp", "1"], capsys)
+    assert code == code1 == 0 and data["inputs"]["zero"] == 3 and data1["inputs"]["zero"] == 1
+    plans = [data["best"], *data["candidates"]]
+    assert any(plan["dp"] > 1 for plan in plans)
+    for plan in plans:
+        assert (plan["tp"], plan["cp"]) == (1, 1)
+        if plan["dp"] > 1:
+            assert plan["command_refused"] is None and "--zero 3" in plan["command"], plan
+        else:
+            assert plan["command"] is None and "dp 1" in plan["command_refused"], plan
+    keys = ("pp", "dp", "schedule", "microbatch_size", "microbatches", "recompute", "offload",
+            "step_time", "dp_time", "optimizer_time", "memory_gib", "memory_split_gib")
+    assert [[p[k] for k in keys] for p in plans] == [
+        [p[k] for k in keys] for p in [data1["best"], *data1["candidates"]]]
+    assert data["sharding"].startswith("sharding: --zero 3 keeps"), data["sharding"]
+    assert "peak is no lower than --zero 1's" in data["sharding"]
+    code, data = _plan([*argv, "--zero", "3", "--tp", "2"], capsys)
+    assert data["best"]["command"] is None
+    assert "tp 1 and cp 1 only" in data["best"]["command_refused"]
+
+
+def test_zero3_with_another_framework_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeoffload.cli.main import main
+
+    assert main(["plan", "--model", "gpt3-2.7b", "--gpus", "8", "--zero", "3",
+                 "--framework", "megatron-2022"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--zero 3" in err and "megatron-2022" in err, err
+
+
 def test_an_unknown_framework_is_refused_and_the_help_names_every_one(
         capsys: pytest.CaptureFixture[str]) -> None:
     from pipeoffload.cli.main import main

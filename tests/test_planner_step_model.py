@@ -30,6 +30,7 @@ from pipeoffload.planner.optimizer import (
     dp_bytes_per_s,
     dp_traffic,
     optimizer_step_bytes,
+    state_bytes,
 )
 from pipeoffload.planner.ratio import p2p_s
 from pipeoffload.planner.search import SearchConfig, SearchSpace, configurations
@@ -215,3 +216,23 @@ def test_tp_groups_divide_a_node() -> None:
     tps = {group[0].tp for group in configurations(
         spec, A100, SearchConfig(gpus=24, global_batch=24), SearchSpace())}
     assert tps == {1, 2, 4}
+
+
+def test_zero3_is_priced_as_zero1_term_by_term() -> None:
+    """``fsdp`` (plan --zero 3, optimizer.py Note [zero 3 terms]) implies the sharded state and
+    gives ZeRO-1's memory, DP bytes and optimizer-step bytes; without ``sharded`` it is a
+    ConfigError."""
+    from pipeoffload.planner.frameworks import framework_preset
+
+    spec = GPT
+    zero1 = framework_preset("current").with_sharding(True)
+    zero3 = framework_preset("current").with_sharding(False, fsdp=True)
+    assert zero3.sharded and zero3.fsdp and not zero1.fsdp
+    params, dp = 1.3e9, 8
+    assert state_bytes(spec, params, zero3, dp=dp) == state_bytes(spec, params, zero1, dp=dp)
+    assert state_bytes(spec, params, zero3, dp=dp).optimizer == params * 12 / dp
+    assert dp_traffic(spec, params, zero3, dp=dp) == dp_traffic(spec, params, zero1, dp=dp)
+    assert optimizer_step_bytes(params, zero3, dp=dp) == optimizer_step_bytes(params, zero1,
+                                                                              dp=dp)
+    with pytest.raises(ConfigError, match="fsdp"):
+        OptimizerSpec(fsdp=True)

@@ -87,3 +87,21 @@ def test_the_command_says_which_optimizer_sharding_the_memory_counted() -> None:
             argv = train_command(candidate, spec, sharded_optimizer=sharding).argv
             assert argv is not None and ("--zero" in argv) == (flag is not None), argv
             assert flag is None or flag in argv
+
+
+def test_a_zero3_plan_says_zero_3_where_train_runs_it_and_why_not_elsewhere() -> None:
+    """A plan priced as FSDP2 stages (plan --zero 3) carries --zero 3 at dp > 1, tp 1, cp 1;
+    at dp 1, tp > 1 or cp > 1 (what train refuses, training/train.py _ZERO3_LIMITS) the
+    command is refused in words naming the reason, never printed without --zero 3."""
+    spec = model_spec("pipeoffload-42.9b")
+    ok = dataclasses.replace(BASE, tp=1, cp=1)
+    assert ok.dp > 1
+    argv = train_command(ok, spec, sharded_optimizer=True, fsdp=True).argv
+    assert argv is not None and "--zero 3" in argv and "--zero 1" not in argv, argv
+    for change, words in (({"dp": 1}, "dp 1"), ({"tp": 2}, "tp 2, cp 1"),
+                          ({"cp": 2}, "tp 1, cp 2")):
+        command = train_command(dataclasses.replace(ok, **change), spec,
+                                sharded_optimizer=True, fsdp=True)
+        assert command.argv is None and command.refused is not None
+        assert "--zero 3" in command.refused and words in command.refused, command.refused
+        assert "--zero 1" in command.refused  # what to plan instead

@@ -121,9 +121,11 @@ def _cases(rank: int, world: int, root: str, hf: TrainConfig | None) -> dict:
     return out
 
 
-def _planned_llama(root: Path) -> TrainConfig | None:
-    """The command `plan --sharded-optimizer` prints for a tied Llama config on 4 GPUs with
-    pp 2, shrunk to 20 steps on a small text (None without transformers)."""
+def _planned_llama(root: Path, sharding: tuple[str, ...] = ("--sharded-optimizer",),
+                   steps: int = STEPS) -> TrainConfig | None:
+    """The command `plan --sharded-optimizer` (or ``sharding``) prints for a tied Llama config
+    on 4 GPUs with pp 2, shrunk to ``steps`` steps on a small text (None without
+    transformers)."""
     if importlib.util.find_spec("transformers") is None:
         return None
     import transformers
@@ -144,13 +146,14 @@ def _planned_llama(root: Path) -> TrainConfig | None:
         with contextlib.redirect_stdout(out):
             assert main(["plan", "--model", str(root / "llama" / "config.json"), "--gpus", "4",
                          "--pp", "2", "--tp", "1", "--seq", "32", "--global-batch", "8",
-                         "--sharded-optimizer", "--json", "--quiet"]) == 0
+                         *sharding, "--json", "--quiet"]) == 0
     command = json.loads(plan.read_text())["best"]["command"]
     argv = shlex.split(command)
-    assert argv[:2] == ["pipeoffload", "train"] and "--zero 1" in command, command
+    zero = "--zero 3" if "3" in sharding else "--zero 1"
+    assert argv[:2] == ["pipeoffload", "train"] and zero in command, command
     parser = argparse.ArgumentParser(prog="pipeoffload")
     add_train_parser(parser.add_subparsers(dest="command", required=True))
-    shrunk = [*argv[2:], "--steps", str(STEPS), "--data", str(root / "text.txt"),
+    shrunk = [*argv[2:], "--steps", str(steps), "--data", str(root / "text.txt"),
               "--no-baseline", "--p2p-timeout", str(int(PATIENCE_S))]
     return config_from_args(parser.parse_args(["train", *shrunk]))[0]
 
@@ -321,12 +324,16 @@ def test_what_zero_3_does_not_compose_with_is_refused_in_one_line(
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_plan_refuses_to_price_zero_3(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_zero_3_disagreeing_with_zero_0_flags_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """plan prices --zero 3 (tests/test_plan_cli.py); --zero 0 with --sharded-optimizer, which
+    disagree, is one error line."""
     from pipeoffload.cli.main import main
 
-    assert main(["plan", "--model", "gpt3-2.7b", "--gpus", "8", "--zero", "3"]) == 2
+    assert main(["plan", "--model", "gpt3-2.7b", "--gpus", "8", "--zero", "0",
+                 "--sharded-optimizer"]) == 2
     err = capsys.readouterr().err
-    assert "--zero 3 (FSDP2) is not priced" in err and "Traceback" not in err
+    assert "--zero 0 and --sharded-optimizer disagree" in err and "Traceback" not in err
 
 
 CP_STEPS = 6
@@ -630,3 +637,44 @@ def test_zero3_trains_a_tied_llama_like_zero0(tmp_path: Path) -> None:
         assert all(torch.equal(mine[1][k], mine[0][k]) for k in mine[0])
     assert all(torch.allclose(exports[2][k], exports[0][k], rtol=1e-5, atol=1e-7)
                for k in exports[0])
+
+
+def _planned_zero3(rank: int, world: int, config: TrainConfig) -> dict:
+    """The printed --zero 3 command, and the same with --zero 1."""
+    from pipeoffload.cli.train_report import summary
+
+    topology = mesh_topology(config.pp, config.dp, config.tp, torch.device("cpu"), PATIENCE_S)
+    out = {}
+    for z in (config.zero, 1):
+        run = dataclasses.replace(config, zero=z)
+        out[z] = summary(train(run, topology), run, None)
+    return out
+
+
+def test_the_command_plan_zero3_prints_runs_and_holds_what_the_planner_predicts(
+        tmp_path: Path) -> None:
+    """`plan --zero 3 --json` for a tied Llama config prints a command with --zero 3; run
+    shrunk (4 gloo processes), each process's measured fp32 masters + moments
+    (``optimizer_state_bytes``) equal the planner's ``optimizer_bytes`` for it (every dim 0
+    here is even, so FSDP2's shards are exact halves), and the losses are --zero 1's (the
+    planner prices the two levels the same, planner/optimizer.py Note [zero 3 terms])."""
+    config = _planned_llama(tmp_path, ("--zero", "3"), steps=Z3_MORE_STEPS)
+    if config is None:
+        pytest.skip("transformers is not installed")
+    assert (config.zero, config.pp, config.dp, config.tp) == (3, 2, 2, 1)
+    results = launch(_planned_zero3, 4, tmp_path, config, join_timeout_s=PATIENCE_S)
+    assert sorted(results) == [0, 1, 2, 3], results
+    for outcome in results.values():
+        assert "ok" in outcome, outcome.get("trace")
+        out = outcome["ok"]
+        zero3, zero1 = out[3], out[1]
+        assert zero3["zero"] == 3 and len(zero3["losses"]) == Z3_MORE_STEPS
+        assert zero3["losses"][-1] < zero3["losses"][0]
+        assert zero3["optimizer_state_bytes"] == zero3["predicted_optimizer_state_bytes"]
+        assert all(b > 0 for b in zero3["optimizer_state_bytes"])
+        # the planner's bytes for both levels are the same; zero 1's measured adds its padding
+        assert zero3["predicted_optimizer_state_bytes"] == zero1[
+            "predicted_optimizer_state_bytes"]
+        gap = max(abs(a - b) / abs(b) for a, b in zip(zero3["losses"], zero1["losses"]))
+        assert gap < (1e-3 if config.dtype == "bf16" else 1e-6), (zero1["losses"],
+                                                                   zero3["losses"])

@@ -99,9 +99,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                    help="ZeRO-1: shard fp32 master weights and Adam moments over DP (the "
                         "command trains with --zero 1)")
     p.add_argument("--zero", type=int, default=None, choices=(0, 1, 3),
-                   help="train's spelling: 1 is --sharded-optimizer, 0 its absence; 3 (FSDP2) "
-                        "is refused: plan does not price it (train runs it in fp32 without "
-                        "split backward)")
+                   help="train's spelling: 1 is --sharded-optimizer, 0 its absence; 3: "
+                        "train's FSDP2 stages, priced as --zero 1 (stages whole inside the "
+                        "step), searched at tp 1, cp 1 (train's limits) unless --tp / --cp say")
     p.add_argument("--reserve", type=number(minimum=0, maximum=1 << 30), default=None,
                    metavar="GiB",
                    help="fixed per-GPU reserve for context, NCCL, workspaces (default 4)")
@@ -151,6 +151,8 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         options.update(_schedule_options(args.schedules, args.offload))
     if args.recompute:
         options["recompute"] = (args.recompute,)
+    if args.zero == 3:  # train runs --zero 3 at tp 1 and cp 1 (train_command refuses others)
+        options.update(tp=(1,), cp=(1,))
     for field in ("tp", "pp", "cp", "offload", "group_sizes", "micro_batch_sizes", "chunks"):
         if getattr(args, field):
             options[field] = getattr(args, field)
@@ -199,17 +201,25 @@ def _every_dimension_fixed(args: argparse.Namespace, space: SearchSpace, seq_len
 
 
 def _zero_level(args: argparse.Namespace) -> bool:
-    """Whether the plan's optimizer state is sharded (``--sharded-optimizer`` or ``--zero``)."""
+    """Whether the plan's optimizer state is sharded (``--sharded-optimizer`` or ``--zero`` 1
+    or 3)."""
     from pipeoffload.errors import ConfigError
 
-    if args.zero == 3:
-        raise ConfigError("--zero 3 (FSDP2) is not priced: train keeps each stage whole through "
-                          "the step, so its peak is no lower than --zero 1's, and runs it "
-                          "without tp or cp (docs/training.md, "
-                          "\"Sharding the optimizer\"); use --zero 1")
     if args.zero == 0 and args.sharded_optimizer:
         raise ConfigError("--zero 0 and --sharded-optimizer disagree; pass one of them")
-    return bool(args.sharded_optimizer or args.zero == 1)
+    return bool(args.sharded_optimizer or args.zero in (1, 3))
+
+
+def _fsdp(args: argparse.Namespace) -> bool:
+    """Whether the plan is priced as train's ``--zero 3`` (planner/optimizer.py Note [zero 3
+    terms]); its search keeps to tp 1 and cp 1 unless ``--tp`` / ``--cp`` ask otherwise."""
+    from pipeoffload.errors import ConfigError
+
+    if args.zero == 3 and args.framework != "current":
+        raise ConfigError(f"--zero 3 is train's FSDP2 stages, priced as pipeoffload train runs "
+                          f"them; --framework {args.framework} does not run them (use --zero 1 "
+                          f"or --sharded-optimizer)")
+    return args.zero == 3
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -226,7 +236,7 @@ def _config(args: argparse.Namespace, preset: FrameworkPreset) -> SearchConfig:
     from pipeoffload.planner.evaluate import Extrapolation
     from pipeoffload.planner.search import SearchConfig
 
-    memory = MemoryConfig(optimizer=preset.with_sharding(_zero_level(args)))
+    memory = MemoryConfig(optimizer=preset.with_sharding(_zero_level(args), fsdp=_fsdp(args)))
     if args.reserve is not None:
         memory = dataclasses.replace(memory, reserve_bytes=args.reserve * GIB)
     config = SearchConfig(
@@ -312,6 +322,7 @@ def _report(args: argparse.Namespace, result: SearchResult, fixed: bool,
                   "global_batch": config.global_batch, "memory_gib": result.budget_bytes / GIB,
                   "host_memory_gib_per_node": host_budget / GIB,
                   "sharded_optimizer": _zero_level(args),
+                  "zero": 3 if _fsdp(args) else int(_zero_level(args)),
                   "reserve_gib": memory.reserve_bytes / GIB, "framework": preset.name,
                   "flash_attention": spec.flash_attention}
         data = result_json(result, inputs, fixed=fixed, verdict=verdict)

@@ -62,9 +62,10 @@ class FrameworkPreset:
             return spec
         return dataclasses.replace(spec, flash_attention=self.flash_attention)
 
-    def with_sharding(self, sharded: bool) -> OptimizerSpec:
-        """This framework's optimizer, its state sharded over DP (ZeRO-1) or not."""
-        return dataclasses.replace(self.optimizer, sharded=sharded)
+    def with_sharding(self, sharded: bool, *, fsdp: bool = False) -> OptimizerSpec:
+        """This framework's optimizer, its state sharded over DP (ZeRO-1) or not; ``fsdp``:
+        train's ``--zero 3`` (priced as ZeRO-1, optimizer.py Note [zero 3 terms])."""
+        return dataclasses.replace(self.optimizer, sharded=sharded or fsdp, fsdp=fsdp)
 
 
 #: cuDNN fused attention's rate over the Hopper presets' FlashAttention-2 rate (hardware.py,

@@ -10,6 +10,30 @@ out of that backward is. The optimizer step is memory-bound (a few bytes read an
 parameter, no matmul): ``optimizer_step_bytes`` lists them for Megatron's mixed-precision
 optimizer with apex's fused multi-tensor Adam, plus the copies the DP implementation makes
 around its exchange (``DP_COPY_BYTES``; timed with the step, as they run on the same GPU).
+
+Note [zero 3 terms]: ``pipeoffload train --zero 3`` wraps each stage with FSDP2's
+``fully_shard`` (torch.distributed.fsdp; parallel/fsdp.py, runtime/sharding.py Note: [sharded
+stages]). It is priced as ZeRO-1 (``sharded``), term by term, because that is what the trainer
+runs at the step's peak:
+- parameters: the Pipeline unshards a stage (an all-gather, in the compute dtype under FSDP's
+  mixed-precision policy) before its first F and reshards it after its last B or W, so inside
+  the step every stage of a rank is whole: ``param_bytes`` per parameter, as zero 1;
+- gradients: accumulated whole in float32 (``accumulate_in_reduce_dtype``) until the stage's
+  last backward, then reduce-scattered: ``grad_bytes`` (4) per parameter, as zero 1's fp32
+  main grads;
+- masters and AdamW moments: FSDP's float32 shards are the masters, and AdamW's moments
+  follow them: (``master_bytes`` + ``state_bytes``) / dp, as zero 1 (Megatron's distributed
+  optimizer, Rajbhandari et al. 2020 s5.1 P_os);
+- traffic: one all-gather of the stage's parameters (``param_bytes``) and one reduce-scatter of
+  its gradients (``grad_bytes``) per step over the dp group, (d-1)/d of each: zero 1's bytes
+  (``dp_traffic``). Neither overlaps compute in train (the all-gather blocks the stage's first
+  F; the reduce-scatter is waited for after its last backward), as zero 1 is priced for the
+  ``current`` framework (after the pipeline);
+- optimizer step: AdamW over the 1/dp shard, as zero 1 (``optimizer_step_bytes``).
+So zero 3's predicted peak equals zero 1's; what it saves is between steps (parameters and
+gradients at 1/dp), which no peak the planner prices sees. Where train would release a
+stage's parameters between its last forward and its first backward (``reshard_after_forward``,
+ZeRO-3 proper) the peak would be lower; train does not, so the planner does not count it.
 """
 
 from __future__ import annotations
@@ -31,10 +55,12 @@ class OptimizerSpec:
     16-bit gradients, as PyTorch DDP over a 16-bit model and Megatron's fp16 runs of 2021 keep).
     ``master_bytes``: the fp32 copy of the weights. ``state_bytes``: Adam's two fp32 moments.
     ``sharded``: ZeRO-1 / Megatron's distributed optimizer splits master weights and moments
-    over the data-parallel group. ``overlap_grad_reduce``: DP reduces gradients while the last
-    microbatch's backward runs (Note [step outside the pipeline]); False: after the pipeline
-    drains, as ``pipeoffload train`` does. ``dp_copy_bytes``: device-memory bytes per parameter
-    per step that the data-parallel implementation moves around its exchange (``DP_COPY_BYTES``).
+    over the data-parallel group. ``fsdp``: ``--zero 3`` (FSDP2 stages, Note [zero 3 terms]);
+    it implies ``sharded`` and is priced as it, term by term. ``overlap_grad_reduce``: DP
+    reduces gradients while the last microbatch's backward runs (Note [step outside the
+    pipeline]); False: after the pipeline drains, as ``pipeoffload train`` does.
+    ``dp_copy_bytes``: device-memory bytes per parameter per step that the data-parallel
+    implementation moves around its exchange (``DP_COPY_BYTES``).
     """
 
     grad_bytes: int = 4
@@ -43,8 +69,12 @@ class OptimizerSpec:
     sharded: bool = False
     overlap_grad_reduce: bool = False
     dp_copy_bytes: float = 0.0
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
+        if self.fsdp and not self.sharded:
+            raise ConfigError("OptimizerSpec.fsdp (--zero 3) shards the optimizer state too; "
+                              "set sharded=True with it")
         value = self.dp_copy_bytes
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ConfigError(f"OptimizerSpec.dp_copy_bytes must be >= 0, got {value!r}")

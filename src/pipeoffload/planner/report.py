@@ -20,13 +20,14 @@ from pipeoffload.planner.verdict import Verdict
 
 
 def plan_json(plan: Plan, spec: TransformerSpec | None = None, *,
-              sharded_optimizer: bool = False) -> dict[str, Any]:
+              sharded_optimizer: bool = False, fsdp: bool = False) -> dict[str, Any]:
     """One plan as a JSON-ready dictionary (times in seconds, memory in GiB);
-    ``sharded_optimizer``: its memory counts ZeRO-1 (train_command)."""
+    ``sharded_optimizer``: its memory counts ZeRO-1; ``fsdp``: train's --zero 3
+    (train_command)."""
     c = plan.candidate
     memory = plan.memory
     command = train_command(c, spec, sharded_optimizer=sharded_optimizer,
-                            offload=plan.offload_spec)
+                            offload=plan.offload_spec, fsdp=fsdp)
     return {
         "pp": c.pp,
         "tp": c.tp,
@@ -79,17 +80,18 @@ def result_json(result: SearchResult, inputs: dict[str, Any], *, fixed: bool = F
         "inputs": inputs,
         "fixed": fixed,
         "verdict": verdict.as_json() if verdict is not None else None,
-        "sharding": sharding_line(best, result.sharded_optimizer),
+        "sharding": sharding_line(best, result.sharded_optimizer, fsdp=result.fsdp),
         "k": result.k.k,
         "k_detail": str(result.k),
         "budget_gib": result.budget_bytes / GIB,
         "host_budget_gib": (best.host_budget_bytes / GIB if best is not None else None),
-        "best": plan_json(best, result.spec, sharded_optimizer=result.sharded_optimizer)
+        "best": plan_json(best, result.spec, sharded_optimizer=result.sharded_optimizer,
+                          fsdp=result.fsdp)
         if best is not None else None,
         "feasible": bool(best is not None and best.feasible),
         "shortfall": result.shortfall("this configuration" if fixed else "the nearest plan"),
-        "candidates": [plan_json(plan, result.spec, sharded_optimizer=result.sharded_optimizer)
-                       for plan in result.candidates],
+        "candidates": [plan_json(plan, result.spec, sharded_optimizer=result.sharded_optimizer,
+                                 fsdp=result.fsdp) for plan in result.candidates],
         "search": {
             "configurations": stats.configurations,
             "simulated": stats.simulated,
@@ -167,7 +169,7 @@ def render_result(result: SearchResult, inputs_line: str, *, fixed: bool = False
                      "recompute, offload): this is that configuration's prediction, "
                      + ("and it fits" if best.feasible else "and it does NOT fit"))
     command = str(train_command(best.candidate, result.spec,
-                                sharded_optimizer=result.sharded_optimizer,
+                                sharded_optimizer=result.sharded_optimizer, fsdp=result.fsdp,
                                 offload=best.offload_spec))
     if best.feasible:
         lines.append(f"{'yours' if fixed else 'best'}: {summary}")
@@ -180,18 +182,21 @@ def render_result(result: SearchResult, inputs_line: str, *, fixed: bool = False
         lines.append(("yours: " if fixed else "nearest: ") + command)
     if verdict is not None:
         lines.append(verdict.line())
-    sharding = sharding_line(best, result.sharded_optimizer)
+    sharding = sharding_line(best, result.sharded_optimizer, fsdp=result.fsdp)
     if sharding is not None:
         lines.append(sharding)
     return "\n".join(lines)
 
 
-def sharding_line(plan: Plan | None, sharded: bool) -> str | None:
+def sharding_line(plan: Plan | None, sharded: bool, *, fsdp: bool = False) -> str | None:
     """What sharding the optimizer over the plan's data-parallel replicas and context-parallel
     ranks saves per device (ZeRO-1: fp32 master weights and moments / (dp * cp)), or would
-    save; None with neither."""
+    save; None with neither. ``fsdp`` (--zero 3) saves the same at the peak (optimizer.py
+    Note [zero 3 terms]), and parameters and gradients only between steps."""
     if plan is None or plan.candidate.dp * plan.candidate.cp < 2:
         return None
+    if fsdp:
+        return _zero3_line(plan)
     optimizer, cp = plan.memory.optimizer, plan.candidate.cp
     dp = plan.candidate.dp * cp
     over = f"dp={dp}" if cp == 1 else f"dp x cp = {plan.candidate.dp} x {cp}"
@@ -204,3 +209,14 @@ def sharding_line(plan: Plan | None, sharded: bool) -> str | None:
     return (f"sharding: --sharded-optimizer (train --zero 1) would keep {whole / dp / GIB:.1f} "
             f"GiB of fp32 master weights and moments per device instead of {whole / GIB:.1f} "
             f"GiB, {saved / GIB:.1f} GiB less over {over}")
+
+
+def _zero3_line(plan: Plan) -> str:
+    """The sharding line of a plan priced as train's --zero 3 (FSDP2 stages)."""
+    m, dp = plan.memory, plan.candidate.dp * plan.candidate.cp
+    return (f"sharding: --zero 3 keeps {m.optimizer / GIB:.1f} GiB of fp32 master weights and "
+            f"moments per device instead of {m.optimizer * dp / GIB:.1f} GiB over dp={dp}, as "
+            f"--zero 1 does; its peak is no lower than --zero 1's: inside the step each stage "
+            f"holds its parameters ({m.params / GIB:.1f} GiB) and gradients "
+            f"({m.grads / GIB:.1f} GiB) whole; between steps they are 1/{dp} "
+            f"({(m.params + m.grads) / dp / GIB:.1f} GiB)")

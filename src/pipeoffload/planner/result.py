@@ -43,6 +43,7 @@ class SearchResult:
     notes: tuple[str, ...] = field(default=())
     spec: TransformerSpec | None = None  # the model searched for (its shape goes in commands)
     sharded_optimizer: bool = False  # memory counts ZeRO-1 (train_command adds --zero 1)
+    fsdp: bool = False  # priced as train's --zero 3 (train_command adds --zero 3)
     evaluator: Evaluator | None = field(default=None, compare=False, repr=False)
     """What priced the plans, with its built schedules and plans: a further search of the
     same model, hardware and config passes it on (``search(..., evaluator=)``)."""

@@ -387,5 +387,6 @@ def _search(spec: TransformerSpec, hw: Hardware, config: SearchConfig, space: Se
         notes=tuple(notes),
         spec=spec,
         sharded_optimizer=config.memory.optimizer.sharded,
+        fsdp=config.memory.optimizer.fsdp,
         evaluator=evaluator,
     )

@@ -19,7 +19,9 @@ A plan whose memory counts the optimizer state sharded over data parallelism
 dp * cp > 1 (train's parallel/zero.py shards it the same way, over the data-parallel replicas
 times the context-parallel ranks); without it the plan's memory counts the whole optimizer
 state on every replica, so the command carries ``--zero 0`` (train's default at dp * cp > 1 is
-``--zero 1``).
+``--zero 1``). A plan priced as FSDP2 stages (``plan --zero 3``; ``MemoryConfig.optimizer.fsdp``,
+planner/optimizer.py Note [zero 3 terms]) gets ``--zero 3`` where train runs it (dp > 1, tp 1,
+cp 1; training/train.py ``_ZERO3_LIMITS``) and is refused, naming why, elsewhere.
 """
 
 from __future__ import annotations
@@ -53,13 +55,16 @@ class TrainCommand:
 
 
 def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
-                  sharded_optimizer: bool = False, offload: str | None = None) -> TrainCommand:
+                  sharded_optimizer: bool = False, offload: str | None = None,
+                  fsdp: bool = False) -> TrainCommand:
     """The command that runs ``candidate`` (with ``spec``, the reference model at that shape);
     ``sharded_optimizer``: the plan's memory counts the optimizer state sharded over DP;
+    ``fsdp``: it was priced as train's ``--zero 3``;
     ``offload``: the ``--offload`` its plan chose (a class plan's ``classes:A+B``,
     planner/class_offload.py), else the candidate's own."""
     c = candidate
-    refused = _refusal(c, spec) or _class_refusal(c, spec, offload)
+    refused = (_refusal(c, spec) or _class_refusal(c, spec, offload)
+               or (_zero3_refusal(c) if fsdp else None))
     if refused is not None:
         return TrainCommand(None, refused)
     parts = ["pipeoffload train", f"--pp {c.pp}", f"--dp {c.dp}"]
@@ -67,7 +72,9 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
         parts.append(f"--tp {c.tp}")
     if c.cp > 1:
         parts.append(f"--cp {c.cp}")
-    if c.dp * c.cp > 1:  # train's default there is --zero 1; say what the memory counted
+    if fsdp:
+        parts.append("--zero 3")
+    elif c.dp * c.cp > 1:  # train's default there is --zero 1; say what the memory counted
         parts.append("--zero 1" if sharded_optimizer else "--zero 0")
     preset, family = c.preset, FAMILIES[c.schedule]
     parts.append(f"--schedule {c.display_name}")
@@ -92,6 +99,17 @@ def train_command(candidate: Candidate, spec: TransformerSpec | None = None, *,
                       f"--heads {spec.heads}", f"--kv-heads {spec.kv_heads}",
                       f"--ffn-hidden {spec.ffn_hidden}", f"--seq-len {spec.seq_len}"]
     return TrainCommand(" ".join(parts), None)
+
+
+def _zero3_refusal(c: Candidate) -> str | None:
+    """Why train cannot run ``c`` with ``--zero 3`` (training/train.py ``_ZERO3_LIMITS``)."""
+    if c.dp < 2:
+        return (f"--zero 3 shards each stage over the data-parallel replicas and this plan has "
+                f"dp {c.dp}; train needs dp 2 or more (plan with --zero 1, or more GPUs)")
+    if c.tp > 1 or c.cp > 1:
+        return (f"train runs --zero 3 at tp 1 and cp 1 only (this plan: tp {c.tp}, cp "
+                f"{c.cp}); plan it with --zero 1 (priced the same), or --tp 1 --cp 1")
+    return None
 
 
 def _class_refusal(c: Candidate, spec: TransformerSpec | None, offload: str | None
