@@ -92,7 +92,7 @@ def _parallelism_options(parser: argparse.ArgumentParser) -> None:
                    "AdamW moments sharded over the replicas and context-parallel ranks "
                    "(ZeRO-1; its overlapped gradient buckets are verified on gloo only); "
                    "3: FSDP2, each stage's parameters, gradients and moments sharded over the "
-                   "replicas (fp32, no split backward, tp or cp yet; refused in words)")
+                   "replicas (not with --tp or --cp yet: refused in words)")
 
 
 def _model_choice(text: str) -> str:

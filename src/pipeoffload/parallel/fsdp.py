@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.parallel.gradients import scale_gradients, tie_copies
-from pipeoffload.parallel.optimizer import StageState, set_learning_rate
+from pipeoffload.parallel.optimizer import MOMENTS, StageState, moment_bytes, set_learning_rate
 from pipeoffload.parallel.topology import Topology
-from pipeoffload.parallel.zero import MOMENTS, FlatLayout, bucket_indices
+from pipeoffload.parallel.zero import FlatLayout, bucket_indices
 from pipeoffload.runtime.shards import is_dtensor, local_shard
 
 
@@ -151,9 +151,7 @@ class ShardedAdamW:
         """This process's shards of the parameters (the fp32 masters) and moments."""
         masters = sum(local_shard(p).numel() * p.element_size()
                       for ps in self._params.values() for p in ps)
-        moments = sum(local_shard(v).numel() * v.element_size()
-                      for o in self._optimizers.values() for state in o.state.values()
-                      for k, v in state.items() if k in ("exp_avg", "exp_avg_sq"))
+        moments = moment_bytes(self._optimizers.values())
         return {"masters": masters, "moments": moments}
 
     def master_weights(self) -> Mapping[int, list[torch.Tensor]]:

@@ -81,6 +81,17 @@ class PipelineOptimizer(CheckpointedOptimizer, Protocol):
     def zero_grad(self) -> None: ...
 
 
+#: The AdamW state that is per element, as its state dict names it.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def moment_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes of this process's AdamW moments in ``optimizers`` (local shards of DTensors)."""
+    return sum(local_shard(v).numel() * v.element_size()
+               for o in optimizers for state in o.state.values()
+               for k, v in state.items() if k in MOMENTS)
+
+
 def set_learning_rate(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
     """Every parameter group of ``optimizers`` at learning rate ``lr`` (the step's schedule)."""
     for optimizer in optimizers:
@@ -152,9 +163,7 @@ class StageAdamW:
     def state_bytes(self) -> dict[str, int]:
         masters = sum(local_shard(m).numel() * m.element_size()
                       for ms in self.masters.params.values() for m in ms)
-        moments = sum(local_shard(v).numel() * v.element_size()
-                      for o in self._optimizers.values() for state in o.state.values()
-                      for k, v in state.items() if k in ("exp_avg", "exp_avg_sq"))
+        moments = moment_bytes(self._optimizers.values())
         return {"masters": masters, "moments": moments}
 
     def set_lr(self, lr: float) -> None:

@@ -37,13 +37,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeoffload.parallel.gradients import scale_gradients, tie_copies
-from pipeoffload.parallel.optimizer import StageState, set_learning_rate
+from pipeoffload.parallel.optimizer import MOMENTS, StageState, set_learning_rate
 from pipeoffload.parallel.precision import accumulate_in_float32
 from pipeoffload.parallel.topology import Topology
 from pipeoffload.runtime.shards import ShardLayout, is_dtensor, local_shard
 from pipeoffload.runtime.tied import TiedSpec, merge_ties
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 #: Elements per bucket of gradients reduce-scattered together (Megatron's default
 #: --ddp-bucket-size is 40M elements; a bucket holds whole parameters, so it can be larger).
 BUCKET_NUMEL = 40_000_000
