@@ -242,23 +242,31 @@ def test_the_planned_command_trains_a_tied_llama_like_zero0_and_exports(runs) ->
     results, root = runs
     if "hf" not in results[0]:
         pytest.skip("transformers is not installed")
-    from pipeoffload.training.hf_run import export_checkpoint
-
     for out in results.values():
         zero1, zero0 = out["hf"]
         assert len(zero1["losses"]) == STEPS and zero1["losses"][-1] < zero1["losses"][0]
         assert zero1["losses"] == zero0["losses"]  # bitwise, as the reference model
+    # the fp32 master weights: joined from the checkpoint, and gathered live
+    exports = _exports(root, (1, 0), STEPS)
+    assert all(torch.equal(e[k], exports[0][k]) for e in exports for k in e)
+
+
+def _exports(root: Path, levels: tuple[int, ...], steps: int) -> list[dict]:
+    """Per --zero level, its HF export joined from the checkpoint in ``root / hf<z>`` (exported
+    to ``export<z>``), then the one the run wrote live (``live<z>``): each as {name: tensor}."""
     from safetensors.torch import load_file
 
-    exports = []  # the fp32 master weights: joined from the checkpoint, and gathered live
-    for z in (1, 0):
+    from pipeoffload.training.hf_run import export_checkpoint
+
+    exports = []
+    for z in levels:
         folder, step = export_checkpoint(root / f"hf{z}", root / f"export{z}", "fp32")
-        assert step == STEPS
+        assert step == steps
         for written in (folder, root / f"live{z}"):
             exports.append({k: v for part in sorted(written.glob("*.safetensors"))
                             for k, v in load_file(str(part)).items()})
     assert exports[0] and all(e.keys() == exports[0].keys() for e in exports)
-    assert all(torch.equal(e[k], exports[0][k]) for e in exports for k in e)
+    return exports
 
 
 def _eight(rank: int, world: int) -> dict:
@@ -619,18 +627,8 @@ def test_zero3_trains_a_tied_llama_like_zero0(tmp_path: Path) -> None:
             # step
             gap = max(abs(a - b) / abs(b) for a, b in zip(zero3, zero0))
             assert gap < (1e-3 if name[1] == "bf16" else 1e-6), (name, zero0, zero3)
-    from safetensors.torch import load_file
-
-    from pipeoffload.training.hf_run import export_checkpoint
-
-    exports = []  # the fp32 masters of 1f1b: joined from each checkpoint, and gathered live
-    for z in (0, 3):
-        folder, step = export_checkpoint(tmp_path / f"hf{z}", tmp_path / f"export{z}", "fp32")
-        assert step == Z3_MORE_STEPS
-        for written in (folder, tmp_path / f"live{z}"):
-            exports.append({k: v for part in sorted(written.glob("*.safetensors"))
-                            for k, v in load_file(str(part)).items()})
-    assert exports[0] and all(e.keys() == exports[0].keys() for e in exports)
+    # the fp32 masters of 1f1b: joined from each checkpoint, and gathered live
+    exports = _exports(tmp_path, (0, 3), Z3_MORE_STEPS)
     # a level's two exports are bitwise equal; zero 3's differ from zero 0's in last bits (2.6e-8
     # at most, measured), the tie's gradient being summed after the replicas' average
     for mine in (exports[:2], exports[2:]):
