@@ -110,12 +110,97 @@ def test_class_offload_is_bitwise_and_meter_equals_simulator(make, name: str) ->
     assert whole[0] < measured_peaks[0] < none[0]  # rank 0 offloads, in part
 
 
-def test_recomputed_classes_are_refused_by_the_runtime() -> None:
-    schedule = add_offload(build_schedule("1f1b", pp=2, microbatches=2), CostModel(),
-                           "all").schedule
-    choice = ClassChoice((), (TensorClass("attn_norm", 0.1, 0.01),))
-    with pytest.raises(ConfigError, match="recomputes tensor classes"):
-        step(reference_model, schedule.with_classes({(0, 0): choice}))
+RECOMPUTED = ("attn_norm", "mlp_norm", "mlp_hidden", "mlp_act")
+
+
+def with_recompute(schedule, sizes, moved, recomputed):  # noqa: ANN001, ANN201
+    """``schedule`` with every item moving ``moved`` (where it offloads) and recomputing
+    ``recomputed``, each class's share its measured bytes over its stage's."""
+    choices = {}
+    for (stage, mb), tags in sizes.items():
+        total = sum(tags.values())
+        classes = {name: TensorClass(name, nbytes / total, 0.01 if name in recomputed else None)
+                   for name, nbytes in sorted(tags.items())}
+        choices[(stage, mb)] = ClassChoice(
+            tuple(c for name, c in classes.items() if name in moved),
+            tuple(c for name, c in classes.items() if name in recomputed))
+    return schedule.with_classes(choices)
+
+
+@pytest.mark.parametrize("make", [reference_model, llama], ids=["reference", "llama"])
+@pytest.mark.parametrize("name", ["1f1b", "po-f", "zbv"])
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "recompute-only"])
+def test_recomputed_classes_are_bitwise_and_meter_equals_simulator(make, name: str,
+                                                                   offload: bool) -> None:
+    """Classes dropped after the forward and made again at the first backward pass (with
+    other classes moved, or alone): gradients bitwise, meter == simulator per rank, and rank
+    0's peak below the same plan without the recompute, no rank's above."""
+    options = {"offload_ratio": 0.5} if name == "po-f" else {"offload": "all"}
+    offloaded = po.build_schedule(name, pp=2, microbatches=MICROBATCHES, **options)
+    bare = offloaded.without(*OFFLOAD_KINDS)
+    expected, _ = step(make, bare)
+    _, pipe = step(make, offloaded.with_classes({}))
+    sizes = pipe.offloader.class_bytes
+    base = offloaded if offload else bare
+    moved = ("layer_input", "qkv") if offload else ()
+    peaks = []
+    for recomputed in (RECOMPUTED, ()):
+        chosen = with_recompute(base, sizes, moved, recomputed)
+        meter = ActivationMeter()
+        grads, pipe = step(make, chosen, meter)
+        assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+        per_stage = meter.stage_activation_bytes(chosen.num_stages)
+        for (stage, _), measured in sizes.items():
+            assert sum(measured.values()) == per_stage[stage]
+        predicted = simulate(chosen, CostModel(stage_activation_bytes=per_stage)).peak_bytes
+        peaks.append([meter.peak_bytes(r) for r in range(chosen.num_ranks)])
+        assert peaks[-1] == pytest.approx(predicted, rel=1e-12)
+    # (the last rank of 1f1b peaks at a B's start, all of one activation back)
+    assert all(a <= b for a, b in zip(*peaks)) and peaks[0][0] < peaks[1][0]
+
+
+def test_a_recompute_runs_only_the_steps_between_saved_tensors() -> None:
+    """Each class's recompute runs the ops from the saved tensors before it: a norm's scaling,
+    the activation's multiply, the MLP's first matmuls, never the whole forward."""
+    bare = po.build_schedule("1f1b", pp=2, microbatches=MICROBATCHES)
+    ran = {}
+    for name in ("attn_norm", "mlp_act", "mlp_hidden"):
+        choice = ClassChoice((), (TensorClass(name, 0.1, 0.01),))
+        schedule = bare.with_classes({(s, m): choice for s in range(2)
+                                      for m in range(MICROBATCHES)})
+        _, pipe = step(reference_model, schedule)
+        ran[name] = pipe.offloader.recomputed_ops[(1, MICROBATCHES - 1)]
+    # stage 1 has two layers: each op twice
+    assert sorted(set(ran["attn_norm"])) == ["aten.mul.Tensor", "aten.view.default"]
+    assert ran["mlp_act"].count("aten.mul.Tensor") == 2 and "aten.mm.default" not in ran["mlp_act"]
+    assert ran["mlp_hidden"].count("aten.mm.default") == 4  # w1 and w3 of each layer
+    assert ran["mlp_hidden"].count("aten.silu.default") == 2
+
+
+def test_recomputed_attention_with_dropout_draws_the_same_numbers() -> None:
+    """An attention core with dropout, recomputed: its random draws are replayed from the
+    generator's state as they ran, so the gradients equal the plain step's bit for bit."""
+    def dropout_llama(seed):  # noqa: ANN001, ANN202
+        def make(schedule):  # noqa: ANN001, ANN202
+            stages, loss_fn, inputs, target = llama(schedule)
+            for stage in stages.values():
+                for module in stage.modules():
+                    if hasattr(module, "attention_dropout"):
+                        module.attention_dropout = 0.5
+                stage.train()
+            torch.manual_seed(seed)
+            return stages, loss_fn, inputs, target
+        return make
+
+    bare = po.build_schedule("1f1b", pp=2, microbatches=MICROBATCHES)
+    expected, _ = step(dropout_llama(5), bare)
+    choice = ClassChoice((), (TensorClass("qkv", 0.3, 0.1),))
+    grads, pipe = step(dropout_llama(5), bare.with_classes(
+        {(s, m): choice for s in range(2) for m in range(MICROBATCHES)}))
+    assert any("bernoulli" in op for op in pipe.offloader.recomputed_ops[(0, 0)])
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+    other, _ = step(dropout_llama(6), bare)  # the dropout is live: other draws, other grads
+    assert not all(torch.equal(a, b) for a, b in zip(expected, other))
 
 
 def test_budget_plan_meets_its_budget_in_the_measured_peak() -> None:

@@ -177,10 +177,14 @@ class RankExecutor:
             return runner.forward(mb, inputs, target, self._saving(stage, mb))
 
     def _saving(self, stage: int, mb: int) -> AbstractContextManager[object] | None:
-        if (stage, mb) in self._offloaded and self._offloader is not None:
-            choice = self._schedule.class_choice(stage, mb)
+        choice = self._schedule.class_choice(stage, mb)
+        offloaded = (stage, mb) in self._offloaded
+        if self._offloader is not None and (offloaded or choice is not None and choice.recomputed):
+            # an item that recomputes classes without an OFFLOAD keeps every other class
+            moved, recomputed = choice.names if choice is not None else (None, ())
             return self._offloader.scope((stage, mb), self.rank, self._stream,
-                                         classes=None if choice is None else choice.names[0])
+                                         classes=moved if offloaded else (),
+                                         recomputed=recomputed)
         if self._meter is not None:
             return self._meter.observe(self.rank)
         return None
@@ -200,6 +204,7 @@ class RankExecutor:
             received = self._take(("B", stage, mb), action)
         if self._offloader is not None:
             self._offloader.wait_reloaded((stage, mb))
+            self._offloader.recompute((stage, mb))  # its dropped tensor classes, if any
         grads = runner.backward(mb, received, split=kind is Kind.I)
         del received
         if kind is Kind.B:

@@ -57,13 +57,14 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Hashable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 
 from pipeoffload.errors import PipelineRuntimeError
+from pipeoffload.runtime.class_recompute import OpRecorder, Ref, replay
 from pipeoffload.runtime.classes import ClassTagger
 from pipeoffload.runtime.config import OffloadConfig
 from pipeoffload.runtime.copies import CopyEngine, CopyQueue, CudaCopies, HostCopies
@@ -117,6 +118,24 @@ class _Scope:
     keep: frozenset[tuple[str, int]] = frozenset()  # storages saved as they are (scope(keep=))
     classes: frozenset[str] | None = None  # the classes it moves; None: all (Note: [class offload])
     tags: dict[tuple[str, int], str] = field(default_factory=dict)  # kept storages' classes
+    # Note: [class recompute]: the classes dropped after the forward, the recording of its ops,
+    # the dropped storages and saved tensors, and the saved tensors a recompute reads
+    recomputed: frozenset[str] = frozenset()
+    recorder: OpRecorder | None = None
+    dropped_storages: dict[tuple[str, int], tuple[weakref.ref, str]] = field(default_factory=dict)
+    dropped: list[_Dropped] = field(default_factory=list)
+    readable: dict[Ref, object] = field(default_factory=dict)
+    remade: list[object] = field(default_factory=list)  # the meter's tokens of what came back
+
+
+@dataclass(eq=False)
+class _Dropped:
+    """What autograd keeps for a saved tensor of a recomputed class: the op output it is, and
+    after the recompute the tensor itself (Note: [class recompute])."""
+
+    ref: Ref
+    name: str
+    value: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,6 +195,8 @@ class ActivationOffloader:
         self._cuda_copies = copies if isinstance(copies, CudaCopies) else None  # copy_in
         self.tagger = ClassTagger()  # Note: [class offload]
         self._class_bytes: dict[Hashable, dict[str, int]] = {}
+        #: per scope key, the ops its last ``recompute`` ran (Note: [class recompute])
+        self.recomputed_ops: dict[Hashable, tuple[str, ...]] = {}
 
     @property
     def class_bytes(self) -> dict[Hashable, dict[str, int]]:
@@ -234,27 +255,37 @@ class ActivationOffloader:
     @contextmanager
     def scope(self, key: Hashable, owner: Hashable, stream: bool = True,
               keep: Iterable[torch.Tensor] = (),
-              classes: Iterable[str] | None = None) -> Iterator[None]:
+              classes: Iterable[str] | None = None,
+              recomputed: Iterable[str] = ()) -> Iterator[None]:
         """Capture what autograd saves inside the block as ``key``'s activation; with ``stream``
         its copy to host starts right away (see Note: [streaming offload]). Saved tensors sharing
         a storage with one of ``keep`` stay on the device, like parameters: buffers that live on
         anyway (torch.distributed.pipelining's receive buffers), whose copy would free nothing.
-        ``classes``: move only saved storages of these tensor classes (Note: [class offload])."""
+        ``classes``: move only saved storages of these tensor classes (Note: [class offload]);
+        ``recomputed``: drop those of these classes and make them again in ``recompute`` (Note:
+        [class recompute])."""
         if self._kept_stale:
             self._kept, self._kept_stale = {}, False
         if key in self._scopes:
             raise PipelineRuntimeError(f"offload scope {key} is already open; each (stage, "
                                        "microbatch) runs its forward once per step")
         scope = _Scope(key, owner, stream, keep=frozenset(storage_key(t) for t in keep),
-                       classes=None if classes is None else frozenset(classes))
+                       classes=None if classes is None else frozenset(classes),
+                       recomputed=frozenset(recomputed))
         self._scopes[key] = scope
         self._class_bytes[key] = {}
 
         def pack(tensor: torch.Tensor) -> object:
             return self._pack(scope, tensor)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
+        with ExitStack() as stack:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, self._unpack))
+            if scope.recomputed:
+                scope.recorder = stack.enter_context(OpRecorder())
+            try:
+                yield
+            finally:
+                scope.recorder = None  # the recipes hold what they need; nothing else is
 
     @property
     def pending_copy_bytes(self) -> int:
@@ -283,9 +314,13 @@ class ActivationOffloader:
             return tensor.detach() if token is None else token
         key = storage_key(tensor)
         raw = tensor.untyped_storage()
+        if scope.recorder is not None:
+            dropped = self._dropped(scope, tensor, key)
+            if dropped is not None:
+                return dropped
         kept = self._kept_by_class(scope, tensor, key)
         if kept is not None:
-            return kept
+            return self._readable(scope, tensor, kept)
         storage = scope.storages.get(key)
         if storage is not None and storage.original() is not raw:
             # The storage saved under this address earlier was freed (possible once a streamed
@@ -305,8 +340,65 @@ class ActivationOffloader:
                 self._stream_out(scope, storage)
             elif self._meter is not None:
                 storage.token = self._meter.track(alias, scope.owner)
-        return _Saved(scope, storage, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-                      int(tensor.storage_offset()))
+        return self._readable(scope, tensor, _Saved(scope, storage, tensor.dtype,
+                                                     tuple(tensor.shape), tuple(tensor.stride()),
+                                                     int(tensor.storage_offset())))
+
+    def _dropped(self, scope: _Scope, tensor: torch.Tensor, key: tuple[str, int]
+                 ) -> _Dropped | None:
+        """What autograd keeps for a saved tensor whose storage is of a recomputed class (the
+        class it was first saved under), else None (Note: [class recompute])."""
+        raw = tensor.untyped_storage()
+        known = scope.dropped_storages.get(key)
+        if known is not None and known[0]() is raw:
+            tag = known[1]
+        else:
+            moved = scope.storages.get(key)
+            if key in scope.tags or (moved is not None and moved.original() is raw):
+                return None  # first saved under a class that is kept or moved
+            tag = self.tagger.current()
+            if tag not in scope.recomputed:
+                return None
+            scope.dropped_storages[key] = (weakref.ref(raw), tag)
+            tags = self._class_bytes[scope.key]
+            tags[tag] = tags.get(tag, 0) + raw.nbytes()
+            if self._meter is not None:
+                self._meter.note(tensor, scope.owner)  # part of the activation, not resident
+        assert scope.recorder is not None
+        ref = scope.recorder.ref_of(tensor)
+        if ref is None:
+            raise PipelineRuntimeError(
+                f"a saved tensor of class {tag!r} of {scope.key} was not made by its forward's "
+                "ops, so it cannot be recomputed; keep or offload that class")
+        handle = _Dropped(ref, tag)
+        scope.dropped.append(handle)
+        return handle
+
+    def _readable(self, scope: _Scope, tensor: torch.Tensor, packed: object) -> object:
+        """Note a kept or moved saved tensor as one a recompute may read (Note: [class
+        recompute]); returns ``packed``."""
+        if scope.recorder is not None:
+            ref = scope.recorder.ref_of(tensor)
+            if ref is not None:
+                scope.readable.setdefault(ref, packed)
+        return packed
+
+    def recompute(self, key: Hashable) -> None:
+        """Make ``key``'s dropped saved tensors again (its first backward pass calls this;
+        later calls do nothing): resident from now until ``discard`` (Note: [class
+        recompute])."""
+        scope = self._scopes.get(key)
+        if scope is None or not scope.dropped or scope.dropped[0].value is not None:
+            return
+        readers = {ref: (lambda packed=packed: self._unpack(packed))
+                   for ref, packed in scope.readable.items()}
+        ran: list[str] = []
+        values = replay([handle.ref for handle in scope.dropped], readers, ran)
+        self.recomputed_ops[key] = tuple(ran)
+        for handle in scope.dropped:
+            handle.value = values[handle.ref]
+            if self._meter is not None:
+                scope.remade.append(self._meter.track(handle.value, scope.owner))
 
     def _kept_by_class(self, scope: _Scope, tensor: torch.Tensor, key: tuple[str, int]
                        ) -> object | None:
@@ -345,6 +437,12 @@ class ActivationOffloader:
             return packed.layout.rebuild(self._unpack(packed.inner))
         if isinstance(packed, ResidentToken):
             return packed.tensor
+        if isinstance(packed, _Dropped):
+            if packed.value is None:
+                raise PipelineRuntimeError(
+                    f"a tensor of recomputed class {packed.name!r} is needed before its "
+                    "recompute (the first backward pass of its stage and microbatch runs it)")
+            return packed.value
         if not isinstance(packed, _Saved):
             return cast(torch.Tensor, packed)  # not ours to rebuild: saved as it was
         storage = packed.storage
@@ -491,6 +589,10 @@ class ActivationOffloader:
         scope = self._scopes.pop(key, None)
         if scope is None:
             return
+        for handle in scope.dropped:  # autograd may hold the handles longer (a retained graph)
+            handle.value = None
+        scope.remade.clear()
+        scope.readable.clear()
         if scope.reload_event is not None:  # reloaded, never used: its copies may still write
             self._copies.compute_wait(scope.reload_event)
         for storage in scope.storages.values():

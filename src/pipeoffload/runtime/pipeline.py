@@ -39,6 +39,7 @@ from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.p2p import DistTransport, LocalTransport
 from pipeoffload.runtime.pool import HostBufferPool, plan_need
 from pipeoffload.runtime.sequence import SequenceSplit
+from pipeoffload.runtime.shards import is_dtensor
 from pipeoffload.runtime.sharding import ShardedStage
 from pipeoffload.runtime.stage import StageRunner
 from pipeoffload.runtime.tied import TiedGradients, TiedSpec, merge_ties
@@ -210,18 +211,19 @@ class Pipeline:
     def _new_offloader(self, schedule: Schedule, params: list[torch.Tensor], nccl: bool
                        ) -> ActivationOffloader | None:
         """The activation offloader, where the schedule offloads."""
-        if not schedule.has_kind(Kind.OFFLOAD):
+        recomputed = [item for item, choice in schedule.classes if choice.recomputed]
+        if not schedule.has_kind(Kind.OFFLOAD) and not recomputed:
             return None
         # On NCCL the pool warns when it must allocate inside a step (Note: [host pool]).
         pool = HostBufferPool(self.device.type == "cuda" and self.config.offload.pin_memory,
                               strict=nccl)
         offloader = ActivationOffloader(self.device, self.config.offload, params, self.meter,
                                         pool=pool)
-        recomputed = [item for item, choice in schedule.classes if choice.recomputed]
-        if recomputed:
+        if recomputed and any(is_dtensor(p) for p in params):
             raise ConfigError(
-                f"(stage, microbatch) {recomputed[0]} recomputes tensor classes; the "
-                "runtime moves classes but recomputes whole chunks only (RECOMPUTE)")
+                f"(stage, microbatch) {recomputed[0]} recomputes tensor classes, which the "
+                "runtime does for plain (not DTensor: tensor, context or --zero 3) stages only; "
+                "keep or offload those classes (Note: [class recompute])")
         if schedule.classes or self.config.offload.measure_classes:  # Note: [class offload]
             offloader.tagger.attach(runner.module for runner in self._runners.values())
         return offloader
