@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeoffload.cli.main import main
+from pipeoffload.core.actions import Kind
 from pipeoffload.planner.candidate import Candidate
 from pipeoffload.planner.class_offload import CLASS_OFFLOAD
 from pipeoffload.planner.costing import GIB, MemoryConfig
@@ -110,13 +111,18 @@ def test_a_class_plan_train_cannot_run_is_refused(change: dict, reason: str) -> 
                                                 TINY, offload="all"))
 
 
-def test_plan_prints_a_class_command_that_trains_shrunk(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize(("share", "recomputes"), [(0.9, False), (0.7, True)])
+def test_plan_prints_a_class_command_that_trains_shrunk(tmp_path: Path, capsys, share: float,
+                                                        recomputes: bool) -> None:
+    """At 90% of the offload-free peak moving classes fits; at 70% the plan also recomputes
+    one (``/recompute:``). Either command trains with the losses of a run without offload,
+    bit for bit, at the peak the simulator predicts from the measured class bytes."""
     pytest.importorskip("torch")
     (tmp_path / "hw.json").write_text(SLOW.to_json())
     model = {"num_layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn_hidden": 128,
              "vocab": 256, "seq_len": 512, "mlp": "swiglu", "name": "tiny"}
     (tmp_path / "tiny.json").write_text(json.dumps(model))
-    memory = _budget(0.9) / GIB
+    memory = _budget(share) / GIB
     assert main(["plan", "--model", str(tmp_path / "tiny.json"), "--hardware",
                  str(tmp_path / "hw.json"), "--gpus", "2", "--pp", "2", "--tp", "1", "--cp", "1",
                  "--schedules", "1f1b", "--recompute", "none", "--micro-batch-sizes", "1",
@@ -124,6 +130,7 @@ def test_plan_prints_a_class_command_that_trains_shrunk(tmp_path: Path, capsys) 
                  "--quiet"]) == 0
     best = json.loads(capsys.readouterr().out)["best"]
     assert best["offload"] == CLASS_OFFLOAD and best["offload_run"].startswith("classes:"), best
+    assert ("/recompute:" in best["offload_run"]) == recomputes, best
     argv = shlex.split(best["command"])
     assert argv[:2] == ["pipeoffload", "train"] and f"--offload {best['offload_run']}" in \
         best["command"]
@@ -131,11 +138,16 @@ def test_plan_prints_a_class_command_that_trains_shrunk(tmp_path: Path, capsys) 
     (tmp_path / "text.txt").write_bytes(text)
     shrunk = [*argv[2:], "--steps", "3", "--data", str(tmp_path / "text.txt"), "--no-png",
               "--eval-fraction", "0", "--p2p-timeout", "120", "--json"]
-    proc = subprocess.run([sys.executable, "-m", "pipeoffload.cli", "train", *shrunk],
-                          cwd=tmp_path, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result["losses"]) == 3
+    results = []
+    for offload in (best["offload_run"], "none"):
+        at = argv.index("--offload") - 2  # shrunk is argv[2:]
+        proc = subprocess.run([sys.executable, "-m", "pipeoffload.cli", "train",
+                               *shrunk[:at + 1], offload, *shrunk[at + 2:]],
+                              cwd=tmp_path, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    result, plain = results
+    assert len(result["losses"]) == 3 and result["losses"] == plain["losses"]
     measured, without = result["peak_activation_bytes"], \
         result["peak_activation_without_offload_bytes"]
     assert measured[0] < without[0]  # the first rank holds two microbatches: classes moved
@@ -145,7 +157,11 @@ def test_plan_prints_a_class_command_that_trains_shrunk(tmp_path: Path, capsys) 
 
 
 @pytest.mark.parametrize(("spec", "change", "says"), [
-    ("classes:qkv/recompute:mlp_norm", {}, "does not recompute them"),
+    ("classes:mlp_norm/recompute:qkv", {}, "not 'qkv' (layer_input is what the others"),
+    ("classes:qkv/recompute:layer_input", {}, "not 'layer_input'"),
+    ("classes:qkv/recompute:qkv", {}, "not 'qkv'"),
+    ("classes:qkv/mlp_act", {}, "write classes:A+B/recompute:C+D"),
+    ("classes:mlp_act/recompute:mlp_act", {}, "'mlp_act' is both moved and recomputed"),
     ("classes:qkv+bogus", {}, "unknown tensor class 'bogus'"),
     ("classes:", {}, "no class"),
     ("classes:qkv", {"tp": 2}, "tp 1 and cp 1 only (got tp 2, cp 1)"),
@@ -162,6 +178,12 @@ def test_train_refuses_class_offload_it_cannot_run(spec: str, change: dict, says
     plan = build_plan(TrainConfig(offload=" classes:qkv+mlp_hidden", pp=2))
     chosen = {choice.names for _, choice in plan.schedule.classes}
     assert chosen == {(("qkv", "mlp_hidden"), ())}
+    plan = build_plan(TrainConfig(offload="classes:qkv/recompute:mlp_norm+mlp_act", pp=2))
+    chosen = {choice.names for _, choice in plan.schedule.classes}
+    assert chosen == {(("qkv",), ("mlp_norm", "mlp_act"))}
+    plan = build_plan(TrainConfig(offload="classes:/recompute:attn_norm", pp=2))
+    assert {choice.names for _, choice in plan.schedule.classes} == {((), ("attn_norm",))}
+    assert not plan.schedule.has_kind(Kind.OFFLOAD)  # nothing moves: no copies planned
 
 
 def test_train_refuses_class_offload_of_a_family_it_does_not_tag(tmp_path: Path) -> None:

@@ -15,11 +15,10 @@ from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
 import pipeoffload as po
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.core.classes import ClassChoice, TensorClass
-from pipeoffload.core.registry import build_schedule
-from pipeoffload.errors import ConfigError
 from pipeoffload.hf import causal_lm_loss, split_causal_lm
 from pipeoffload.offload.class_plan import ClassSearch, plan_classes
 from pipeoffload.offload.plan import add_offload
+from pipeoffload.planner.tensor_classes import TRAIN_RECOMPUTES
 from pipeoffload.runtime.classes import OTHER
 from pipeoffload.runtime.config import OffloadConfig, RuntimeConfig
 from pipeoffload.runtime.meter import ActivationMeter
@@ -203,15 +202,19 @@ def test_recomputed_attention_with_dropout_draws_the_same_numbers() -> None:
     assert not all(torch.equal(a, b) for a, b in zip(expected, other))
 
 
-def test_budget_plan_meets_its_budget_in_the_measured_peak() -> None:
+@pytest.mark.parametrize("recompute", [False, True], ids=["offload", "offload+recompute"])
+def test_budget_plan_meets_its_budget_in_the_measured_peak(recompute: bool) -> None:
     """A byte budget between whole-chunk offload's peak and none's, at a copy ratio where whole
-    chunks cannot hide: the class plan meets it in the simulator and in the meter."""
+    chunks cannot hide: the class plan meets it in the simulator and in the meter. With
+    recompute, a budget at the last rank's floor, which moving classes alone does not meet."""
     offloaded = po.build_schedule("1f1b", pp=2, microbatches=MICROBATCHES, offload="all")
     bare = offloaded.without(*OFFLOAD_KINDS)
     _, pipe = step(reference_model, offloaded)
     measured = {stage: tags for (stage, mb), tags in pipe.offloader.class_bytes.items()
                 if mb == 0}
-    classes = {stage: [TensorClass(t, n / sum(tags.values())) for t, n in sorted(tags.items())]
+    classes = {stage: [TensorClass(t, n / sum(tags.values()),
+                                   0.02 if t in TRAIN_RECOMPUTES else None)
+                       for t, n in sorted(tags.items())]
                for stage, tags in measured.items()}
     meter = ActivationMeter()
     expected, _ = step(reference_model, bare, meter)
@@ -220,10 +223,14 @@ def test_budget_plan_meets_its_budget_in_the_measured_peak() -> None:
     none = simulate(bare, costs).peak_bytes
     free = add_offload(bare, CostModel(stage_activation_bytes=sizes), "all").result.peak_bytes
     assert max(add_offload(bare, costs, "all").result.peak_bytes) == max(none)  # none hides
-    budget = max((none[0] + free[0]) / 2, *none[1:])  # the last rank offloads nothing
+    budget = max(none[1:]) if recompute else max((none[0] + free[0]) / 2, *none[1:])
     found = plan_classes(bare, costs, classes, ClassSearch(budget=budget, in_bytes=True,
-                                                            recompute=False))
+                                                            recompute=recompute))
     assert found.met and found.plan.schedule.classes
+    assert bool(found.choice.recomputed) == recompute
+    if recompute:
+        assert not plan_classes(bare, costs, classes, ClassSearch(
+            budget=budget, in_bytes=True, recompute=False)).met
     meter = ActivationMeter()
     grads, _ = step(reference_model, found.plan.schedule, meter)
     assert all(torch.equal(a, b) for a, b in zip(expected, grads))

@@ -63,7 +63,8 @@ def _parallelism_options(parser: argparse.ArgumentParser) -> None:
                    "batch of 16 then splits evenly up to pp 8; simulate's 4 * pp would not)")
     g.add_argument("--offload", default=None, metavar="SPEC",
                    help="none | all | chunks:K | fraction:X | limit:X | recompute-chunks:1+all "
-                   "| classes:A+B (these tensor classes; tp 1, cp 1) (po-h/po-f: own default)")
+                   "| classes:A+B[/recompute:C+D] (these tensor classes moved, those "
+                   "recomputed; tp 1, cp 1) (po-h/po-f: own default)")
     g.add_argument("--fetch-on-use", action="store_true",
                    help="backward passes read offloaded activations from host memory as they "
                    "use them (FETCH) instead of a whole RELOAD: lower peaks, more reads")

@@ -18,7 +18,9 @@ moves a share ``moved`` and recomputes a share ``dropped`` of its activation:
 - ``dropped`` is freed as the F ends (counted as the forward's working memory, not as
   activation) and is resident again from the start of its first backward pass, which re-runs
   the forward work that made it: that pass takes ``recompute_time`` of its stage's F time
-  longer (the steps that make the classes it recomputes).
+  longer (the steps that make the classes it recomputes). The runtime does just that: it
+  replays those steps at the start of the first backward pass and frees their results after
+  the last (runtime/class_recompute.py, Note: [class recompute]).
 OFFLOAD / RELOAD / FETCH of the item take ``moved`` of a whole chunk's copy time.
 """
 

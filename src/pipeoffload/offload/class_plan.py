@@ -61,7 +61,7 @@ class ClassSearch:
     share_probes: int = 6
     per_microbatch: bool = True
     recompute: bool = True
-    """False: offload only (the runtime moves classes but does not recompute them)."""
+    """False: offload only (no class dropped and recomputed)."""
     item_plans: int = 24
     """Plans the per-item refinement may make (step 4 of the module docstring)."""
     rank_budgets: tuple[float, ...] = ()

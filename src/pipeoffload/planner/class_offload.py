@@ -3,11 +3,12 @@
 budget the room its device leaves activations, and runs as the ``classes:A+B`` it found.
 
 Note: [class plans in the search]
-- What is searched: keep or offload per tensor class, one choice for every (stage, microbatch)
-  (``ClassSearch(recompute=False, per_microbatch=False)``): train's runtime moves classes but
-  does not recompute them (runtime/classes.py), and ``--offload classes:A+B`` is uniform, so
-  the plan simulated is the one the printed command runs. Among the choices is the chunk
-  planner's own ``all``; a plan that chose it prints ``--offload all``.
+- What is searched: keep, offload or recompute per tensor class, one choice for every (stage,
+  microbatch) (``ClassSearch(per_microbatch=False, max_recompute=MAX_RECOMPUTE)``), recompute
+  among the classes train recomputes (tensor_classes.TRAIN_RECOMPUTES); ``--offload
+  classes:A+B/recompute:C+D`` is uniform, so the plan simulated is the one the printed command
+  runs. Among the choices is the chunk planner's own ``all``; a plan that chose it prints
+  ``--offload all``.
 - Where: recompute none (the classes are a layer's saved tensors without recompute), cp 1,
   pp > 1, flash attention (planner/tensor_classes.py). A stage's classes are its layers' (each
   class's share of the stage's bytes: layers x the class's bytes over the stage's); the
@@ -32,7 +33,7 @@ from pipeoffload.offload.class_plan import ClassPlan, ClassSearch, plan_classes
 from pipeoffload.planner.costing import split_layers
 from pipeoffload.planner.layer_time import RunConfig
 from pipeoffload.planner.ratio import PieceCost
-from pipeoffload.planner.tensor_classes import layer_classes
+from pipeoffload.planner.tensor_classes import TRAIN_RECOMPUTES, layer_classes
 from pipeoffload.planner.transformer import Recompute, TransformerSpec, layer_activation_bytes
 from pipeoffload.sim.costs import CostModel
 
@@ -41,6 +42,9 @@ CLASS_OFFLOAD = "budget:fit"
 
 #: Moved shares the class search plans before refining around the best (ClassSearch).
 SHARE_PROBES = 5
+#: Recompute sets the class search tries beyond none where the budget is met (ClassSearch):
+#: each set multiplies its plans.
+MAX_RECOMPUTE = 1
 
 
 @dataclass(frozen=True)
@@ -69,19 +73,23 @@ def stage_classes(spec: TransformerSpec, run: RunConfig, pieces: tuple[PieceCost
     for stage, (count, piece) in enumerate(zip(split_layers(spec.num_layers, len(pieces)),
                                                 pieces)):
         scale = count * layer_bytes / piece.activation_bytes
-        out[stage] = tuple(TensorClass(c.name, min(c.share * scale, 1.0), c.recompute_time)
+        out[stage] = tuple(TensorClass(c.name, min(c.share * scale, 1.0),
+                                       c.recompute_time if c.name in TRAIN_RECOMPUTES else None)
                            for c in layer)
     return out
 
 
 def plan_class_offload(schedule: Schedule, costs: CostModel, target: ClassTarget) -> ClassPlan:
     """The fastest uniform class choice whose every rank fits its room (else the nearest)."""
-    search = ClassSearch(rank_budgets=target.rooms, in_bytes=True, recompute=False,
-                         per_microbatch=False, share_probes=SHARE_PROBES)
+    search = ClassSearch(rank_budgets=target.rooms, in_bytes=True, per_microbatch=False,
+                         share_probes=SHARE_PROBES, max_recompute=MAX_RECOMPUTE)
     return plan_classes(schedule, costs, target.classes, search)
 
 
 def offload_spec(found: ClassPlan) -> str:
     """The ``--offload`` that runs ``found``: its classes, or ``all`` (whole chunks)."""
-    names = found.choice.names[0]
-    return f"classes:{'+'.join(names)}" if names else "all"
+    moved, recomputed = found.choice.names
+    if not moved and not recomputed:
+        return "all"
+    return f"classes:{'+'.join(moved)}" + (f"/recompute:{'+'.join(recomputed)}"
+                                           if recomputed else "")

@@ -51,6 +51,13 @@ RIDGE_FLOPS_PER_BYTE = 989e12 / 3.35e12
 CLASS_NAMES = ("layer_input", "attn_norm", "qkv", "attn_out", "mlp_input", "mlp_norm",
                "mlp_hidden", "mlp_act", "masks")
 
+#: The classes `train` recomputes (runtime/class_recompute.py). Not ``layer_input`` (the others
+#: are recomputed from it) nor ``masks``, and not ``qkv``: the runtime tags the attention core's
+#: own saved outputs (its output and softmax statistics, saved inside the attention module)
+#: ``qkv``, so its recompute would re-run the attention core, which ``qkv``'s time here does not
+#: count (the Q, K, V projections only).
+TRAIN_RECOMPUTES = ("attn_norm", "attn_out", "mlp_input", "mlp_norm", "mlp_hidden", "mlp_act")
+
 
 def layer_class_bytes(spec: TransformerSpec, micro_batch: int, *, tp: int = 1,
                       sequence_parallel: bool = True) -> dict[str, float]:

@@ -19,13 +19,14 @@ device generator's state as it ran, and replayed from that state (the state arou
 back), so its draws are the same. Refused, naming the op (``PipelineRuntimeError``): a
 recompute through an op that changes in place a tensor the replay reads but does not make (a
 saved one, a parameter, the stage's input); one that changes what the replay made (a dropout
-mask drawn into a fresh tensor) runs again in its place. A tensor changed in place after an op read it is no obstacle: the reader's
-recording names the op output it read, which the replay makes again.
+mask drawn into a fresh tensor) runs again in its place. A tensor changed in place after an op
+read it is no obstacle: the reader's recording names the op output it read, which the replay
+makes again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +100,7 @@ class OpRecorder(TorchDispatchMode):
         return ref if ref is not None else value
 
 
-def replay(wanted: list[Ref], saved: dict[Ref, Callable[[], torch.Tensor]],
+def replay(wanted: list[Ref], saved: Mapping[Ref, Callable[[], torch.Tensor]],
            ran: list[str] | None = None) -> dict[Ref, torch.Tensor]:
     """The tensors ``wanted`` names, made again by running, in forward order and without
     autograd, the recorded ops between them and the tensors ``saved`` gives (a saved output

@@ -54,6 +54,7 @@ autograd runs the node on waits for it (never the host).
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Hashable, Iterable, Iterator
@@ -390,7 +391,7 @@ class ActivationOffloader:
         scope = self._scopes.get(key)
         if scope is None or not scope.dropped or scope.dropped[0].value is not None:
             return
-        readers = {ref: (lambda packed=packed: self._unpack(packed))
+        readers = {ref: functools.partial(self._unpack, packed)
                    for ref, packed in scope.readable.items()}
         ran: list[str] = []
         values = replay([handle.ref for handle in scope.dropped], readers, ran)

@@ -39,8 +39,8 @@ from pipeoffload.runtime.offloader import ActivationOffloader
 from pipeoffload.runtime.p2p import DistTransport, LocalTransport
 from pipeoffload.runtime.pool import HostBufferPool, plan_need
 from pipeoffload.runtime.sequence import SequenceSplit
-from pipeoffload.runtime.shards import is_dtensor
 from pipeoffload.runtime.sharding import ShardedStage
+from pipeoffload.runtime.shards import is_dtensor
 from pipeoffload.runtime.stage import StageRunner
 from pipeoffload.runtime.tied import TiedGradients, TiedSpec, merge_ties
 

@@ -94,29 +94,36 @@ def stage_sizes(topology: Topology, meter: ActivationMeter,
 
 
 def stage_moved_shares(topology: Topology, offloader: ActivationOffloader | None,
-                       schedule: Schedule) -> dict[int, float] | None:
-    """Per stage, the share of one microbatch's saved bytes its class choice moves, measured
-    on the last step (``ActivationOffloader.class_bytes``), from every process: what the
-    simulator reads for a schedule with class choices (core/classes.py); None when the
-    schedule has none or a stage's microbatches differed."""
+                       schedule: Schedule) -> dict[int, tuple[float, float]] | None:
+    """Per stage, the (moved, recomputed) shares of one microbatch's saved bytes its class
+    choice moves and drops, measured on the last step (``ActivationOffloader.class_bytes``),
+    from every process: what the simulator reads for a schedule with class choices
+    (core/classes.py); None when the schedule has none or a stage's microbatches differed."""
     choices = dict(schedule.classes)
     if not choices:
         return None
-    seen: dict[int, set[float]] = {}
+    seen: dict[int, set[tuple[float, float]]] = {}
     measured = offloader.class_bytes if offloader is not None else {}
     for key, tags in measured.items():
         stage_mb = cast(tuple[int, int], key)
         choice = choices.get(stage_mb)
         total = sum(tags.values())
         if choice is not None and total:
-            moved = sum(tags.get(name, 0) for name in choice.names[0])
-            seen.setdefault(stage_mb[0], set()).add(moved / total)
-    local = [float(next(iter(seen[s])) if len(seen[s]) == 1 else -1) if s in seen else -2.0
-             for s in range(schedule.num_stages)]
-    shares = {}
-    for stage, values in enumerate(zip(*gather_floats(topology, local))):
-        found = {v for v in values if v != -2}
-        if len(found) > 1 or -1 in found:
+            moved, recomputed = (sum(tags.get(name, 0) for name in names) / total
+                                 for names in choice.names)
+            seen.setdefault(stage_mb[0], set()).add((moved, recomputed))
+    # two floats per stage: -2 where this process has no item of it, -1 where its items differ
+    local: list[float] = []
+    for stage in range(schedule.num_stages):
+        pairs = seen.get(stage)
+        local.extend(next(iter(pairs)) if pairs is not None and len(pairs) == 1
+                     else (-1.0, -1.0) if pairs else (-2.0, -2.0))
+    gathered = list(zip(*gather_floats(topology, local)))
+    shares: dict[int, tuple[float, float]] = {}
+    for stage in range(schedule.num_stages):
+        found = {pair for pair in zip(gathered[2 * stage], gathered[2 * stage + 1])
+                 if pair[0] != -2}
+        if len(found) > 1 or any(pair[0] == -1 for pair in found):
             return None
         if found:
             shares[stage] = found.pop()

@@ -270,7 +270,8 @@ def train_offload(spec: str | None) -> str | None:
         return None
     forms = ("none, all, chunks:K, fraction:X, limit:X, limit:XGiB, "
              f"{RECOMPUTE_AND_OFFLOAD} (each rank's longest-lived chunk recomputed, the rest "
-             "offloaded) or classes:A+B (these tensor classes, training/train_classes.py)")
+             "offloaded) or classes:A+B[/recompute:C+D] (these tensor classes moved, those "
+             "recomputed, training/train_classes.py)")
     if is_classes(spec):
         class_names(spec)
         return spec.strip()

@@ -105,7 +105,8 @@ class _Record:
     began_s: float = field(default_factory=time.perf_counter)
     losses: list[float] = field(default_factory=list)
     stage_bytes: tuple[int, ...] | None = None
-    moved_shares: dict[int, float] | None = None  # per stage, with class choices (measured)
+    # per stage, with class choices: (moved, recomputed) shares (measured)
+    moved_shares: dict[int, tuple[float, float]] | None = None
     busy_s: float = 0.0
     saved: str | None = None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
@@ -341,16 +342,21 @@ class Trainer:
             done == config.steps or stopped
             or (config.checkpoint_every and done % config.checkpoint_every == 0))
 
-    def _simulate(self, stage_bytes: tuple[int, ...], moved: dict[int, float] | None = None
+    def _simulate(self, stage_bytes: tuple[int, ...],
+                  moved: dict[int, tuple[float, float]] | None = None
                   ) -> tuple[SimResult, SimResult | None, tuple[int, ...] | None]:
         """The schedule simulated with the measured per-stage sizes (and, with class choices,
-        the measured share of them each moves); with offload also without it, simulated and
-        (``measure_baseline``) measured on one extra step."""
+        the measured shares of them each moves and recomputes, the recompute timed as
+        planned); with offload also without it, simulated and (``measure_baseline``) measured
+        on one extra step."""
         schedule = self.schedule
         if moved is not None:
             schedule = schedule.with_classes({
-                (stage, mb): ClassChoice((TensorClass("measured", moved[stage]),))
-                for (stage, mb), _ in schedule.classes if stage in moved})
+                (stage, mb): ClassChoice(
+                    (TensorClass("moved (measured)", moved[stage][0]),),
+                    (TensorClass("recomputed (measured)", moved[stage][1],
+                                 choice.recompute_time),) if choice.recomputed else ())
+                for (stage, mb), choice in schedule.classes if stage in moved})
         costs = CostModel(stage_activation_bytes=stage_bytes)
         simulation = simulate(schedule, costs)
         if not schedule.has_kind(Kind.OFFLOAD):
