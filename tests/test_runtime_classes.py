@@ -1,7 +1,8 @@
-"""The runtime moves tensor classes (issue 36): saved tensors tagged by the module that saved
-them, only the chosen classes offloaded; gradients bitwise equal to no offload; the meter
-equals the simulator per class (relative 1e-12: the simulator multiplies a stage's bytes by each
-class's share). Local mode, pp = 2, the reference model and a Hugging Face Llama config."""
+"""The runtime moves and recomputes tensor classes (issue 36): saved tensors tagged by the
+module that saved them, only the chosen classes offloaded, the recomputed ones made again at
+the first backward pass; gradients bitwise equal to no offload; the meter equals the simulator
+per class (relative 1e-12: the simulator multiplies a stage's bytes by each class's share).
+Local mode, pp = 2, the reference model and a Hugging Face Llama config."""
 
 from __future__ import annotations
 
@@ -62,14 +63,20 @@ def step(make, schedule, meter=None):  # noqa: ANN001, ANN201
     return [p.grad for s in stages.values() for p in s.parameters()], pipe
 
 
-def with_choice(schedule, sizes, chosen):  # noqa: ANN001, ANN201
-    """``schedule`` with every offloaded item moving the ``chosen`` classes, each class's share
-    its measured bytes over its stage's."""
+RECOMPUTED = ("attn_norm", "mlp_norm", "mlp_hidden", "mlp_act")
+
+
+def with_recompute(schedule, sizes, moved, recomputed):  # noqa: ANN001, ANN201
+    """``schedule`` with every item moving ``moved`` (where it offloads) and recomputing
+    ``recomputed``, each class's share its measured bytes over its stage's."""
     choices = {}
     for (stage, mb), tags in sizes.items():
         total = sum(tags.values())
-        classes = [TensorClass(tag, nbytes / total) for tag, nbytes in sorted(tags.items())]
-        choices[(stage, mb)] = ClassChoice(tuple(c for c in classes if c.name in chosen))
+        classes = {name: TensorClass(name, nbytes / total, 0.01 if name in recomputed else None)
+                   for name, nbytes in sorted(tags.items())}
+        choices[(stage, mb)] = ClassChoice(
+            tuple(c for name, c in classes.items() if name in moved),
+            tuple(c for name, c in classes.items() if name in recomputed))
     return schedule.with_classes(choices)
 
 
@@ -92,7 +99,7 @@ def test_class_offload_is_bitwise_and_meter_equals_simulator(make, name: str) ->
     assert {"layer_input", "attn_norm", "qkv", "mlp_input", "mlp_norm", "mlp_hidden",
             "mlp_act"} <= tags and OTHER in tags
     # some classes moved
-    chosen = with_choice(offloaded, sizes, CHOSEN)
+    chosen = with_recompute(offloaded, sizes, CHOSEN, ())
     meter = ActivationMeter()
     grads, pipe = step(make, chosen, meter)
     assert all(torch.equal(a, b) for a, b in zip(expected, grads))
@@ -107,23 +114,6 @@ def test_class_offload_is_bitwise_and_meter_equals_simulator(make, name: str) ->
     none = simulate(bare, CostModel(stage_activation_bytes=per_stage)).peak_bytes
     assert all(w <= m <= n for w, m, n in zip(whole, measured_peaks, none))
     assert whole[0] < measured_peaks[0] < none[0]  # rank 0 offloads, in part
-
-
-RECOMPUTED = ("attn_norm", "mlp_norm", "mlp_hidden", "mlp_act")
-
-
-def with_recompute(schedule, sizes, moved, recomputed):  # noqa: ANN001, ANN201
-    """``schedule`` with every item moving ``moved`` (where it offloads) and recomputing
-    ``recomputed``, each class's share its measured bytes over its stage's."""
-    choices = {}
-    for (stage, mb), tags in sizes.items():
-        total = sum(tags.values())
-        classes = {name: TensorClass(name, nbytes / total, 0.01 if name in recomputed else None)
-                   for name, nbytes in sorted(tags.items())}
-        choices[(stage, mb)] = ClassChoice(
-            tuple(c for name, c in classes.items() if name in moved),
-            tuple(c for name, c in classes.items() if name in recomputed))
-    return schedule.with_classes(choices)
 
 
 @pytest.mark.parametrize("make", [reference_model, llama], ids=["reference", "llama"])
@@ -237,15 +227,18 @@ def test_budget_plan_meets_its_budget_in_the_measured_peak(recompute: bool) -> N
     assert max(meter.peak_bytes(r) for r in range(bare.num_ranks)) <= budget
 
 
-def test_fetched_classes_are_bitwise_and_meter_equals_simulator() -> None:
-    """FETCH of the chosen classes (read on use), the rest kept: the same exactness."""
+@pytest.mark.parametrize("recomputed", [(), ("attn_norm", "mlp_norm", "mlp_act")],
+                         ids=["moved", "moved+recomputed"])
+def test_fetched_classes_are_bitwise_and_meter_equals_simulator(recomputed) -> None:  # noqa: ANN001
+    """FETCH of the chosen classes (read on use), the rest kept or recomputed (the replay
+    reads fetched tensors as the backward does): the same exactness."""
     from test_runtime_support import with_offload
 
     plain = po.build_schedule("1f1b", pp=2, microbatches=MICROBATCHES)
     fetched = with_offload(plain, stages={0}, back=Kind.FETCH)
     expected, _ = step(reference_model, plain)
     _, pipe = step(reference_model, fetched)
-    chosen = with_choice(fetched, pipe.offloader.class_bytes, CHOSEN)
+    chosen = with_recompute(fetched, pipe.offloader.class_bytes, CHOSEN, recomputed)
     meter = ActivationMeter()
     grads, _ = step(reference_model, chosen, meter)
     assert all(torch.equal(a, b) for a, b in zip(expected, grads))
