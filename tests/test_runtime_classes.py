@@ -6,6 +6,8 @@ Local mode, pp = 2, the reference model and a Hugging Face Llama config."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,6 +18,7 @@ from test_runtime_support import one_thread  # noqa: F401 - autouse fixture
 import pipeoffload as po
 from pipeoffload.core.actions import OFFLOAD_KINDS, Kind
 from pipeoffload.core.classes import ClassChoice, TensorClass
+from pipeoffload.errors import ConfigError
 from pipeoffload.hf import causal_lm_loss, split_causal_lm
 from pipeoffload.offload.class_plan import ClassSearch, plan_classes
 from pipeoffload.offload.plan import add_offload
@@ -146,6 +149,17 @@ def test_recomputed_classes_are_bitwise_and_meter_equals_simulator(make, name: s
         assert peaks[-1] == pytest.approx(predicted, rel=1e-12)
     # (the last rank of 1f1b peaks at a B's start, all of one activation back)
     assert all(a <= b for a, b in zip(*peaks)) and peaks[0][0] < peaks[1][0]
+
+
+def test_a_chunk_recomputed_whole_and_by_class_is_refused() -> None:
+    schedule = po.build_schedule("1f1b", pp=2, microbatches=MICROBATCHES,
+                                 offload="recompute-chunks:1+all")
+    item = next((a.stage, a.microbatch) for actions in schedule.ranks for a in actions
+                if a.kind is Kind.RECOMPUTE)
+    choice = ClassChoice((), (TensorClass("attn_norm", 0.1, 0.01),))
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(item))} has a RECOMPUTE of its "
+                                          "whole chunk and a class choice"):
+        step(reference_model, schedule.with_classes({item: choice}))
 
 
 def test_a_recompute_runs_only_the_steps_between_saved_tensors() -> None:

@@ -3,9 +3,10 @@
 Note: [class recompute] a (stage, microbatch) whose class choice recomputes some classes
 (core/classes.py) runs its forward under ``OpRecorder``, a dispatch mode that notes each aten op
 by structure: the op, its non-tensor arguments, and for each tensor argument the op output it
-is (``Ref``) or, for a tensor made before the forward (parameters, buffers, the stage's input),
-the tensor itself. It holds no tensor the forward made, so what autograd does not save is
-freed as usual. The offloader keeps a dropped class's saved tensor as its ``Ref`` only, and
+is (``Ref``) or, for a tensor made before the forward, the tensor itself (parameters, buffers
+and the stage's input, which the step holds anyway). It holds no tensor the forward made, so
+what autograd does not save is freed as usual; it costs one Python call per op of such a
+forward. The offloader keeps a dropped class's saved tensor as its ``Ref`` only, and
 keeps the ``Ref`` of every saved tensor it does hold (kept, moved): those are where a recompute
 starts. At the first backward pass of the item, ``replay`` runs, in forward order and without
 autograd, exactly the ops between those saved tensors and the dropped ones (a norm, a matmul,

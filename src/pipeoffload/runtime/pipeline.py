@@ -219,6 +219,13 @@ class Pipeline:
                               strict=nccl)
         offloader = ActivationOffloader(self.device, self.config.offload, params, self.meter,
                                         pool=pool)
+        whole = {(a.stage, a.microbatch) for actions in schedule.ranks for a in actions
+                 if a.kind is Kind.RECOMPUTE}
+        both = [item for item in recomputed if item in whole]
+        if both:
+            raise ConfigError(
+                f"(stage, microbatch) {both[0]} has a RECOMPUTE of its whole chunk and a class "
+                "choice that recomputes classes; recompute one way or the other")
         if recomputed and any(is_dtensor(p) for p in params):
             raise ConfigError(
                 f"(stage, microbatch) {recomputed[0]} recomputes tensor classes, which the "
