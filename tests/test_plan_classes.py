@@ -147,6 +147,10 @@ def test_plan_prints_a_class_command_that_trains_shrunk(tmp_path: Path, capsys, 
         assert proc.returncode == 0, proc.stderr[-3000:]
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     result, plain = results
+    print(f"\n{best['offload_run']}: measured {result['peak_activation_bytes']}, predicted "
+          f"{result['predicted_peak_activation_bytes']}, without offload (measured) "
+          f"{result['peak_activation_without_offload_bytes']}, --offload none "
+          f"{plain['peak_activation_bytes']}")
     assert len(result["losses"]) == 3 and result["losses"] == plain["losses"]
     measured, without = result["peak_activation_bytes"], \
         result["peak_activation_without_offload_bytes"]
