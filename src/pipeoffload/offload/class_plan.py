@@ -67,12 +67,15 @@ class ClassSearch:
     rank_budgets: tuple[float, ...] = ()
     """Per rank instead of ``budget`` (same units): each rank's peak within its own (the
     planner's room for activations, which the model state on each rank sets)."""
+    recompute_cap: int | None = None
+    """The most recompute sets tried beyond none even with a budget not met (None: all)."""
 
     def __post_init__(self) -> None:
         check_optional("ClassSearch.budget", self.budget, minimum=0)
         check_number("ClassSearch.slack", self.slack, minimum=0)
         check_number("ClassSearch.max_recompute", self.max_recompute, minimum=0, integer=True)
         check_number("ClassSearch.share_probes", self.share_probes, minimum=1, integer=True)
+        check_optional("ClassSearch.recompute_cap", self.recompute_cap, minimum=0, integer=True)
         object.__setattr__(self, "rank_budgets", tuple(self.rank_budgets))
         if self.rank_budgets and self.budget is not None:
             raise ConfigError("ClassSearch: give budget or rank_budgets, not both")
@@ -204,7 +207,8 @@ def plan_classes(schedule: Schedule, costs: CostModel,
                                         else cast(Sequence[TensorClass], classes))
     run = _Search(schedule.without(*OFFLOAD_KINDS), costs, search, policy, per_stage)
     run.plan({}, ClassChoice())  # the chunk planner's own plan: whole chunks
-    every = recompute_sets(reference, len(reference) if search.recompute else 0)
+    most = len(reference) if search.recompute_cap is None else search.recompute_cap
+    every = recompute_sets(reference, most if search.recompute else 0)
     for k, recomputed in enumerate(every):
         if k > search.max_recompute and (not search.budgeted or run.met()):
             break  # more recompute only for a budget not yet met

@@ -4,7 +4,8 @@ budget the room its device leaves activations, and runs as the ``classes:A+B`` i
 
 Note: [class plans in the search]
 - What is searched: keep, offload or recompute per tensor class, one choice for every (stage,
-  microbatch) (``ClassSearch(per_microbatch=False, max_recompute=MAX_RECOMPUTE)``), recompute
+  microbatch) (``ClassSearch(per_microbatch=False)``, at most ``RECOMPUTE_CAP`` recompute sets
+  beyond none), recompute
   among the classes train recomputes (tensor_classes.TRAIN_RECOMPUTES); ``--offload
   classes:A+B/recompute:C+D`` is uniform, so the plan simulated is the one the printed command
   runs. Among the choices is the chunk planner's own ``all``; a plan that chose it prints
@@ -42,9 +43,10 @@ CLASS_OFFLOAD = "budget:fit"
 
 #: Moved shares the class search plans before refining around the best (ClassSearch).
 SHARE_PROBES = 5
-#: Recompute sets the class search tries beyond none where the budget is met (ClassSearch):
-#: each set multiplies its plans.
-MAX_RECOMPUTE = 1
+#: Recompute sets the class search tries beyond none where the budget is met, and at most
+#: where it is not (ClassSearch max_recompute, recompute_cap): each set adds as many plans as
+#: the search without recompute makes.
+MAX_RECOMPUTE, RECOMPUTE_CAP = 1, 2
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ def stage_classes(spec: TransformerSpec, run: RunConfig, pieces: tuple[PieceCost
 def plan_class_offload(schedule: Schedule, costs: CostModel, target: ClassTarget) -> ClassPlan:
     """The fastest uniform class choice whose every rank fits its room (else the nearest)."""
     search = ClassSearch(rank_budgets=target.rooms, in_bytes=True, per_microbatch=False,
-                         share_probes=SHARE_PROBES, max_recompute=MAX_RECOMPUTE)
+                         share_probes=SHARE_PROBES, max_recompute=MAX_RECOMPUTE,
+                         recompute_cap=RECOMPUTE_CAP)
     return plan_classes(schedule, costs, target.classes, search)
 
 
