@@ -52,3 +52,27 @@ def test_a_replay_refuses_an_op_that_changes_an_outside_tensor_in_place() -> Non
     with pytest.raises(PipelineRuntimeError, match=r"aten\.add_\.Tensor.*in place"):
         replay([ref], {})
     assert torch.equal(outside, torch.full((3,), 2.0))  # untouched by the refused replay
+
+
+def test_a_replay_refuses_a_collective(tmp_path) -> None:
+    """A recompute through a collective (context parallelism's all-gather) would run it on
+    one rank alone: refused by name before anything runs."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}",
+                                rank=0, world_size=1)
+    try:
+        with OpRecorder() as recorder:
+            x = torch.randn(4) * 2
+            gathered = torch.empty(4 * dist.get_world_size())
+            dist.all_gather_single(gathered, x)
+            out = gathered * 3
+        ref = recorder.ref_of(out)
+        assert ref is not None
+        with pytest.raises(PipelineRuntimeError, match=r"c10d.*a collective"):
+            replay([ref], {})
+    finally:
+        if started:
+            dist.destroy_process_group()

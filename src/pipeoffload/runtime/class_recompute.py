@@ -18,9 +18,10 @@ simulator counts them (sim/memory.py).
 An op that draws random numbers (dropout, an attention with dropout) is recorded with its
 device generator's state as it ran, and replayed from that state (the state around it is put
 back), so its draws are the same. Refused, naming the op (``PipelineRuntimeError``): a
-recompute through an op that changes in place a tensor the replay reads but does not make (a
-saved one, a parameter, the stage's input); one that changes what the replay made (a dropout
-mask drawn into a fresh tensor) runs again in its place. A tensor changed in place after an op
+recompute through a collective (one rank cannot run it again alone) or through an op that
+changes in place a tensor the replay reads but does not make (a saved one, a parameter, the
+stage's input); one that changes what the replay made (a dropout mask drawn into a fresh
+tensor) runs again in its place. A tensor changed in place after an op
 read it is no obstacle: the reader's recording names the op output it read, which the replay
 makes again.
 """
@@ -38,6 +39,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from pipeoffload.errors import PipelineRuntimeError
+
+
+#: Namespaces of communication ops (torch.distributed's functional and in-place collectives).
+_COLLECTIVES = frozenset({"_c10d_functional", "c10d", "_c10d_functional_autograd"})
 
 
 @dataclass(eq=False)
@@ -132,6 +137,10 @@ def replay(wanted: list[Ref], saved: Mapping[Ref, Callable[[], torch.Tensor]],
 
     with torch.no_grad():
         for op in sorted(needed, key=lambda o: o.order):
+            if getattr(op.func, "namespace", "") in _COLLECTIVES:
+                raise PipelineRuntimeError(
+                    f"a recomputed tensor class needs {op.func}, a collective, which one rank "
+                    "cannot run again alone: keep or offload that class instead")
             if any(not isinstance(w, Ref) or w in saved for w in op.writes):
                 raise PipelineRuntimeError(
                     f"a recomputed tensor class needs {op.func}, which changes a saved or "

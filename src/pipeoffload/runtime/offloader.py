@@ -312,7 +312,7 @@ class ActivationOffloader:
             token = self._meter.track(tensor, scope.owner) if self._meter is not None else None
             # Detached: a saved output returned live would hold its own grad_fn, a reference
             # cycle through autograd that keeps the whole graph of a retained backward alive.
-            return tensor.detach() if token is None else token
+            return self._readable(scope, tensor, tensor.detach() if token is None else token)
         key = storage_key(tensor)
         raw = tensor.untyped_storage()
         if scope.recorder is not None:
