@@ -40,7 +40,6 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from pipeoffload.errors import PipelineRuntimeError
 
-
 #: Namespaces of communication ops (torch.distributed's functional and in-place collectives).
 _COLLECTIVES = frozenset({"_c10d_functional", "c10d", "_c10d_functional_autograd"})
 
