@@ -47,7 +47,8 @@ echo "newest-torch: torch $("$py" -c 'import torch; print(torch.__version__)') i
 cd "$repo"
 "$py" -m pytest -p no:cacheprovider -rs tests/test_torch_adapter.py tests/test_torch_csv.py \
     tests/test_torch_versions.py tests/test_torch_orders.py tests/test_torch_dropin.py \
-    tests/test_torch_multirank.py tests/test_hf.py 2>&1 | tee "$work/pytest.log"
+    tests/test_torch_multirank.py tests/test_hf.py tests/test_class_recompute.py \
+    tests/test_runtime_classes.py 2>&1 | tee "$work/pytest.log"
 if grep -q "^SKIPPED" "$work/pytest.log"; then
     echo "newest-torch: tests were skipped on torch $version (above); this job runs them all" >&2
     exit 1
