@@ -10,7 +10,8 @@ Note: [class plans in the search]
   classes:A+B/recompute:C+D`` is uniform, so the plan simulated is the one the printed command
   runs. Among the choices is the chunk planner's own ``all``; a plan that chose it prints
   ``--offload all``.
-- Where: recompute none (the classes are a layer's saved tensors without recompute), cp 1,
+- Where: recompute none (the classes are a layer's saved tensors without recompute), tp 1 and
+  cp 1 (where train moves and recomputes classes: a plan it cannot run would only be refused),
   pp > 1, flash attention (planner/tensor_classes.py). A stage's classes are its layers' (each
   class's share of the stage's bytes: layers x the class's bytes over the stage's); the
   embedding's and head's saved tensors are kept (the runtime tags them ``other``).
@@ -58,9 +59,10 @@ class ClassTarget:
     rooms: tuple[float, ...]
 
 
-def searchable(spec: TransformerSpec, recompute: Recompute, pp: int, cp: int) -> bool:
+def searchable(spec: TransformerSpec, recompute: Recompute, pp: int, tp: int, cp: int) -> bool:
     """Whether a configuration gets a ``CLASS_OFFLOAD`` variant (the Note's "where")."""
-    return spec.flash_attention and recompute is Recompute.NONE and pp > 1 and cp == 1
+    return (spec.flash_attention and recompute is Recompute.NONE and pp > 1 and tp == 1
+            and cp == 1)
 
 
 def stage_classes(spec: TransformerSpec, run: RunConfig, pieces: tuple[PieceCost, ...]

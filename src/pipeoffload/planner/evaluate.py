@@ -336,9 +336,10 @@ class Evaluator:
         if candidate.offload != CLASS_OFFLOAD:
             return candidate.offload
         layout = self.layout(candidate)
-        if not searchable(self.spec, layout.run.recompute, candidate.pp, candidate.cp):
+        if not searchable(self.spec, layout.run.recompute, candidate.pp, candidate.tp,
+                          candidate.cp):
             raise ConfigError(f"offload {CLASS_OFFLOAD} plans tensor classes of layers without "
-                              "recompute, with flash attention, pp > 1 and cp 1")
+                              "recompute, with flash attention, pp > 1, tp 1 and cp 1")
         rooms = tuple(self.budget_bytes - state.total - self.memory.reserve_bytes
                       for state in states)
         return ClassTarget(stage_classes(self.spec, layout.run, self.pieces(candidate)), rooms)

@@ -231,7 +231,7 @@ def _variants(priced: Callable[[RunConfig], PieceCost], base: Candidate,
     # and fewer bytes (lgd under flash attention) dominates none for whole chunks: the runtime
     # moves classes of layers it does not recompute (planner/class_offload.py).
     if (CLASS_OFFLOAD in offloads and Recompute.NONE in space.recompute
-            and searchable(spec, Recompute.NONE, base.pp, base.cp)):
+            and searchable(spec, Recompute.NONE, base.pp, base.tp, base.cp)):
         variants.append(dataclasses.replace(base, recompute=Recompute.NONE,
                                             offload=CLASS_OFFLOAD))
     return variants
