@@ -17,7 +17,7 @@ from pipeoffload.checks import check_number, check_optional
 from pipeoffload.errors import ConfigError, FieldError
 from pipeoffload.offload.plan import OffloadPlan, OffloadPolicy
 from pipeoffload.offload.targets import TargetKind, parse_target
-from pipeoffload.parallel.dtype_names import DTYPE_NAMES, EXPORT_DTYPE_NAMES
+from pipeoffload.parallel.dtype_names import DTYPE_BYTES, DTYPE_NAMES, EXPORT_DTYPE_NAMES
 from pipeoffload.parallel.rank_order import DEFAULT_ORDER, parse_order
 from pipeoffload.planner.evaluate import RECOMPUTE_AND_OFFLOAD
 from pipeoffload.planner.presets import load_model
@@ -314,7 +314,7 @@ def build_plan(config: TrainConfig) -> OffloadPlan:
 
 def _class_spec(config: TrainConfig) -> TransformerSpec:
     """The model as the planner sizes its tensor classes (``--offload classes:``)."""
-    dtype_bytes = {"fp32": 4, "bf16": 2, "fp64": 8}[config.dtype]
+    dtype_bytes = DTYPE_BYTES[config.dtype]
     if config.hf_model is None:
         return reference_spec(config.model, config.data.seq_len, dtype_bytes)
     return dataclasses.replace(load_model(config.hf_model, seq_len=config.data.seq_len),
