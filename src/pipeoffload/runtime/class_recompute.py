@@ -24,6 +24,14 @@ stage's input); one that changes what the replay made (a dropout mask drawn into
 tensor) runs again in its place. A tensor changed in place after an op
 read it is no obstacle: the reader's recording names the op output it read, which the replay
 makes again.
+
+On CUDA (reasoned, not run on a GPU yet) the replay is queued on the compute stream after the
+backward's wait for the item's RELOAD (executor: wait_reloaded, then recompute), so it reads
+reloaded bytes; a fetched saved tensor is read as the backward reads it (the offloader's
+``_fetch_storage``); its results are allocated and, at the item's discard, freed on that same
+stream, behind the backward that used them, so the caching allocator cannot hand them out
+early. A random op's CUDA generator state (seed and offset) is read on the host as the op is
+launched, which is when the op takes its offset.
 """
 
 from __future__ import annotations
