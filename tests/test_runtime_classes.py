@@ -162,6 +162,19 @@ def test_a_chunk_recomputed_whole_and_by_class_is_refused() -> None:
         step(reference_model, schedule.with_classes({item: choice}))
 
 
+def test_class_recompute_under_context_parallelism_is_refused() -> None:
+    """A context-parallel forward all-gathers keys and values, which a recompute on one rank
+    cannot repeat: refused as the Pipeline is made, before any step."""
+    from pipeoffload.runtime.sequence import SequenceSplit
+
+    bare = po.build_schedule("1f1b", pp=2, microbatches=MICROBATCHES)
+    choice = ClassChoice((), (TensorClass("mlp_act", 0.1, 0.01),))
+    stages, loss_fn, _, _ = reference_model(bare)
+    with pytest.raises(ConfigError, match="without tensor or context parallelism"):
+        Pipeline(stages, bare.with_classes({(0, 0): choice}), loss_fn, config=CONFIG,
+                 context=SequenceSplit(2, 0))
+
+
 def test_a_recompute_runs_only_the_steps_between_saved_tensors() -> None:
     """Each class's recompute runs the ops from the saved tensors before it: a norm's scaling,
     the activation's multiply, the MLP's first matmuls, never the whole forward."""

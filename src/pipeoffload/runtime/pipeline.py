@@ -226,11 +226,13 @@ class Pipeline:
             raise ConfigError(
                 f"(stage, microbatch) {both[0]} has a RECOMPUTE of its whole chunk and a class "
                 "choice that recomputes classes; recompute one way or the other")
-        if recomputed and any(is_dtensor(p) for p in params):
+        if recomputed and (any(is_dtensor(p) for p in params)
+                           or self.context is not None and self.context.cp > 1):
             raise ConfigError(
                 f"(stage, microbatch) {recomputed[0]} recomputes tensor classes, which the "
-                "runtime does for plain (not DTensor: tensor, context or --zero 3) stages only; "
-                "keep or offload those classes (Note: [class recompute])")
+                "runtime does without tensor or context parallelism and --zero 3 only (their "
+                "forwards communicate, which a recompute on one rank cannot repeat); keep or "
+                "offload those classes (Note: [class recompute])")
         if schedule.classes or self.config.offload.measure_classes:  # Note: [class offload]
             offloader.tagger.attach(runner.module for runner in self._runners.values())
         return offloader
