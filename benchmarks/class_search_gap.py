@@ -20,6 +20,8 @@ import itertools
 import sys
 import time
 
+from offload_vs_megatron import SCHEDULES, SLACK  # the grid's (this folder)
+
 from pipeoffload import build_schedule
 from pipeoffload.core.classes import ClassChoice
 from pipeoffload.offload.class_plan import ClassSearch, plan_classes, uniform
@@ -28,10 +30,6 @@ from pipeoffload.planner.tensor_classes import layer_classes
 from pipeoffload.planner.transformer import TransformerSpec
 from pipeoffload.sim.costs import CostModel
 from pipeoffload.sim.simulator import simulate
-
-SLACK = 0.02
-SCHEDULES = (("1f1b", {}), ("interleaved-1f1b", {"chunks": 2}), ("zbv", {}),
-             ("grouped-interleaved", {"chunks": 2}))
 
 
 def exhaustive(schedule, costs, classes, limit):  # noqa: ANN001, ANN201
