@@ -1,14 +1,14 @@
 """The planner's offload below the chunk (issue 36): a candidate whose offload is
 ``CLASS_OFFLOAD`` is planned by the tensor-class search (offload/class_plan.py) with each rank's
-budget the room its device leaves activations, and runs as the ``classes:A+B`` it found.
+budget the room its device leaves activations, and runs as the ``classes:A+B[/recompute:C+D]``
+it found.
 
 Note: [class plans in the search]
 - What is searched: keep, offload or recompute per tensor class, one choice for every (stage,
   microbatch) (``ClassSearch(per_microbatch=False)``, at most ``RECOMPUTE_CAP`` recompute sets
-  beyond none), recompute
-  among the classes train recomputes (tensor_classes.TRAIN_RECOMPUTES); ``--offload
-  classes:A+B/recompute:C+D`` is uniform, so the plan simulated is the one the printed command
-  runs. Among the choices is the chunk planner's own ``all``; a plan that chose it prints
+  beyond none), recompute among the classes train recomputes (tensor_classes.TRAIN_RECOMPUTES);
+  ``--offload classes:A+B/recompute:C+D`` is uniform, so the plan simulated is the one the
+  printed command runs. Among the choices is the chunk planner's own ``all``; a plan that chose it prints
   ``--offload all``.
 - Where: recompute none (the classes are a layer's saved tensors without recompute), tp 1 and
   cp 1 (where train moves and recomputes classes: a plan it cannot run would only be refused),
