@@ -8,8 +8,8 @@ Note: [class plans in the search]
   microbatch) (``ClassSearch(per_microbatch=False)``, at most ``RECOMPUTE_CAP`` recompute sets
   beyond none), recompute among the classes train recomputes (tensor_classes.TRAIN_RECOMPUTES);
   ``--offload classes:A+B/recompute:C+D`` is uniform, so the plan simulated is the one the
-  printed command runs. Among the choices is the chunk planner's own ``all``; a plan that chose it prints
-  ``--offload all``.
+  printed command runs. Among the choices is the chunk planner's own ``all``; a plan that
+  chose it prints ``--offload all``.
 - Where: recompute none (the classes are a layer's saved tensors without recompute), tp 1 and
   cp 1 (where train moves and recomputes classes: a plan it cannot run would only be refused),
   pp > 1, flash attention (planner/tensor_classes.py). A stage's classes are its layers' (each
