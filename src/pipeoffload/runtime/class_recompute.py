@@ -36,8 +36,8 @@ launched, which is when the op takes its offset.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from pipeoffload.errors import PipelineRuntimeError
+from pipeoffload.runtime.stage import RngState
 
 #: Namespaces of communication ops (torch.distributed's functional and in-place collectives).
 _COLLECTIVES = frozenset({"_c10d_functional", "c10d", "_c10d_functional_autograd"})
@@ -62,7 +63,7 @@ class _Op:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     writes: tuple[Any, ...]  # what an in-place or out= op changes, as recorded
-    rng: tuple[torch.device, torch.Tensor] | None  # a random op's generator state before it
+    rng: RngState | None  # a random op's generator state before it
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,8 +92,7 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         rng = None
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            device = _device_of((args, kwargs))
-            rng = device, _generator_state(device)
+            rng = RngState.capture(_device_of((args, kwargs)))
         out = func(*args, **kwargs)
         recorded_args, recorded_kwargs = tree_map(self._recorded, (tuple(args), dict(kwargs)))
         op = _Op(self._count, func, recorded_args, recorded_kwargs,
@@ -118,17 +118,15 @@ def replay(wanted: list[Ref], saved: Mapping[Ref, Callable[[], torch.Tensor]],
     """The tensors ``wanted`` names, made again by running, in forward order and without
     autograd, the recorded ops between them and the tensors ``saved`` gives (a saved output
     is read, never recomputed). ``ran`` gets the name of each op run."""
-    needed: dict[_Op, None] = {}
+    needed: set[_Op] = set()
     stack = [ref for ref in wanted if ref not in saved]
-    seen: set[_Op] = set()
     while stack:
         op = stack.pop().op
-        if op in seen:
+        if op in needed:
             continue
-        seen.add(op)
-        needed[op] = None
+        needed.add(op)
         for arg in tree_flatten((op.args, op.kwargs))[0]:
-            if isinstance(arg, Ref) and arg not in saved and arg.op not in seen:
+            if isinstance(arg, Ref) and arg not in saved and arg.op not in needed:
                 stack.append(arg)
     values: dict[Ref, torch.Tensor] = {}
     outputs: dict[_Op, list[Any]] = {}
@@ -153,7 +151,7 @@ def replay(wanted: list[Ref], saved: Mapping[Ref, Callable[[], torch.Tensor]],
                     f"a recomputed tensor class needs {op.func}, which changes a saved or "
                     "outside tensor in place: keep or offload that class instead")
             args, kwargs = tree_map(value, (op.args, op.kwargs))
-            with _generator_at(op.rng):
+            with op.rng.restored() if op.rng is not None else nullcontext():
                 out = op.func(*args, **kwargs)
             if ran is not None:
                 ran.append(str(op.func))
@@ -185,31 +183,3 @@ def _device_of(tree: Any) -> torch.device:
             return leaf
     return torch.device("cpu")
 
-
-def _generator_state(device: torch.device) -> torch.Tensor:
-    """The state of ``device``'s default generator."""
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
-
-
-@contextmanager
-def _generator_at(rng: tuple[torch.device, torch.Tensor] | None) -> Iterator[None]:
-    """Run with the device's generator at the recorded state, and put its state back after."""
-    if rng is None:
-        yield
-        return
-    device, state = rng
-    now = _generator_state(device)
-    _set_generator_state(device, state)
-    try:
-        yield
-    finally:
-        _set_generator_state(device, now)
-
-
-def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
